@@ -1,0 +1,42 @@
+# pdserve: every command the README mentions. A fresh clone needs nothing but python3.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow lint bench proto model clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch (a bare `torch` requirement would pull a multi-GB CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/pdserve demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m bench.run_all --quick --out bench/results
+
+proto: setup
+	$(PY) -m proto.generate
+
+model: setup
+	$(VENV)/bin/pdserve make-model --preset tiny --arch llama --out models/tiny-llama
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,185 @@
+"""Paged KV block accounting: free list, refcounts, prefix hashes, LRU of cached blocks.
+
+Every physical block is in exactly one of three places:
+- the free list (refcount 0, no hash),
+- the LRU of cached free blocks (refcount 0, holds a prefix hash, reusable on a hit),
+- in use (refcount = number of requests whose block table holds it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from engine.request import Request
+
+_ROOT = b"pdserve-root"
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Hash of a full block given its parent's hash: equal prefixes give equal chains."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every *full* block of `token_ids` (stable across processes)."""
+    out: list[bytes] = []
+    parent = _ROOT
+    for i in range(len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._ref = [0] * num_blocks
+        self._hash_to_block: dict[bytes, int] = {}
+        self._block_to_hash: dict[int, bytes] = {}
+        self._owners: dict[str, list[int]] = {}  # request_id -> its block table (shared list)
+        self._num_hashed: dict[str, int] = {}  # request_id -> leading blocks already hashed
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + evictable cached)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """New blocks `request` needs so that `num_tokens` total tokens have slots."""
+        have = len(request.block_ids)
+        need = -(-num_tokens // self.block_size)
+        return max(0, need - have)
+
+    # ---- prefix cache ---------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids`; always leaves >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        self.prefix_queries += 1
+        usable = (len(token_ids) - 1) // self.block_size
+        hit: list[int] = []
+        for h in block_hashes(token_ids[: usable * self.block_size], self.block_size):
+            b = self._hash_to_block.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        if hit:
+            self.prefix_hits += 1
+        return hit
+
+    def take_prefix(self, request: Request, blocks: list[int]) -> None:
+        """Give a fresh request the prefix blocks from `match_prefix` (adds references)."""
+        assert not request.block_ids, "prefix blocks go into an empty block table"
+        for b in blocks:
+            if self._ref[b] == 0:
+                del self._cached_free[b]
+            self._ref[b] += 1
+        request.block_ids.extend(blocks)
+        self._owners[request.request_id] = request.block_ids
+        self._num_hashed[request.request_id] = len(blocks)
+
+    # ---- allocation -----------------------------------------------------------------
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Grow `request`'s block table to hold `num_tokens` tokens; False if out of blocks."""
+        n = self.blocks_needed(request, num_tokens)
+        if n > self.num_free_blocks:
+            return False
+        self._owners[request.request_id] = request.block_ids
+        for _ in range(n):
+            b = self._pop_block()
+            self._ref[b] = 1
+            request.block_ids.append(b)
+        return True
+
+    def _pop_block(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        b, _ = self._cached_free.popitem(last=False)  # evict the least recently used
+        del self._hash_to_block[self._block_to_hash.pop(b)]
+        return b
+
+    def cache_full_blocks(self, request: Request, token_ids: Sequence[int]) -> None:
+        """Publish hashes of the request's blocks that `token_ids` (KV written) fills."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        done = self._num_hashed.get(rid, 0)
+        full = min(len(token_ids) // self.block_size, len(request.block_ids))
+        if full <= done:
+            return
+        hashes = block_hashes(token_ids[: full * self.block_size], self.block_size)
+        for i in range(done, full):
+            b = request.block_ids[i]
+            if hashes[i] not in self._hash_to_block and b not in self._block_to_hash:
+                self._hash_to_block[hashes[i]] = b
+                self._block_to_hash[b] = hashes[i]
+        self._num_hashed[rid] = full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; cached blocks go to the LRU, tail first."""
+        blocks = self._owners.pop(request.request_id, None)
+        self._num_hashed.pop(request.request_id, None)
+        if blocks is None:
+            request.block_ids.clear()
+            return
+        for b in reversed(blocks):
+            self._ref[b] -= 1
+            assert self._ref[b] >= 0, f"block {b} refcount below zero"
+            if self._ref[b] == 0:
+                if b in self._block_to_hash:
+                    self._cached_free[b] = None
+                else:
+                    self._free.append(b)
+        blocks.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-but-free block (e.g. after weights change)."""
+        for b in list(self._cached_free):
+            del self._hash_to_block[self._block_to_hash.pop(b)]
+            self._free.append(b)
+        self._cached_free.clear()
+
+    # ---- invariants -----------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any accounting invariant is broken."""
+        counts = [0] * self.num_blocks
+        for rid, blocks in self._owners.items():
+            assert len(set(blocks)) == len(blocks), f"{rid} holds a block twice"
+            for b in blocks:
+                counts[b] += 1
+        assert counts == self._ref, "refcounts differ from block-table references"
+        free = set(self._free)
+        cached = set(self._cached_free)
+        assert len(free) == len(self._free), "duplicate block in free list"
+        assert not free & cached, "block both free and cached"
+        for b in range(self.num_blocks):
+            in_use = self._ref[b] > 0
+            assert in_use + (b in free) + (b in cached) == 1, f"block {b} misplaced"
+        for b in free:
+            assert b not in self._block_to_hash, f"free block {b} still hashed"
+        for b in cached:
+            assert b in self._block_to_hash, f"cached block {b} without hash"
+        assert len(self._hash_to_block) == len(self._block_to_hash)
+        for h, b in self._hash_to_block.items():
+            assert self._block_to_hash[b] == h, "hash maps disagree"

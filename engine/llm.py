@@ -1,0 +1,201 @@
+"""LLM: the single-process colocated engine (offline API and the baseline of every study)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_cache import KVCache
+from engine.loader import load_model_config, load_tokenizer
+from engine.model_runner import ModelRunner, torch_dtype
+from engine.request import FinishReason, Request, SamplingParams
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.validation import validate_prompt
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    finished: bool
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    index: int  # position of the prompt in the generate/stream call
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: FinishReason | None
+
+
+def default_num_blocks(cfg: EngineConfig) -> int:
+    per_block = KVCache.bytes_per_block(cfg.model, cfg.cache.block_size, torch_dtype(cfg.dtype))
+    by_memory = max(1, cfg.cache.kv_cache_memory_bytes // per_block)
+    per_seq = -(-cfg.scheduler.max_model_len // cfg.cache.block_size)
+    return int(min(by_memory, per_seq * cfg.scheduler.max_num_seqs))
+
+
+class LLM:
+    def __init__(
+        self,
+        model_dir: str,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_prefill_chunk: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        num_blocks: int | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention_backend: str = "auto",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+    ):
+        model = load_model_config(model_dir)
+        self.config = EngineConfig(
+            model_dir=str(model_dir),
+            model=model,
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens, max_num_seqs, max_prefill_chunk, enable_chunked_prefill,
+                max_model_len or model.max_position_embeddings,
+            ),
+            device=device, dtype=dtype, attention_backend=attention_backend,
+        )
+        n_blocks = num_blocks or default_num_blocks(self.config)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(self.config, n_blocks)
+        self.block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    # ---- request API ----------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        """Validate and queue one request; bad input raises ValueError and queues nothing."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        validate_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = Request(rid, ids, params, eos_token_ids=self.config.model.eos_token_ids)
+        self._requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Request]:
+        """Schedule, run and sample one step; returns requests that got a token."""
+        out = self.scheduler.schedule()
+        if not out.items:
+            return []
+        ids, logits = self.runner.execute(out.chunks())
+        reqs = [self._requests[i] for i in ids]
+        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        self.num_steps += 1
+        touched = self.scheduler.update(out, dict(zip(ids, tokens, strict=True)))
+        for r in touched:
+            if r.is_finished:
+                self._requests.pop(r.request_id, None)
+        return touched
+
+    # ---- offline API ----------------------------------------------------------------
+    def stream(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[StreamDelta]:
+        """Yield new tokens per request as steps produce them (all prompts validated first)."""
+        plist = self._param_list(prompts, params)
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:
+            validate_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        reqs = [self.add_request(ids, sp) for ids, sp in zip(encoded, plist, strict=True)]
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        texts = {r.request_id: "" for r in reqs}
+        sent = {r.request_id: 0 for r in reqs}
+        try:
+            while any(not r.is_finished for r in reqs):
+                for r in self.step():
+                    if r.request_id not in index:
+                        continue
+                    text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+                    delta = text[len(texts[r.request_id]):] if text.startswith(
+                        texts[r.request_id]) else text
+                    texts[r.request_id] = text
+                    new = r.output_token_ids[sent[r.request_id]:]
+                    sent[r.request_id] = len(r.output_token_ids)
+                    yield StreamDelta(index[r.request_id], r.request_id, new, delta,
+                                      r.finish_reason)
+        finally:
+            for r in reqs:
+                if not r.is_finished:
+                    self.abort(r.request_id)
+
+    def generate(
+        self, prompts: Sequence[Prompt] | Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        reasons: dict[int, FinishReason | None] = {}
+        rids: dict[int, str] = {}
+        for d in self.stream(prompts, params):
+            tokens[d.index].extend(d.new_token_ids)
+            rids[d.index] = d.request_id
+            if d.finish_reason is not None:
+                reasons[d.index] = d.finish_reason
+        return [
+            RequestOutput(
+                rids.get(i, ""), self.encode(p), tokens[i],
+                self.tokenizer.decode(tokens[i], skip_special_tokens=True),
+                reasons.get(i), True,
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    def _param_list(self, prompts, params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return list(params)
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_cache_usage_perc": bm.usage,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+        }

@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over flattened tokens.
+
+A batch is a flat run of tokens from many sequences (decodes first, then prefill chunks),
+no padding. Positions come from each token's global index in its sequence. Parameter
+names match the HF checkpoints, so `load_state_dict` takes safetensors as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one flat batch; built by ModelRunner only."""
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int  # the first N tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # [N, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [N] int32
+    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [P + 1] int32, relative to the prefill part
+    prefill_seq_lens: torch.Tensor  # [P] int32
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        be = meta.backend
+        be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        n = meta.num_decode_tokens
+        parts = []
+        if n:
+            parts.append(be.paged_decode_attention(
+                q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            ))
+        if n < t:
+            parts.append(be.paged_prefill_attention(
+                q[n:], k_cache, v_cache, meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale,
+            ))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One class for every supported architecture; ModelConfig flags select the variant."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer(
+            "inv_freq", torch.tensor(cfg.rope_inv_freq, dtype=torch.float32), persistent=False
+        )
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing={missing[:5]} "
+                             f"unexpected={unexpected[:5]}")
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = self.cfg.rope_attention_scaling
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-norm hidden states `[T, hidden]` (logits are taken only where sampled)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
