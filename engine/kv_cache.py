@@ -56,12 +56,16 @@ class KVCache:
             out[layer, 1] = flat_v.index_select(0, idx).cpu()
         return out
 
-    def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor) -> None:
-        """Write `data` `[L, 2, T, KVH, D]` as the KV of global tokens [start, start + T)."""
+    def import_tokens(
+        self, block_ids: Sequence[int], start: int, data: torch.Tensor, layer_start: int = 0
+    ) -> None:
+        """Write `data` `[L', 2, T, KVH, D]` as the KV of global tokens [start, start + T)
+        for layers [layer_start, layer_start + L')."""
         num_tokens = data.shape[2]
-        assert data.shape[0] == self.num_layers and data.shape[1] == 2, data.shape
+        assert data.shape[1] == 2 and layer_start + data.shape[0] <= self.num_layers, data.shape
         idx = self._slot_index(block_ids, start, start + num_tokens)
         data = data.to(device=self.device, dtype=self.dtype)
-        for layer in range(self.num_layers):
-            self.k[layer].view(-1, *self.k[layer].shape[2:]).index_copy_(0, idx, data[layer, 0])
-            self.v[layer].view(-1, *self.v[layer].shape[2:]).index_copy_(0, idx, data[layer, 1])
+        for i in range(data.shape[0]):
+            layer = layer_start + i
+            self.k[layer].view(-1, *self.k[layer].shape[2:]).index_copy_(0, idx, data[i, 0])
+            self.v[layer].view(-1, *self.v[layer].shape[2:]).index_copy_(0, idx, data[i, 1])

@@ -1,0 +1,295 @@
+"""Router: the request lifecycle across the two pools (runs in the server process).
+
+generate(): bounded admission queue -> decode worker first (its `reserve` counts the
+prompt + headroom as a promise; least KV usage wins) -> prefill worker (least
+outstanding prefill tokens, prefix affinity) -> stream tokens from worker events.
+Each dispatch is a *leg* (`<request_id>#<n>`): a decode preemption, a dead worker or a
+failed transfer starts a new leg that recomputes prompt + tokens so far on a healthy
+pair, so the client's stream simply continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from cluster.pool import WorkerHandle
+from cluster.router_events import EventPump
+from cluster.types import (
+    ClusterStats,
+    ErrorCode,
+    GenerateSpec,
+    RouterError,
+    TokenDelta,
+    Usage,
+    WorkerStats,
+)
+from engine.block_manager import block_hashes
+from engine.messages import DecodeTask, PrefillTask
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_queue_len: int = 256  # requests waiting for decode admission
+    request_timeout_s: float = 600.0
+    admission_timeout_s: float = 60.0
+    max_legs: int = 4  # dispatch attempts per request (preemption / failure recovery)
+    prefix_affinity: bool = True
+    affinity_block_size: int = 16
+    affinity_slack_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_queue_len < 1 or self.max_legs < 1:
+            raise ValueError("max_queue_len and max_legs must be >= 1")
+        if self.request_timeout_s <= 0 or self.admission_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+@dataclass
+class Flight:
+    spec: GenerateSpec
+    queue: asyncio.Queue
+    arrival: float
+    leg: int = 0
+    leg_id: str = ""
+    prefill: WorkerHandle | None = None
+    decode: WorkerHandle | None = None
+    leg_prompt_len: int = 0
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    timing: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    admitted: bool = False
+
+
+class Router:
+    def __init__(
+        self,
+        prefill: list[WorkerHandle],
+        decode: list[WorkerHandle],
+        config: RouterConfig,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        metrics=None,
+    ):
+        self.prefill, self.decode = prefill, decode
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.metrics = metrics
+        self.flights: dict[str, Flight] = {}
+        self.legs: dict[str, Flight] = {}
+        self.waiting_admission = 0
+        self.serving = True
+        self._capacity = asyncio.Event()
+        self._affinity: dict[bytes, str] = {}
+        self.pump = EventPump(self)
+
+    # ---- RouterAPI --------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def healthy(self) -> bool:
+        return self.serving and any(w.alive for w in self.prefill) and any(
+            w.alive for w in self.decode)
+
+    async def start(self) -> None:
+        self.pump.start()
+
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
+        if not self.serving:
+            raise RouterError(ErrorCode.UNAVAILABLE, "server is shutting down")
+        if spec.request_id in self.flights:
+            raise RouterError(ErrorCode.ALREADY_EXISTS,
+                              f"request_id {spec.request_id!r} is already active")
+        if self.waiting_admission >= self.config.max_queue_len:
+            raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
+                              f"admission queue is full ({self.config.max_queue_len} waiting)")
+        flight = Flight(spec, asyncio.Queue(), time.monotonic())
+        self.flights[spec.request_id] = flight
+        deadline = flight.arrival + self.config.request_timeout_s
+        try:
+            await self.dispatch(flight)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RouterError(ErrorCode.DEADLINE_EXCEEDED,
+                                      f"request exceeded {self.config.request_timeout_s}s")
+                try:
+                    item = await asyncio.wait_for(flight.queue.get(), timeout=left)
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(item, RouterError):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            await self._close_flight(flight)
+
+    async def abort(self, request_id: str) -> bool:
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return False
+        await self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
+        return True
+
+    async def stats(self) -> ClusterStats:
+        workers = await self.pump.collect_stats()
+        return ClusterStats(
+            tuple(workers), router_queue_depth=self.waiting_admission,
+            num_inflight=len(self.flights), serving=self.serving,
+        )
+
+    async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
+        self.serving = False
+        end = time.monotonic() + drain_timeout_s
+        while self.flights and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for flight in list(self.flights.values()):
+            await self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
+        await self.pump.stop()
+
+    # ---- dispatch ---------------------------------------------------------------------
+    async def dispatch(self, flight: Flight) -> None:
+        """Start a new leg: reserve on a decode worker, then queue on a prefill worker."""
+        spec = flight.spec
+        if flight.leg >= self.config.max_legs:
+            raise RouterError(ErrorCode.UNAVAILABLE,
+                              f"gave up after {flight.leg} attempts (workers failing)")
+        flight.leg += 1
+        leg_id = f"{spec.request_id}#{flight.leg}"
+        prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
+        sampling = replace(spec.sampling,
+                           max_tokens=spec.sampling.max_tokens - len(flight.generated))
+        flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
+        decode = await self._admit(flight, DecodeTask(
+            leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
+        prefill = self._pick_prefill(prompt)
+        self.legs[leg_id] = flight
+        flight.decode, flight.prefill = decode, prefill
+        decode.legs.add(leg_id)
+        prefill.legs.add(leg_id)
+        prefill.outstanding_tokens += len(prompt)
+        deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
+        task = PrefillTask(leg_id, prompt, sampling, decode.endpoint, self.eos_token_ids,
+                           spec.tenant, spec.priority, deadline_s)
+        try:
+            await prefill.actor.add.remote(task)
+        except ValueError as e:
+            raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
+        except Exception as e:  # the prefill actor died under us: next leg
+            log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
+            self.pump.mark_dead(prefill)
+            await self._end_leg(flight)
+            await self.dispatch(flight)
+
+    async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle:
+        end = time.monotonic() + self.config.admission_timeout_s
+        self.waiting_admission += 1
+        try:
+            while True:
+                alive = sorted((w for w in self.decode if w.alive), key=lambda w: w.kv_usage)
+                if not alive:
+                    raise RouterError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
+                for w in alive:
+                    try:
+                        if await w.actor.reserve.remote(task):
+                            flight.admitted = True
+                            return w
+                    except Exception as e:  # dead worker: skip it
+                        log.warning("decode %s failed on reserve: %s", w.worker_id, e)
+                        self.pump.mark_dead(w)
+                if flight.done:
+                    raise RouterError(ErrorCode.CANCELLED, "aborted while queued")
+                if time.monotonic() > end:
+                    raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
+                                      "no decode worker could admit the request in time")
+                self._capacity.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._capacity.wait(), timeout=0.25)
+        finally:
+            self.waiting_admission -= 1
+
+    def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
+        alive = [w for w in self.prefill if w.alive]
+        if not alive:
+            raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
+        best = min(alive, key=lambda w: w.outstanding_tokens)
+        if not self.config.prefix_affinity or len(prompt) <= self.config.affinity_block_size:
+            return best
+        key = block_hashes(prompt[: self.config.affinity_block_size],
+                           self.config.affinity_block_size)[0]
+        sticky = next((w for w in alive if w.worker_id == self._affinity.get(key)), None)
+        if sticky and sticky.outstanding_tokens <= (
+                best.outstanding_tokens + self.config.affinity_slack_tokens):
+            best = sticky
+        self._affinity[key] = best.worker_id
+        return best
+
+    # ---- leg / flight endings ---------------------------------------------------------
+    async def _end_leg(self, flight: Flight) -> None:
+        """Forget the current leg on both workers (aborting whatever is left of it)."""
+        leg_id = flight.leg_id
+        self.legs.pop(leg_id, None)
+        for w in (flight.prefill, flight.decode):
+            if w is None or leg_id not in w.legs:
+                continue
+            w.legs.discard(leg_id)
+            if w is flight.prefill:
+                w.outstanding_tokens = max(0, w.outstanding_tokens - flight.leg_prompt_len)
+            if w.alive:
+                with contextlib.suppress(Exception):
+                    await w.actor.abort.remote(leg_id)
+        flight.prefill = flight.decode = None
+        self._capacity.set()
+
+    async def fail(self, flight: Flight, err: RouterError) -> None:
+        if flight.done:
+            return
+        flight.done = True
+        await self._end_leg(flight)
+        flight.queue.put_nowait(err)
+
+    async def _close_flight(self, flight: Flight) -> None:
+        if not flight.done:  # client went away or an error escaped: abort everywhere
+            flight.done = True
+            await self._end_leg(flight)
+        self.flights.pop(flight.spec.request_id, None)
+        self._capacity.set()
+
+    def usage(self, flight: Flight) -> Usage:
+        now = time.monotonic()
+        t = flight.timing
+        return Usage(
+            prompt_tokens=len(flight.spec.prompt_token_ids),
+            completion_tokens=len(flight.generated),
+            cached_prompt_tokens=int(t.get("cached_tokens", 0)),
+            ttft_s=(flight.first_token_at or now) - flight.arrival,
+            queue_s=t.get("queue_s", 0.0), prefill_s=t.get("prefill_s", 0.0),
+            transfer_s=t.get("transfer_s", 0.0), decode_s=t.get("decode_s", 0.0),
+            e2e_s=now - flight.arrival,
+        )
+
+    def worker_stats(self, w: WorkerHandle) -> WorkerStats:
+        s = w.stats
+        return WorkerStats(
+            w.worker_id, w.role, w.alive, int(s.get("num_running", 0)),
+            int(s.get("num_waiting", 0)), int(s.get("kv_blocks_used", 0)),
+            int(s.get("kv_blocks_free", 0)), int(s.get("jobs", s.get("num_waiting", 0))),
+            int(s.get("send_queue_depth", 0)),
+            {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
+        )

@@ -1,0 +1,152 @@
+"""EventPump: long-polls every worker, applies its events to the router's flights, and
+watches liveness (a dead actor's legs are re-dispatched; a restarted one is re-adopted)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from cluster.pool import WorkerHandle
+from cluster.types import ErrorCode, RouterError, TokenDelta, WorkerStats
+from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, PREFILL_DONE, TOKENS, WorkerEvent
+
+if TYPE_CHECKING:
+    from cluster.router import Flight, Router
+
+log = logging.getLogger(__name__)
+POLL_TIMEOUT_S = 0.05
+REVIVE_INTERVAL_S = 0.5
+
+
+class EventPump:
+    def __init__(self, router: Router):
+        self.router = router
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        for w in self.router.prefill + self.router.decode:
+            self._tasks.append(asyncio.ensure_future(self._pump(w)))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    # ---- liveness -----------------------------------------------------------------------
+    def mark_dead(self, w: WorkerHandle) -> None:
+        if not w.alive:
+            return
+        w.alive = False
+        w.outstanding_tokens = 0
+        log.warning("worker %s is dead; re-dispatching %d legs", w.worker_id, len(w.legs))
+        for leg_id in list(w.legs):
+            flight = self.router.legs.get(leg_id)
+            w.legs.discard(leg_id)
+            if flight is not None and not flight.done:
+                asyncio.ensure_future(self._redispatch(flight, f"worker {w.worker_id} died"))
+
+    async def _revive(self, w: WorkerHandle) -> None:
+        """Wait until Ray restarts the actor (max_restarts), then adopt it again."""
+        while not self._stopping:
+            try:
+                info = await asyncio.wait_for(w.actor.ready.remote(), timeout=30)
+            except Exception:
+                await asyncio.sleep(REVIVE_INTERVAL_S)
+                continue
+            w.refresh(info)
+            w.restarts += 1
+            w.stats = {}
+            w.alive = True
+            log.warning("worker %s is back (restart %d)", w.worker_id, w.restarts)
+            self.router._capacity.set()
+            return
+
+    async def _pump(self, w: WorkerHandle) -> None:
+        while not self._stopping:
+            if not w.alive:
+                await self._revive(w)
+                continue
+            try:
+                events = await w.actor.poll.remote(POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("poll of %s failed: %s", w.worker_id, e)
+                self.mark_dead(w)
+                continue
+            for ev in events:
+                try:
+                    await self._apply(w, ev)
+                except Exception:
+                    log.exception("event %s of %s failed", ev.kind, ev.request_id)
+
+    # ---- events -----------------------------------------------------------------------
+    async def _apply(self, w: WorkerHandle, ev: WorkerEvent) -> None:
+        flight = self.router.legs.get(ev.request_id)
+        if flight is None or flight.done or flight.leg_id != ev.request_id:
+            return  # a leg that already ended
+        if ev.kind == FIRST_TOKEN:
+            flight.timing.update(ev.timing)
+            if flight.first_token_at is None:
+                flight.first_token_at = time.monotonic()
+                if self.router.metrics:
+                    self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
+            await self._emit(flight, ev)
+        elif ev.kind == PREFILL_DONE:
+            flight.timing["transfer_s"] = flight.timing.get("transfer_s", 0.0) + ev.timing.get(
+                "transfer_s", 0.0)
+            if flight.prefill is not None:
+                flight.prefill.legs.discard(ev.request_id)
+                flight.prefill.outstanding_tokens = max(
+                    0, flight.prefill.outstanding_tokens - flight.leg_prompt_len)
+        elif ev.kind == TOKENS:
+            flight.timing["decode_s"] = flight.timing.get("decode_s", 0.0) + ev.timing.get(
+                "decode_s", 0.0)
+            await self._emit(flight, ev)
+        elif ev.kind in (PREEMPTED, FAILED):
+            await self._redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}")
+
+    async def _emit(self, flight: Flight, ev: WorkerEvent) -> None:
+        flight.generated.extend(ev.token_ids)
+        if self.router.metrics and flight.generated and ev.kind == TOKENS:
+            self.router.metrics.observe_token(flight)
+        finished = ev.finish_reason is not None
+        usage = None
+        if finished:
+            flight.done = True
+            await self.router._end_leg(flight)  # e.g. EOS at the first token: free decode
+            usage = self.router.usage(flight)
+            if self.router.metrics:
+                self.router.metrics.observe_finish(usage)
+        flight.queue.put_nowait(TokenDelta(
+            flight.spec.request_id, tuple(ev.token_ids), finished, ev.finish_reason, usage))
+
+    async def _redispatch(self, flight: Flight, why: str) -> None:
+        log.info("re-dispatching %s: %s", flight.spec.request_id, why)
+        await self.router._end_leg(flight)
+        try:
+            await self.router.dispatch(flight)
+        except RouterError as e:
+            await self.router.fail(flight, RouterError(e.code, f"{e.message} (after: {why})"))
+        except Exception as e:
+            await self.router.fail(flight, RouterError(ErrorCode.UNAVAILABLE, f"{why}: {e}"))
+
+    # ---- stats ------------------------------------------------------------------------
+    async def collect_stats(self) -> list[WorkerStats]:
+        async def one(w: WorkerHandle) -> WorkerStats:
+            if w.alive:
+                try:
+                    w.stats = await asyncio.wait_for(w.actor.stats.remote(), timeout=5)
+                except Exception:
+                    w.stats = {}
+            return self.router.worker_stats(w)
+
+        return list(await asyncio.gather(*(one(w) for w in self.router.prefill
+                                           + self.router.decode)))

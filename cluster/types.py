@@ -1,0 +1,114 @@
+"""Plain dataclasses that cross the router <-> server boundary, and the router contract.
+
+The gRPC server (cluster/server.py) talks only to a `RouterAPI`: the disaggregated router
+(cluster/router.py) and the colocated backend (cluster/local_backend.py) both implement it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import SamplingParams
+
+
+class ErrorCode(str, enum.Enum):
+    """Mirrors the gRPC status codes the server answers with."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    CANCELLED = "CANCELLED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    INTERNAL = "INTERNAL"
+
+
+class RouterError(Exception):
+    """A request-level failure with the status the client should see."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str = "default"
+    priority: int = 0
+    ttft_deadline_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request; the last delta has `finished` and `finish_reason` set."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    alive: bool
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    queue_depth: int = 0
+    send_queue_depth: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    workers: tuple[WorkerStats, ...]
+    router_queue_depth: int = 0
+    num_inflight: int = 0
+    serving: bool = True
+
+
+class RouterAPI(Protocol):
+    """What the gRPC server needs from a serving backend."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
+        """Stream deltas; raises RouterError (RESOURCE_EXHAUSTED, UNAVAILABLE, ...)."""
+        ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def stats(self) -> ClusterStats: ...
+
+    def healthy(self) -> bool: ...
+
+    async def shutdown(self, drain_timeout_s: float = 10.0) -> None: ...

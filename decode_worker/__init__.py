@@ -1,0 +1,1 @@
+"""Decode pool: KV admission per arriving chunk, continuous-batching paged decode."""

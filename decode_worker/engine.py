@@ -1,0 +1,163 @@
+"""DecodeEngine: the Ray-free core of a decode worker.
+
+Each step: take arrived KV chunks from the connector into this worker's own blocks
+(token ranges -> local slots, any block size), start requests whose KV and first token
+are complete, then run one continuous-batching decode step over every running request
+and report all new tokens of the step together.
+"""
+
+from __future__ import annotations
+
+import time
+
+from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.messages import FAILED, PREEMPTED, TOKENS, DecodeTask, WorkerEvent
+from engine.model_runner import ModelRunner
+from engine.request import RequestStatus
+from engine.sampler import sample
+from engine.tracing import TraceRecorder
+from kv_transfer.base import KVChunk, KVReceiver
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        sched_config: DecodeSchedulerConfig,
+        receiver: KVReceiver,
+        num_blocks: int,
+        tracer: TraceRecorder | None = None,
+    ):
+        self.worker_id = worker_id
+        self.config = config
+        self.runner = ModelRunner(config, num_blocks)
+        self.bm = BlockManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
+        self.scheduler = DecodeScheduler(sched_config, self.bm)
+        self.receiver = receiver
+        self.tracer = tracer or TraceRecorder(enabled=False)
+        self.started: dict[str, float] = {}  # request_id -> monotonic decode start
+        self.num_steps = 0
+        self.last_step_ran = False
+        self.step_seconds = 0.0
+
+    # ---- commands -------------------------------------------------------------------
+    def reserve(self, task: DecodeTask) -> bool:
+        ok = self.scheduler.reserve(task)
+        if ok:
+            self.receiver.expect(task.request_id)
+        return ok
+
+    def abort(self, request_id: str) -> bool:
+        self.receiver.abort(request_id)
+        self.started.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def headroom_blocks(self) -> int:
+        return self.scheduler.promised_free_blocks()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[WorkerEvent]:
+        events = self._take_kv()
+        events += self._expire()
+        items, preempted = self.scheduler.schedule()
+        for r in preempted:
+            self.started.pop(r.request_id, None)
+            events.append(WorkerEvent(PREEMPTED, r.request_id, self.worker_id,
+                                      message="decode worker out of KV blocks"))
+        self.last_step_ran = bool(items)
+        if not items:
+            return events
+        t0, wall0 = time.monotonic(), time.time()
+        ids, logits = self.runner.execute([i.to_chunk() for i in items])
+        reqs = [i.request for i in items]
+        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        now = time.monotonic()
+        for r, tok in zip(reqs, tokens, strict=True):
+            r.num_cached_tokens += 1
+            r.append_token(tok)
+            if not r.is_finished and r.num_tokens >= self.config.scheduler.max_model_len:
+                r.status = RequestStatus.FINISHED_LENGTH
+            timing = {}
+            if r.is_finished:
+                self.scheduler.finish(r)
+                timing["decode_s"] = now - self.started.pop(r.request_id, now)
+            events.append(WorkerEvent(
+                TOKENS, r.request_id, self.worker_id, (tok,),
+                finish_reason=r.finish_reason.value if r.is_finished else None, timing=timing,
+            ))
+        self.num_steps += 1
+        self.step_seconds += now - t0
+        self.tracer.record("*", "decode_step", wall0, wall0 + (now - t0), worker=self.worker_id,
+                           batch_num_seqs=len(items), batch_num_tokens=len(items))
+        return events
+
+    def _take_kv(self) -> list[WorkerEvent]:
+        ev = self.receiver.poll()
+        events: list[WorkerEvent] = []
+        for chunk in ev.chunks:
+            self._write(chunk)
+            self.receiver.release(chunk)
+        for rid, reason in ev.failed:
+            if self.scheduler.abort(rid) is not None:
+                events.append(WorkerEvent(FAILED, rid, self.worker_id,
+                                          message=f"KV receive failed: {reason}"))
+        for rid in ev.completed:
+            p = self.scheduler.pending.get(rid)
+            if p is not None:
+                p.complete = True
+        for rid, p in list(self.scheduler.pending.items()):
+            if p.complete and p.first_token is not None:
+                if p.received_tokens < p.request.num_prompt_tokens:
+                    self.scheduler.abort(rid)
+                    events.append(WorkerEvent(FAILED, rid, self.worker_id, message=(
+                        f"KV incomplete: {p.received_tokens} of "
+                        f"{p.request.num_prompt_tokens} tokens")))
+                    continue
+                self.scheduler.start(rid)
+                self.started[rid] = time.monotonic()
+        return events
+
+    def _write(self, chunk: KVChunk) -> None:
+        p = self.scheduler.pending.get(chunk.request_id)
+        if p is None:
+            return  # unknown or aborted request: discard
+        if chunk.token_end > p.request.num_prompt_tokens:
+            self.scheduler.abort(chunk.request_id)
+            return
+        if chunk.num_tokens:
+            r = self.scheduler.allocate_range(chunk.request_id, chunk.token_end)
+            self.runner.kv.import_tokens(r.block_ids, chunk.token_start, chunk.payload,
+                                         layer_start=chunk.layer_start)
+            key = (chunk.token_start, chunk.token_end)
+            if chunk.layer_end == self.config.model.num_layers and key not in p.ranges:
+                p.ranges.add(key)
+                p.received_tokens += chunk.num_tokens
+        if chunk.is_final:
+            p.first_token = chunk.first_token
+
+    def _expire(self) -> list[WorkerEvent]:
+        out = []
+        for rid in self.scheduler.expired(time.monotonic()):
+            self.abort(rid)
+            out.append(WorkerEvent(FAILED, rid, self.worker_id,
+                                   message="timed out waiting for KV from the prefill worker"))
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.pending or self.scheduler.running)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.pending),
+            "kv_blocks_used": self.bm.num_used_blocks,
+            "kv_blocks_free": self.bm.num_free_blocks,
+            "kv_blocks_promisable": self.scheduler.promised_free_blocks(),
+            "kv_cache_usage_perc": self.bm.usage,
+            "num_steps": self.num_steps,
+            "mean_step_s": self.step_seconds / max(1, self.num_steps),
+        }

@@ -1,0 +1,139 @@
+"""Decode-side scheduler: KV admission by promise, per-chunk block allocation,
+continuous batching, preemption by recompute.
+
+Admission (`reserve`) counts the request's prompt plus headroom against the free blocks
+as a *promise*; blocks are allocated only as KV chunks arrive. Promises never exceed the
+free blocks, so half-received requests cannot deadlock the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.messages import DecodeTask
+from engine.request import Request, RequestStatus
+from engine.scheduler import ScheduledItem
+
+
+@dataclass(frozen=True)
+class DecodeSchedulerConfig:
+    max_num_seqs: int = 64
+    headroom_tokens: int = 64  # decode room promised beyond the prompt
+    max_model_len: int = 2048
+    kv_wait_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.headroom_tokens < 0 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs >= 1, headroom_tokens >= 0, max_model_len >= 2")
+        if self.kv_wait_timeout_s <= 0:
+            raise ValueError("kv_wait_timeout_s must be > 0")
+
+
+@dataclass
+class Pending:
+    """A request whose KV is still arriving (WAITING_FOR_KV)."""
+
+    request: Request
+    promise: int  # blocks promised
+    since: float
+    received_tokens: int = 0
+    ranges: set[tuple[int, int]] | None = None
+    first_token: int | None = None
+    complete: bool = False
+
+
+class DecodeScheduler:
+    def __init__(self, config: DecodeSchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.pending: dict[str, Pending] = {}
+        self.running: list[Request] = []  # oldest first
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.bm.block_size)
+
+    def promised_free_blocks(self) -> int:
+        owed = sum(max(0, p.promise - len(p.request.block_ids)) for p in self.pending.values())
+        return self.bm.num_free_blocks - owed
+
+    def reserve(self, task: DecodeTask) -> bool:
+        """Admit a request if its prompt + headroom fits the unpromised free blocks."""
+        if task.request_id in self.pending or self.find_running(task.request_id):
+            raise ValueError(f"request_id {task.request_id!r} is already on this worker")
+        remaining = task.sampling.max_tokens - task.num_generated
+        tokens = min(task.prompt_len + min(remaining, self.config.headroom_tokens),
+                     self.config.max_model_len)
+        promise = self._blocks_for(tokens)
+        if promise > self.promised_free_blocks():
+            return False
+        req = Request(task.request_id, [0] * task.prompt_len, task.sampling,
+                      eos_token_ids=task.eos_token_ids, tenant=task.tenant,
+                      status=RequestStatus.WAITING_FOR_KV)
+        self.pending[task.request_id] = Pending(req, promise, time.monotonic(), ranges=set())
+        return True
+
+    def find_running(self, request_id: str) -> Request | None:
+        return next((r for r in self.running if r.request_id == request_id), None)
+
+    def abort(self, request_id: str) -> Request | None:
+        p = self.pending.pop(request_id, None)
+        r = p.request if p else self.find_running(request_id)
+        if r is None:
+            return None
+        if r in self.running:
+            self.running.remove(r)
+        r.status = RequestStatus.FINISHED_ABORTED
+        self.bm.free(r)
+        return r
+
+    def allocate_range(self, request_id: str, token_end: int) -> Request | None:
+        """Blocks for a chunk ending at `token_end` (within the promise)."""
+        p = self.pending.get(request_id)
+        if p is None:
+            return None
+        assert token_end <= p.request.num_prompt_tokens, "chunk beyond the announced prompt"
+        ok = self.bm.allocate(p.request, token_end)
+        assert ok, "allocation within a promise cannot fail"
+        return p.request
+
+    def start(self, request_id: str) -> Request:
+        """All KV and the first token are in: WAITING_FOR_KV -> RUNNING."""
+        p = self.pending.pop(request_id)
+        r = p.request
+        r.num_computed_tokens = r.num_cached_tokens = r.num_prompt_tokens
+        assert p.first_token is not None
+        r.status = RequestStatus.RUNNING
+        r.output_token_ids.append(p.first_token)
+        self.running.append(r)
+        return r
+
+    def expired(self, now: float) -> list[str]:
+        return [rid for rid, p in self.pending.items()
+                if now - p.since > self.config.kv_wait_timeout_s]
+
+    def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
+        """One decode token per running request; preempts the newest when out of blocks."""
+        items: list[ScheduledItem] = []
+        preempted: list[Request] = []
+        for r in list(self.running[: self.config.max_num_seqs]):
+            if r not in self.running:
+                continue
+            while not self.bm.allocate(r, r.num_cached_tokens + 1):
+                victim = self.running[-1]
+                self.running.remove(victim)
+                self.bm.free(victim)
+                victim.status = RequestStatus.PREEMPTED
+                preempted.append(victim)
+                if victim is r:
+                    break
+            else:
+                items.append(ScheduledItem(r, r.num_cached_tokens, 1, is_prefill=False))
+        # a preempted request may have been scheduled before it was chosen as a victim
+        items = [i for i in items if i.request.status == RequestStatus.RUNNING]
+        return items, preempted
+
+    def finish(self, r: Request) -> None:
+        self.running.remove(r)
+        self.bm.free(r)

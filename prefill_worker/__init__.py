@@ -1,0 +1,1 @@
+"""Prefill pool: chunked prefill with fairness and chunk policies, KV streamed per chunk."""

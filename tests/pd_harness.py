@@ -1,0 +1,97 @@
+"""Drives a PrefillEngine and a DecodeEngine in one process over the inproc connector."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from decode_worker.engine import DecodeEngine
+from decode_worker.scheduler import DecodeSchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.loader import load_model_config
+from engine.messages import (
+    FAILED,
+    FIRST_TOKEN,
+    PREEMPTED,
+    TOKENS,
+    DecodeTask,
+    PrefillTask,
+)
+from engine.request import SamplingParams
+from kv_transfer.config import TransferConfig
+from kv_transfer.registry import make_receiver, make_sender
+from prefill_worker.engine import PrefillEngine
+from prefill_worker.scheduler import PrefillSchedulerConfig
+
+_ids = itertools.count()
+
+
+def engine_cfg(model_dir, block_size: int, prefix: bool = True) -> EngineConfig:
+    model = load_model_config(model_dir)
+    return EngineConfig(str(model_dir), model, CacheConfig(block_size, None, 1 << 30, prefix),
+                        SchedulerConfig(max_model_len=1024))
+
+
+class PDPair:
+    def __init__(self, model_dir, p_block=16, d_block=16, chunk=16, budget=64,
+                 p_blocks=256, d_blocks=256, send_policy="eager", fairness="fcfs",
+                 headroom=64):
+        n = next(_ids)
+        tcfg = TransferConfig(connector="inproc", send_policy=send_policy)
+        self.receiver = make_receiver(tcfg, name=f"d{n}")
+        self.sender = make_sender(tcfg, name=f"p{n}")
+        self.prefill = PrefillEngine(
+            "prefill-0", engine_cfg(model_dir, p_block),
+            PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=chunk,
+                                   fairness=fairness),
+            self.sender, p_blocks)
+        self.decode = DecodeEngine(
+            "decode-0", engine_cfg(model_dir, d_block),
+            DecodeSchedulerConfig(max_model_len=1024, headroom_tokens=headroom),
+            self.receiver, d_blocks)
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self.events: list = []
+
+    def submit(self, rid: str, prompt: list[int], sp: SamplingParams) -> bool:
+        eos = self.prefill.config.model.eos_token_ids
+        if not self.decode.reserve(DecodeTask(rid, len(prompt), sp, eos)):
+            return False
+        self.prefill.add(PrefillTask(rid, tuple(prompt), sp, self.receiver.endpoint, eos))
+        self.outputs[rid] = []
+        return True
+
+    def step(self) -> None:
+        for ev in self.prefill.step() + self.decode.step():
+            self.events.append(ev)
+            if ev.kind in (FIRST_TOKEN, TOKENS):
+                self.outputs[ev.request_id].extend(ev.token_ids)
+                if ev.finish_reason:
+                    self.finished[ev.request_id] = ev.finish_reason
+                    if ev.kind == FIRST_TOKEN:
+                        self.decode.abort(ev.request_id)
+            elif ev.kind in (FAILED, PREEMPTED):
+                self.finished[ev.request_id] = ev.kind
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if all(r in self.finished for r in self.outputs) and not self.prefill.has_work \
+                    and not self.decode.has_work:
+                return
+            self.step()
+        raise AssertionError("P/D pair did not finish")
+
+    def leak_check(self) -> None:
+        for eng in (self.prefill, self.decode):
+            eng.bm.check_integrity()
+            assert eng.bm.num_used_blocks == 0, f"{eng.worker_id} leaked blocks"
+        assert not self.prefill.jobs and not self.prefill.scheduler.has_work
+        assert not self.decode.scheduler.pending and not self.decode.scheduler.running
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+def greedy(max_tokens: int = 10) -> SamplingParams:
+    return replace(SamplingParams(temperature=0.0, max_tokens=max_tokens), ignore_eos=True)
