@@ -94,6 +94,8 @@ class Router:
         self._capacity = asyncio.Event()
         self._affinity: dict[bytes, str] = {}
         self.pump = EventPump(self)
+        self.on_shutdown = None  # set by the launcher: stops the actors it started
+        self._started = False
 
     # ---- RouterAPI --------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -107,7 +109,10 @@ class Router:
             w.alive for w in self.decode)
 
     async def start(self) -> None:
-        self.pump.start()
+        """Start the event pumps on the running loop (idempotent; generate() calls it)."""
+        if not self._started:
+            self._started = True
+            self.pump.start()
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         if not self.serving:
@@ -118,6 +123,7 @@ class Router:
         if self.waiting_admission >= self.config.max_queue_len:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
+        await self.start()
         flight = Flight(spec, asyncio.Queue(), time.monotonic())
         self.flights[spec.request_id] = flight
         deadline = flight.arrival + self.config.request_timeout_s
@@ -148,6 +154,7 @@ class Router:
         return True
 
     async def stats(self) -> ClusterStats:
+        await self.start()
         workers = await self.pump.collect_stats()
         return ClusterStats(
             tuple(workers), router_queue_depth=self.waiting_admission,
@@ -162,6 +169,9 @@ class Router:
         for flight in list(self.flights.values()):
             await self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
         await self.pump.stop()
+        if self.on_shutdown is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.on_shutdown)
+            self.on_shutdown = None
 
     # ---- dispatch ---------------------------------------------------------------------
     async def dispatch(self, flight: Flight) -> None:

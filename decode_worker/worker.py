@@ -34,9 +34,9 @@ class DecodeWorker(WorkerBase):
     def reserve(self, task: DecodeTask) -> bool:
         return self.loop.call(lambda: self.engine.reserve(task))
 
-    def kv_deliver(self, header: dict, payload: Any) -> None:
-        """Entry point of the Ray connector: frames arrive as actor calls."""
-        self.receiver.deliver(header, payload)
+    def kv_deliver(self, msg: dict, payload: Any = None) -> list:
+        """Entry point of the Ray connector: frames arrive as actor calls; returns acks."""
+        return self.receiver.deliver(msg, payload)
 
     def shutdown(self) -> None:
         super().shutdown()

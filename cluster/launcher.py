@@ -1,0 +1,174 @@
+"""build_disaggregated_router: start (or join) Ray, place the pools, start the worker
+actors, and hand back a Router that owns them."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import ray
+
+from cluster.config import ServeConfig
+from cluster.placement import PoolPlan, actor_options, plan_pools
+from cluster.pool import WorkerHandle
+from cluster.router import Router, RouterConfig
+from cluster.worker_spec import WorkerSpec, resolve_device
+from decode_worker.worker import RemoteDecodeWorker
+from engine.loader import load_model_config, load_tokenizer
+from prefill_worker.worker import RemotePrefillWorker
+
+log = logging.getLogger(__name__)
+NAMESPACE = "pdserve"
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Knobs beyond ServeConfig that tests and studies set programmatically."""
+
+    prefill_resources: dict | None = None  # custom Ray resources pinning a pool to nodes
+    decode_resources: dict | None = None
+    max_restarts: int = 2
+    trace: bool = False
+    fault_injection: dict | None = None  # tests only
+
+
+def resolve_model(path: str) -> str:
+    if path == "tiny":
+        from engine.tiny_model import ensure_model
+
+        return str(ensure_model("tiny", "llama"))
+    return path
+
+
+def _init_ray(cfg: ServeConfig, plan_cpus: float) -> bool:
+    """Join `pools.address` or start an embedded Ray; returns True if we started it."""
+    if ray.is_initialized():
+        return False
+    if cfg.pools.address:
+        ray.init(address=cfg.pools.address, namespace=NAMESPACE, log_to_driver=True)
+        return True
+    # Declare at least what the pools ask for: on a 2-core machine 2P+2D x 1 CPU would
+    # otherwise wait forever (the threads then share the cores).
+    cpus = max(os.cpu_count() or 1, math.ceil(plan_cpus))
+    ray.init(num_cpus=cpus, namespace=NAMESPACE, include_dashboard=False,
+             log_to_driver=True, configure_logging=False)
+    return True
+
+
+def _transfer_kwargs(cfg: ServeConfig, secret: bytes) -> dict:
+    t = cfg.transfer
+    rate = t.rate_gbps if t.rate_gbps is not None else t.link_gbps
+    policy = t.send_policy
+    if t.link_gbps is not None and policy != "paced":
+        policy = "paced"  # link emulation is a pacing cap
+    return {
+        "connector": t.connector,
+        "send_policy": policy,
+        "rate_bytes_per_s": (rate or 0.0) * 1e9 / 8,
+        "burst_bytes": int(t.burst_mb * (1 << 20)),
+        "credit_window_bytes": max(int(t.credit_window_mb * (1 << 20)), 64 << 20),
+        "max_frame_bytes": 64 << 20,
+        "queue_discipline": t.send_queue,
+        "tenant_weights": dict(cfg.scheduler.tenant_weights or {}),
+        "failure_timeout_s": t.failure_timeout_s,
+        "tcp_host": t.bind_host,
+        "secret": secret,
+    }
+
+
+def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchOptions,
+                 tag: str) -> list[WorkerSpec]:
+    secret = secrets.token_bytes(32)  # per cluster, never logged (repr=False downstream)
+    c, s = cfg.cache, cfg.scheduler
+    specs = []
+    for w in plan.workers:
+        block = (c.prefill_block_size if w.role == "prefill" else c.decode_block_size)
+        specs.append(WorkerSpec(
+            worker_id=w.worker_id, role=w.role, model_dir=model_dir,
+            device=cfg.model.device, dtype=cfg.model.dtype,
+            attention_backend=cfg.model.attention_backend,
+            block_size=block or c.block_size, num_blocks=c.num_blocks,
+            kv_cache_memory_bytes=int(c.kv_cache_memory_gb * (1 << 30)),
+            enable_prefix_caching=c.enable_prefix_caching,
+            max_model_len=cfg.model.max_model_len,
+            max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+            num_threads=w.torch_threads,
+            prefill={"max_chunk": s.max_prefill_chunk, "fairness": s.fairness_policy,
+                     "chunk_policy": s.chunk_policy, "aging_s": s.aging_s,
+                     "tenant_weights": dict(s.tenant_weights or {})},
+            decode={"kv_wait_timeout_s": cfg.limits.kv_wait_timeout_s},
+            transfer=_transfer_kwargs(cfg, secret),
+            actor_name=f"{tag}-{w.worker_id}",
+            trace=opts.trace,
+            fault_injection=dict(opts.fault_injection or {}),
+        ))
+    return specs
+
+
+def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = None) -> Router:
+    opts = opts or LaunchOptions()
+    model_dir = resolve_model(cfg.model.path)
+    model = load_model_config(model_dir)
+    p = cfg.pools
+    provisional = plan_pools(p.prefill_workers, p.decode_workers, device="cpu",
+                             gpus_per_worker=0, cpus_per_worker=p.cpus_per_worker,
+                             available={})
+    started = _init_ray(cfg, provisional.total_cpus)
+    device = resolve_device(cfg.model.device) if cfg.model.device != "auto" else "auto"
+    plan = plan_pools(p.prefill_workers, p.decode_workers, device=device,
+                      gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,
+                      available=ray.cluster_resources(),
+                      prefill_resources=opts.prefill_resources,
+                      decode_resources=opts.decode_resources)
+    tag = f"pdserve-{secrets.token_hex(3)}"
+    handles: list[WorkerHandle] = []
+    for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
+                       strict=True):
+        cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
+        actor = cls.options(**actor_options(w, spec.actor_name, NAMESPACE,
+                                            opts.max_restarts)).remote(spec)
+        handles.append(WorkerHandle(w.worker_id, w.role, actor))
+    _wait_ready(handles, plan)
+    router = Router(
+        [h for h in handles if h.role == "prefill"], [h for h in handles if h.role == "decode"],
+        RouterConfig(max_queue_len=cfg.limits.max_queue_len,
+                     request_timeout_s=cfg.limits.request_timeout_s,
+                     prefix_affinity=cfg.cache.enable_prefix_caching,
+                     affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size),
+        load_tokenizer(model_dir), model.vocab_size,
+        cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
+    )
+    router.on_shutdown = lambda: _teardown(handles, started)
+    return router
+
+
+def _wait_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
+    refs = {h.actor.ready.remote(): h for h in handles}
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=5.0)
+        for ref in done:
+            refs[ref].refresh(ray.get(ref))
+        if pending and time.monotonic() > deadline:
+            names = [refs[r].worker_id for r in pending]
+            raise RuntimeError(
+                f"workers {names} did not start within {READY_TIMEOUT_S:.0f}s: the cluster "
+                f"has {ray.available_resources()} free; the pools ask for "
+                f"{plan.total_cpus:g} CPUs and {plan.total_gpus:g} GPUs")
+
+
+def _teardown(handles: list[WorkerHandle], started_ray: bool) -> None:
+    for h in handles:
+        try:
+            ray.get(h.actor.shutdown.remote(), timeout=10)
+        except Exception:
+            pass
+        ray.kill(h.actor, no_restart=True)
+    if started_ray:
+        ray.shutdown()
