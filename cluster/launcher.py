@@ -130,8 +130,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
     for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
                        strict=True):
         cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
-        actor = cls.options(**actor_options(w, spec.actor_name, NAMESPACE,
-                                            opts.max_restarts)).remote(spec)
+        actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts)).remote(spec)
         handles.append(WorkerHandle(w.worker_id, w.role, actor))
     _wait_ready(handles, plan)
     router = Router(

@@ -79,12 +79,12 @@ def plan_pools(
     return PoolPlan(tuple(workers), use_gpus)
 
 
-def actor_options(w: WorkerPlacement, name: str, namespace: str, max_restarts: int,
+def actor_options(w: WorkerPlacement, name: str, max_restarts: int,
                   placement_group: Any = None, bundle_index: int | None = None) -> dict:
-    """Options for `RemoteClass.options(...)` of one worker."""
+    """Options for `RemoteClass.options(...)` of one worker (named in the job's namespace,
+    where the workers' own `ray.get_actor` lookups find each other)."""
     opts: dict[str, Any] = {
         "name": name,
-        "namespace": namespace,
         "num_cpus": w.num_cpus,
         "num_gpus": w.num_gpus,
         "max_restarts": max_restarts,

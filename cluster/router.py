@@ -39,6 +39,7 @@ class RouterConfig:
     max_queue_len: int = 256  # requests waiting for decode admission
     request_timeout_s: float = 600.0
     admission_timeout_s: float = 60.0
+    unavailable_grace_s: float = 15.0  # how long to wait for a dead pool's restart
     max_legs: int = 4  # dispatch attempts per request (preemption / failure recovery)
     prefix_affinity: bool = True
     affinity_block_size: int = 16
@@ -47,7 +48,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
             raise ValueError("max_queue_len and max_legs must be >= 1")
-        if self.request_timeout_s <= 0 or self.admission_timeout_s <= 0:
+        if min(self.request_timeout_s, self.admission_timeout_s, self.unavailable_grace_s) <= 0:
             raise ValueError("timeouts must be > 0")
 
 
@@ -186,12 +187,17 @@ class Router:
         sampling = replace(spec.sampling,
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
         flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
+        self.legs[leg_id] = flight
         decode = await self._admit(flight, DecodeTask(
             leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
-        prefill = self._pick_prefill(prompt)
-        self.legs[leg_id] = flight
-        flight.decode, flight.prefill = decode, prefill
+        flight.decode = decode
         decode.legs.add(leg_id)
+        try:
+            prefill = self._pick_prefill(prompt)
+        except RouterError:
+            await self._end_leg(flight)
+            raise
+        flight.prefill = prefill
         prefill.legs.add(leg_id)
         prefill.outstanding_tokens += len(prompt)
         deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
@@ -208,18 +214,28 @@ class Router:
             await self.dispatch(flight)
 
     async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle:
-        end = time.monotonic() + self.config.admission_timeout_s
+        now = time.monotonic()
+        end = now + self.config.admission_timeout_s
+        grace_end = now + self.config.unavailable_grace_s
         self.waiting_admission += 1
         try:
             while True:
                 alive = sorted((w for w in self.decode if w.alive), key=lambda w: w.kv_usage)
-                if not alive:
-                    raise RouterError(ErrorCode.UNAVAILABLE, "no decode worker is alive")
+                if not alive or not any(w.alive for w in self.prefill):
+                    if time.monotonic() > grace_end:  # no restart came back in time
+                        pool = "decode" if not alive else "prefill"
+                        raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
+                    alive = []
                 for w in alive:
                     try:
                         if await w.actor.reserve.remote(task):
                             flight.admitted = True
                             return w
+                    except asyncio.CancelledError:  # the client left mid-reserve
+                        w.actor.abort.remote(task.request_id)
+                        raise
+                    except ValueError as e:  # can never fit: say so now, not after a wait
+                        raise RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from e
                     except Exception as e:  # dead worker: skip it
                         log.warning("decode %s failed on reserve: %s", w.worker_id, e)
                         self.pump.mark_dead(w)

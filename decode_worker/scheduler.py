@@ -62,10 +62,14 @@ class DecodeScheduler:
         """Admit a request if its prompt + headroom fits the unpromised free blocks."""
         if task.request_id in self.pending or self.find_running(task.request_id):
             raise ValueError(f"request_id {task.request_id!r} is already on this worker")
+        if self._blocks_for(task.prompt_len + 1) > self.bm.num_blocks:
+            raise ValueError(
+                f"prompt of {task.prompt_len} tokens cannot fit this decode worker's KV cache "
+                f"({self.bm.num_blocks * self.bm.block_size} tokens)")
         remaining = task.sampling.max_tokens - task.num_generated
         tokens = min(task.prompt_len + min(remaining, self.config.headroom_tokens),
                      self.config.max_model_len)
-        promise = self._blocks_for(tokens)
+        promise = min(self._blocks_for(tokens), self.bm.num_blocks)
         if promise > self.promised_free_blocks():
             return False
         req = Request(task.request_id, [0] * task.prompt_len, task.sampling,

@@ -1,0 +1,86 @@
+"""The disaggregated service through its router on local Ray (2 CPU cores): greedy
+tokens equal engine.LLM's across connectors, send policies, block sizes and pool sizes;
+every test ends with a leak check (zero used blocks, empty queues on every worker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.types import ErrorCode, GenerateSpec, RouterError
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 150, (n,), generator=g).tolist()
+    return [torch.randint(1, 2000, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    llm = LLM(str(tiny_model), block_size=16)
+    return lambda ps: [o.token_ids for o in llm.generate(ps, GREEDY)]
+
+
+def assert_quiescent(runner) -> None:
+    st = runner.wait_quiescent()
+    for w in st.workers:
+        assert w.alive, w
+        assert w.kv_blocks_used == 0, f"{w.worker_id} leaked {w.kv_blocks_used} blocks"
+        assert w.num_running == 0 and w.num_waiting == 0, w
+    assert st.num_inflight == 0 and st.router_queue_depth == 0
+
+
+CONFIGS = {
+    "1P1D-tcp-eager": ({"transfer": {"connector": "tcp", "send_policy": "eager"},
+                        "cache": {"prefill_block_size": 16, "decode_block_size": 32},
+                        "scheduler": {"max_prefill_chunk": 7}}),
+    "1P1D-ray-at_end": ({"transfer": {"connector": "ray", "send_policy": "at_end"},
+                         "cache": {"prefill_block_size": 8, "decode_block_size": 16},
+                         "scheduler": {"max_prefill_chunk": 33}}),
+    "2P2D-tcp-paced": ({"pools": {"prefill_workers": 2, "decode_workers": 2},
+                        "transfer": {"connector": "tcp", "send_policy": "paced",
+                                     "rate_gbps": 2.0},
+                        "cache": {"prefill_block_size": 16, "decode_block_size": 8},
+                        "scheduler": {"max_prefill_chunk": 13}}),
+    "2P2D-ray-eager": ({"pools": {"prefill_workers": 2, "decode_workers": 2},
+                        "transfer": {"connector": "ray", "send_policy": "eager"},
+                        "cache": {"prefill_block_size": 32, "decode_block_size": 16},
+                        "scheduler": {"max_prefill_chunk": 20}}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_sixteen_concurrent_requests_match_colocated(start_router, reference, name):
+    runner = start_router(CONFIGS[name])
+    ps = prompts(16, seed=len(name))
+    results = runner.generate_many(
+        [GenerateSpec(f"{name}-{i}", tuple(p), GREEDY) for i, p in enumerate(ps)])
+    for (toks, last), ref, p in zip(results, reference(ps), ps):
+        assert not isinstance(last, RouterError), last
+        assert toks == ref, f"prompt of {len(p)} tokens"
+        assert last.finished and last.finish_reason == "length"
+        assert last.usage.completion_tokens == GREEDY.max_tokens
+    assert_quiescent(runner)
+    runner.close()
+
+
+def test_full_queue_and_oversized_prompt_are_resource_exhausted(start_router):
+    # 30 blocks of 16 tokens; each request promises 10 + 4 blocks: two fit at a time
+    runner = start_router({"limits": {"max_queue_len": 1}, "cache": {"num_blocks": 30}})
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompt = tuple(range(1, 161))
+    results = runner.generate_many(
+        [GenerateSpec(f"q{i}", prompt, long) for i in range(6)])
+    codes = [last.code for _, last in results if isinstance(last, RouterError)]
+    assert ErrorCode.RESOURCE_EXHAUSTED in codes
+    done = [toks for toks, last in results if not isinstance(last, RouterError)]
+    assert done and all(t == done[0] for t in done)
+    _, err = runner.generate(GenerateSpec("huge", tuple(range(1, 600)), long))
+    assert isinstance(err, RouterError) and err.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert "cannot fit" in err.message
+    assert_quiescent(runner)
+    runner.close()
