@@ -127,24 +127,23 @@ class Router:
         await self.start()
         flight = Flight(spec, asyncio.Queue(), time.monotonic())
         self.flights[spec.request_id] = flight
-        deadline = flight.arrival + self.config.request_timeout_s
+        # The deadline posts an error into the stream; no wait_for around queue.get(),
+        # whose cancellation can be lost when an item lands at the same moment.
+        timer = asyncio.get_running_loop().call_later(
+            self.config.request_timeout_s, lambda: asyncio.ensure_future(self.fail(
+                flight, RouterError(ErrorCode.DEADLINE_EXCEEDED,
+                                    f"request exceeded {self.config.request_timeout_s:g}s"))))
         try:
             await self.dispatch(flight)
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RouterError(ErrorCode.DEADLINE_EXCEEDED,
-                                      f"request exceeded {self.config.request_timeout_s}s")
-                try:
-                    item = await asyncio.wait_for(flight.queue.get(), timeout=left)
-                except asyncio.TimeoutError:
-                    continue
+                item = await flight.queue.get()
                 if isinstance(item, RouterError):
                     raise item
                 yield item
                 if item.finished:
                     return
         finally:
+            timer.cancel()
             await self._close_flight(flight)
 
     async def abort(self, request_id: str) -> bool:
@@ -245,8 +244,11 @@ class Router:
                     raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                                       "no decode worker could admit the request in time")
                 self._capacity.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), timeout=0.25)
+                waiter = asyncio.ensure_future(self._capacity.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=0.25)
+                finally:
+                    waiter.cancel()
         finally:
             self.waiting_admission -= 1
 
