@@ -8,7 +8,7 @@ import math
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -171,3 +171,35 @@ def _teardown(handles: list[WorkerHandle], started_ray: bool) -> None:
         ray.kill(h.actor, no_restart=True)
     if started_ray:
         ray.shutdown()
+
+
+def build_colocated_pool_router(cfg: ServeConfig, num_engines: int,
+                                enable_chunked_prefill: bool,
+                                opts: LaunchOptions | None = None) -> Router:
+    """N colocated engines as Ray actors behind the same Router (the interference baseline)."""
+    from cluster.colocated_pool import RemoteColocatedWorker
+
+    opts = opts or LaunchOptions()
+    model_dir = resolve_model(cfg.model.path)
+    model = load_model_config(model_dir)
+    _init_ray(cfg, num_engines * cfg.pools.cpus_per_worker)
+    plan = plan_pools(1, num_engines, device="cpu", gpus_per_worker=0,
+                      cpus_per_worker=cfg.pools.cpus_per_worker, available={})
+    tag = f"pdserve-{secrets.token_hex(3)}"
+    handles = []
+    for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
+                       strict=True):
+        if w.role != "decode":
+            continue
+        spec = replace(spec, worker_id=f"colocated-{len(handles)}")
+        actor = RemoteColocatedWorker.options(
+            **actor_options(w, spec.actor_name, opts.max_restarts)
+        ).remote(spec, enable_chunked_prefill)
+        handles.append(WorkerHandle(spec.worker_id, "colocated", actor))
+    _wait_ready(handles, plan)
+    router = Router(handles, handles, RouterConfig(
+        max_queue_len=cfg.limits.max_queue_len, request_timeout_s=cfg.limits.request_timeout_s,
+        prefix_affinity=False), load_tokenizer(model_dir), model.vocab_size,
+        cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids)
+    router.on_shutdown = lambda: _teardown(handles, False)
+    return router

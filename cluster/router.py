@@ -67,6 +67,7 @@ class Flight:
     timing: dict[str, float] = field(default_factory=dict)
     done: bool = False
     admitted: bool = False
+    prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
 
 
 class Router:
@@ -104,6 +105,14 @@ class Router:
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        """Every distinct worker (a colocated engine plays both roles)."""
+        seen: dict[int, WorkerHandle] = {}
+        for w in self.prefill + self.decode:
+            seen.setdefault(id(w), w)
+        return list(seen.values())
 
     def healthy(self) -> bool:
         return self.serving and any(w.alive for w in self.prefill) and any(
@@ -186,6 +195,7 @@ class Router:
         sampling = replace(spec.sampling,
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
         flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
+        flight.prefill_done = False
         self.legs[leg_id] = flight
         decode = await self._admit(flight, DecodeTask(
             leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
@@ -273,15 +283,14 @@ class Router:
         """Forget the current leg on both workers (aborting whatever is left of it)."""
         leg_id = flight.leg_id
         self.legs.pop(leg_id, None)
-        for w in (flight.prefill, flight.decode):
-            if w is None or leg_id not in w.legs:
-                continue
+        p = flight.prefill
+        if p is not None and leg_id in p.legs and not flight.prefill_done:
+            p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
+        for w in {id(w): w for w in (p, flight.decode) if w is not None}.values():
             w.legs.discard(leg_id)
-            if w is flight.prefill:
-                w.outstanding_tokens = max(0, w.outstanding_tokens - flight.leg_prompt_len)
-            if w.alive:
+            if w.alive:  # abort of a finished leg is a no-op on the worker
                 with contextlib.suppress(Exception):
-                    await w.actor.abort.remote(leg_id)
+                    w.actor.abort.remote(leg_id)
         flight.prefill = flight.decode = None
         self._capacity.set()
 

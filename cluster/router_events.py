@@ -28,7 +28,7 @@ class EventPump:
         self._stopping = False
 
     def start(self) -> None:
-        for w in self.router.prefill + self.router.decode:
+        for w in self.router.workers:
             self._tasks.append(asyncio.ensure_future(self._pump(w)))
 
     async def stop(self) -> None:
@@ -102,10 +102,12 @@ class EventPump:
         elif ev.kind == PREFILL_DONE:
             flight.timing["transfer_s"] = flight.timing.get("transfer_s", 0.0) + ev.timing.get(
                 "transfer_s", 0.0)
-            if flight.prefill is not None:
-                flight.prefill.legs.discard(ev.request_id)
-                flight.prefill.outstanding_tokens = max(
-                    0, flight.prefill.outstanding_tokens - flight.leg_prompt_len)
+            p = flight.prefill
+            if p is not None and ev.request_id in p.legs and not flight.prefill_done:
+                flight.prefill_done = True
+                p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
+                if p is not flight.decode:  # a colocated engine keeps the leg until it ends
+                    p.legs.discard(ev.request_id)
         elif ev.kind == TOKENS:
             flight.timing["decode_s"] = flight.timing.get("decode_s", 0.0) + ev.timing.get(
                 "decode_s", 0.0)
@@ -148,5 +150,4 @@ class EventPump:
                     w.stats = {}
             return self.router.worker_stats(w)
 
-        return list(await asyncio.gather(*(one(w) for w in self.router.prefill
-                                           + self.router.decode)))
+        return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
