@@ -306,6 +306,8 @@ class Router:
             flight.done = True
             await self._end_leg(flight)
         self.flights.pop(flight.spec.request_id, None)
+        if self.metrics is not None:
+            self.metrics.forget(flight.spec.request_id)
         self._capacity.set()
 
     def usage(self, flight: Flight) -> Usage:
@@ -328,5 +330,6 @@ class Router:
             int(s.get("num_waiting", 0)), int(s.get("kv_blocks_used", 0)),
             int(s.get("kv_blocks_free", 0)), int(s.get("jobs", s.get("num_waiting", 0))),
             int(s.get("send_queue_depth", 0)),
-            {k: float(v) for k, v in s.items() if isinstance(v, int | float)},
+            {k: float(v) for k, v in s.items() if isinstance(v, int | float)
+             and not isinstance(v, bool)},
         )

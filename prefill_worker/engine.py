@@ -54,6 +54,7 @@ class PrefillEngine:
         self.jobs: dict[str, _Job] = {}
         self.num_steps = 0
         self.last_step_ran = False
+        self.chunk_tokens: list[int] = []  # every chunk's size since the last stats() call
         self.step_seconds = 0.0
 
     # ---- commands (called on the worker's loop thread) ----------------------------------
@@ -94,6 +95,7 @@ class PrefillEngine:
         ), strict=True)) if done else {}
         for item in items:
             events += self._ship(item, firsts.get(item.request.request_id))
+            self.chunk_tokens.append(item.num_tokens)
         dt = time.monotonic() - t0
         self.num_steps += 1
         self.step_seconds += dt
@@ -169,7 +171,18 @@ class PrefillEngine:
         return self.scheduler.has_work or bool(self.jobs)
 
     def stats(self) -> dict[str, float]:
+        kv = self.sender.stats()
+        chunks, self.chunk_tokens = self.chunk_tokens, []
         return {
+            "chunk_tokens": chunks,
+            "kv_bytes_sent": float(kv.get("bytes_sent", 0)),
+            "kv_frames_sent": float(kv.get("frames_sent", 0)),
+            "kv_send_queue_s": float(kv.get("queue_wait_s", 0.0)),
+            "kv_transfer_s": float(kv.get("transfer_s", 0.0)),
+            "kv_inflight_bytes": float(kv.get("inflight_bytes", 0)),
+            "kv_queued_bytes": float(kv.get("queued_bytes", 0)),
+            "kv_send_failures": float(kv.get("failures", 0)),
+            "send_queue_depth": float(kv.get("active_requests", 0)),
             "num_running": len(self.scheduler.active),
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_used": self.bm.num_used_blocks,

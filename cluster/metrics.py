@@ -1,0 +1,120 @@
+"""Prometheus metrics of the service (DESIGN.md §5 names), served on `--metrics-port`.
+
+Latency histograms are observed by the router as tokens stream (monotonic time in the
+server process); pool gauges and KV-transfer counters are refreshed from every worker's
+stats on each scrape, so one endpoint shows the whole cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+CHUNK_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ServiceMetrics:
+    """Router-side observations + a collector that reads the workers' stats."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Gap between tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.chunk = Histogram("pdserve:prefill_chunk_tokens", "Tokens per prefill chunk",
+                               buckets=CHUNK_BUCKETS, registry=self.registry)
+        self._last_token: dict[str, float] = {}
+        self._stats: list[Any] = []
+        self.registry.register(_PoolCollector(self))
+
+    # ---- router hooks ------------------------------------------------------------------
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_token(self, flight) -> None:
+        now = time.monotonic()
+        rid = flight.spec.request_id
+        last = self._last_token.get(rid, flight.first_token_at)
+        if last is not None:
+            self.itl.observe(now - last)
+        self._last_token[rid] = now
+
+    def observe_finish(self, usage) -> None:
+        self.e2e.observe(usage.e2e_s)
+
+    def forget(self, request_id: str) -> None:
+        self._last_token.pop(request_id, None)
+
+    def update_workers(self, workers: list[Any]) -> None:
+        self._stats = list(workers)
+
+    def observe_chunks(self, sizes: list[int]) -> None:
+        for n in sizes:
+            self.chunk.observe(n)
+
+
+class _PoolCollector:
+    def __init__(self, metrics: ServiceMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        labels = ["worker", "role"]
+        running = GaugeMetricFamily("pdserve:num_requests_running", "Requests running",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("pdserve:num_requests_waiting", "Requests waiting",
+                                    labels=labels)
+        usage = GaugeMetricFamily("pdserve:kv_cache_usage_perc", "KV blocks in use (0-1)",
+                                  labels=labels)
+        inflight = GaugeMetricFamily("pdserve:kv_inflight_bytes", "KV bytes sent, not acked",
+                                     labels=labels)
+        sent = CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes sent", labels=labels)
+        xfer = CounterMetricFamily("pdserve:kv_transfer_seconds", "Time spent writing KV",
+                                   labels=labels)
+        queued = CounterMetricFamily("pdserve:kv_send_queue_seconds",
+                                     "Time KV frames waited in the send queue", labels=labels)
+        alive = GaugeMetricFamily("pdserve:worker_alive", "1 if the worker answers",
+                                  labels=labels)
+        for w in self.metrics._stats:
+            lv = [w.worker_id, w.role]
+            total = w.kv_blocks_used + w.kv_blocks_free
+            running.add_metric(lv, w.num_running)
+            waiting.add_metric(lv, w.num_waiting)
+            usage.add_metric(lv, w.kv_blocks_used / total if total else 0.0)
+            alive.add_metric(lv, 1.0 if w.alive else 0.0)
+            if w.role == "prefill":
+                inflight.add_metric(lv, w.extra.get("kv_inflight_bytes", 0.0))
+                sent.add_metric(lv, w.extra.get("kv_bytes_sent", 0.0))
+                xfer.add_metric(lv, w.extra.get("kv_transfer_s", 0.0))
+                queued.add_metric(lv, w.extra.get("kv_send_queue_s", 0.0))
+        yield from (running, waiting, usage, inflight, sent, xfer, queued, alive)
+
+
+async def refresh_loop(router, metrics: ServiceMetrics, interval_s: float = 1.0) -> None:
+    """Keep the pool gauges fresh (stats are cheap: one actor call per worker)."""
+    while True:
+        try:
+            stats = await router.stats()
+            metrics.update_workers(list(stats.workers))
+            for w in getattr(router, "prefill", []):
+                metrics.observe_chunks(w.stats.pop("chunk_tokens", []) or [])
+        except Exception as e:  # a scrape must never take the server down
+            log.debug("metrics refresh failed: %s", e)
+        await asyncio.sleep(interval_s)
+
+
+def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -> int:
+    """Start the /metrics HTTP endpoint; returns the bound port."""
+    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    return server.server_port
