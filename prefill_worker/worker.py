@@ -15,7 +15,6 @@ class PrefillWorker(WorkerBase):
         super().__init__(spec)
         from kv_transfer.config import TransferConfig
         from kv_transfer.registry import make_sender
-
         from prefill_worker.engine import PrefillEngine
 
         self.sender = make_sender(TransferConfig(**spec.transfer), **connector_kwargs(spec))

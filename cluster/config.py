@@ -1,0 +1,268 @@
+"""ServeConfig: every knob of `pdserve serve`, from YAML (`--config FILE`) and/or flags.
+
+Sections mirror the YAML file; each key is also a `serve` flag named after it with
+hyphens (`scheduler.max_prefill_chunk` -> `--max-prefill-chunk`); flags override the file.
+Fields carry their help text and checks as metadata, so the YAML loader, the flags and
+`--help` are all generated from the dataclasses below and cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cluster.config_fields import Section, did_you_mean, opt
+
+# Mirrors engine.config.DTYPES / engine.attention.BACKEND_NAMES; not imported because those
+# modules pull in torch and `pdserve --help` should stay instant.
+DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class ModelSection(Section):
+    NAME: ClassVar[str] = "model"
+    path: str = opt("tiny", "HF model directory, or 'tiny' for the embedded tiny Llama "
+                    "(written to ~/.cache/pdserve/models on first use)")
+    dtype: str = opt("float32", "weight and KV dtype", choices=DTYPES)
+    device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
+    max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
+                                    ge=2)
+    attention_backend: str = opt("auto", "attention kernels: auto = triton on CUDA, torch "
+                                 "elsewhere", choices=ATTENTION_BACKENDS)
+
+    def _check(self) -> None:
+        if not self.path:
+            raise self._bad("path", "must be a model directory or 'tiny'")
+        if not _DEVICE_RE.match(self.device):
+            raise self._bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolve_path(self) -> Path:
+        """The model directory; 'tiny' is created on first use."""
+        if self.path == "tiny":
+            from engine.tiny_model import ensure_model
+
+            return ensure_model("tiny", "llama")
+        return Path(self.path).expanduser()
+
+
+@dataclass(frozen=True)
+class PoolsSection(Section):
+    NAME: ClassVar[str] = "pools"
+    prefill_workers: int = opt(1, "number of prefill workers (Ray actors)", ge=1)
+    decode_workers: int = opt(1, "number of decode workers (Ray actors)", ge=1)
+    gpus_per_worker: float = opt(1.0, "GPUs per worker (0 = CPU workers; ignored without GPUs)",
+                                 ge=0)
+    cpus_per_worker: float = opt(1.0, "CPUs per worker (every actor declares num_cpus)", gt=0)
+    address: str | None = opt(None, "Ray cluster: none = start an embedded local Ray; 'auto' "
+                              "or 'ray://host:10001' joins an existing one")
+    colocated: bool = opt(False, "serve with the colocated single-process engine instead of "
+                          "the prefill/decode pools (the baseline)")
+
+    def _check(self) -> None:
+        if self.address is not None and not self.address.strip():
+            raise self._bad("address", "must be 'auto', 'ray://...' or unset")
+
+
+@dataclass(frozen=True)
+class CacheSection(Section):
+    NAME: ClassVar[str] = "cache"
+    block_size: int = opt(16, "KV block size in tokens", ge=1)
+    prefill_block_size: int | None = opt(None, "prefill workers' block size (default: "
+                                         "block_size)", ge=1)
+    decode_block_size: int | None = opt(None, "decode workers' block size (default: "
+                                        "block_size)", ge=1)
+    num_blocks: int | None = opt(None, "KV blocks per worker (default: from "
+                                 "kv_cache_memory_gb)", ge=1)
+    kv_cache_memory_gb: float = opt(1.0, "KV cache memory per worker in GiB when num_blocks "
+                                    "is unset", gt=0)
+    enable_prefix_caching: bool = opt(True, "reuse KV of identical prompt prefixes")
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return int(self.kv_cache_memory_gb * (1 << 30))
+
+    @property
+    def effective_prefill_block_size(self) -> int:
+        return self.prefill_block_size or self.block_size
+
+    @property
+    def effective_decode_block_size(self) -> int:
+        return self.decode_block_size or self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerSection(Section):
+    NAME: ClassVar[str] = "scheduler"
+    max_num_batched_tokens: int = opt(512, "token budget of one step", ge=1)
+    max_num_seqs: int = opt(64, "most requests in one batch", ge=1)
+    max_prefill_chunk: int = opt(256, "largest prefill chunk of one request in one step", ge=1)
+    chunk_policy: str = opt("fixed", "prefill chunk sizing", choices=("fixed", "adaptive",
+                                                                      "tail-merge"))
+    fairness_policy: str = opt("fcfs", "which prefill gets the token budget first",
+                               choices=("fcfs", "srpt", "round-robin", "wfq", "edf"))
+    tenant_weights: Mapping[str, float] = opt(None, "per-tenant weights for wfq, "
+                                              "e.g. 'gold=4,free=1'", factory=dict)
+    aging_s: float = opt(5.0, "seconds after which a waiting prefill's priority rises "
+                         "(starvation guard)", ge=0)
+    enable_chunked_prefill: bool = opt(True, "chunked prefill (colocated backend only; the "
+                                       "prefill pool always chunks)")
+
+
+@dataclass(frozen=True)
+class TransferSection(Section):
+    NAME: ClassVar[str] = "transfer"
+    connector: str = opt("tcp", "KV transfer connector", choices=("tcp", "ray", "inproc"))
+    send_policy: str = opt("eager", "when chunk KV leaves: eager (as chunks finish), at_end "
+                           "(after the last chunk), paced (token bucket at rate_gbps)",
+                           choices=("eager", "at_end", "paced"))
+    rate_gbps: float | None = opt(None, "pacing rate per link in Gbit/s (required by paced)",
+                                  gt=0)
+    burst_mb: float = opt(4.0, "pacing burst (token-bucket depth) in MiB", gt=0)
+    credit_window_mb: float = opt(64.0, "unacknowledged KV bytes per link in MiB", gt=0)
+    send_queue: str = opt("fcfs", "order of queued KV sends", choices=("fcfs", "wfq"))
+    link_gbps: float | None = opt(None, "emulated link bandwidth cap in Gbit/s (studies)", gt=0)
+    bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")
+    failure_timeout_s: float = opt(10.0, "a silent peer fails its requests after this", gt=0)
+
+    def _check(self) -> None:
+        if self.send_policy == "paced" and self.rate_gbps is None:
+            raise self._bad("rate_gbps", "must be set when send_policy is 'paced'")
+
+
+@dataclass(frozen=True)
+class LimitsSection(Section):
+    NAME: ClassVar[str] = "limits"
+    max_queue_len: int = opt(256, "waiting requests before RESOURCE_EXHAUSTED", ge=1)
+    request_timeout_s: float = opt(600.0, "a request running longer ends DEADLINE_EXCEEDED",
+                                   gt=0)
+    kv_wait_timeout_s: float = opt(60.0, "a decode worker waiting longer for KV fails the "
+                                   "request", gt=0)
+    drain_timeout_s: float = opt(30.0, "on SIGTERM, how long running requests may finish", ge=0)
+    max_prompt_tokens: int | None = opt(None, "reject longer prompts (default: "
+                                        "max_model_len - 1)", ge=1)
+
+
+@dataclass(frozen=True)
+class ServerSection(Section):
+    NAME: ClassVar[str] = "server"
+    host: str = opt("127.0.0.1", "gRPC bind address ('0.0.0.0' for all interfaces)")
+    port: int = opt(50051, "gRPC port (0 = ephemeral)", ge=0, le=65535)
+    metrics_port: int | None = opt(None, "Prometheus /metrics port (default: off)", ge=0,
+                                   le=65535)
+    tls_cert: str | None = opt(None, "PEM certificate chain file: serve TLS")
+    tls_key: str | None = opt(None, "PEM private key file (with tls_cert)")
+    auth_token_file: str | None = opt(None, "file holding a bearer token clients must send "
+                                      "as 'authorization: Bearer <token>'")
+    log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    def _check(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise self._bad("tls_key" if self.tls_key is None else "tls_cert",
+                            "must be set together with tls_cert/tls_key")
+        if self.metrics_port is not None and self.metrics_port == self.port != 0:
+            raise self._bad("metrics_port", "must differ from server.port")
+
+
+SECTIONS: dict[str, type[Section]] = {
+    s.NAME: s for s in (ModelSection, PoolsSection, CacheSection, SchedulerSection,
+                        TransferSection, LimitsSection, ServerSection)
+}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The whole serving configuration; build with from_dict / from_yaml / from_args."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    pools: PoolsSection = field(default_factory=PoolsSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    transfer: TransferSection = field(default_factory=TransferSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    server: ServerSection = field(default_factory=ServerSection)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name} must be a {cls.__name__}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, source: str = "<dict>") -> ServeConfig:
+        """Nested {section: {key: value}}; unknown sections or keys raise ValueError."""
+        data = data or {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a mapping of sections, got {type(data).__name__}")
+        sections = {}
+        for name, values in data.items():
+            if name not in SECTIONS:
+                raise ValueError(f"unknown section {name!r} in {source}{did_you_mean(name, SECTIONS)}")
+            if not isinstance(values, Mapping):
+                raise ValueError(f"{source}: section {name!r} must be a mapping")
+            known = {f.name for f in fields(SECTIONS[name])}
+            for key in values:
+                if key not in known:
+                    raise ValueError(f"unknown key '{name}.{key}' in {source}{did_you_mean(key, known)}")
+            sections[name] = SECTIONS[name](**values)
+        return cls(**sections)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        import yaml
+
+        path = Path(path)
+        with path.open() as f:
+            data = yaml.safe_load(f)
+        return cls.from_dict(data, source=path.name)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (YAML/JSON-ready); from_dict(to_dict()) == self."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            out[name] = {f.name: (dict(v) if isinstance(v := getattr(section, f.name), Mapping)
+                                  else v) for f in fields(section)}
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_values(self, values: Mapping[str, Any]) -> ServeConfig:
+        """Copy with dotted overrides: cfg.with_values({'limits.max_queue_len': 2})."""
+        data = self.to_dict()
+        for dotted, value in values.items():
+            section, _, key = dotted.partition(".")
+            data.setdefault(section, {})[key] = value
+        return ServeConfig.from_dict(data, source="overrides")
+
+    def replace(self, **sections: Section) -> ServeConfig:
+        return replace(self, **sections)
+
+    # Flag generation lives in cluster/config_cli.py (one job per file).
+    @staticmethod
+    def add_cli_flags(parser) -> None:
+        """Add one flag per key (grouped by section) to an argparse parser, plus --config."""
+        from cluster.config_cli import add_cli_flags
+
+        add_cli_flags(parser)
+
+    @classmethod
+    def from_args(cls, args) -> ServeConfig:
+        """The --config file (if any) overlaid with the flags given on the command line."""
+        from cluster.config_cli import config_from_args
+
+        return config_from_args(args)

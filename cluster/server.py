@@ -1,0 +1,239 @@
+"""The gRPC front door: `pdserve.v1.Generation` + grpc.health.v1 + reflection over a RouterAPI.
+
+    server = GenerationServer(router, cfg)      # cfg: ServeConfig (server + limits used)
+    address = await server.start()              # "127.0.0.1:50051"
+    ...
+    await server.stop()                         # drain, then router.shutdown()
+
+or `await serve(router, cfg)` (runs until SIGINT/SIGTERM), or, from synchronous code
+(tests, notebooks), `with BackgroundServer(router, cfg) as srv: srv.address`.
+
+Health: both "" and "pdserve.v1.Generation" report SERVING while the router is healthy
+(polled every `health_poll_s`) and NOT_SERVING when it is not or while draining. Health
+checks need no token (see cluster/auth.py). Graceful stop: NOT_SERVING, new Generate
+calls get UNAVAILABLE, running ones get `limits.drain_timeout_s` to finish and are then
+aborted, the gRPC server stops, then `router.shutdown()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.auth import BearerTokenInterceptor, read_token, server_credentials
+from cluster.config import ServeConfig
+from cluster.servicer import GenerationServicer, ServingState
+from cluster.types import RouterAPI
+from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it.
+GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+class GenerationServer:
+    """A grpc.aio server over one RouterAPI; start/stop run on the caller's event loop."""
+
+    def __init__(self, router: RouterAPI, cfg: ServeConfig | None = None, *,
+                 health_poll_s: float = 0.5):
+        self.router = router
+        self.cfg = cfg or ServeConfig()
+        self.health_poll_s = health_poll_s
+        self.state = ServingState()
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._poller: asyncio.Task | None = None
+        self._status: int | None = None
+        self._drain_end = float("inf")
+        self._stopped: asyncio.Event | None = None  # created by start() (needs a loop)
+
+    @property
+    def address(self) -> str:
+        host = self.cfg.server.host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6
+        return f"{host}:{self.port}"
+
+    async def start(self) -> str:
+        """Bind and start serving; returns "host:port" (the real port when port was 0)."""
+        srv_cfg, limits = self.cfg.server, self.cfg.limits
+        interceptors = []
+        if srv_cfg.auth_token_file:
+            interceptors.append(BearerTokenInterceptor(read_token(srv_cfg.auth_token_file)))
+        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        servicer = GenerationServicer(self.router, self.state,
+                                      request_timeout_s=limits.request_timeout_s,
+                                      max_prompt_tokens=limits.max_prompt_tokens)
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        host = srv_cfg.host
+        bind = f"[{host}]:{srv_cfg.port}" if ":" in host and not host.startswith("[") \
+            else f"{host}:{srv_cfg.port}"
+        try:
+            if srv_cfg.tls_cert:
+                creds = server_credentials(srv_cfg.tls_cert, srv_cfg.tls_key)
+                self.port = server.add_secure_port(bind, creds)
+            else:
+                self.port = server.add_insecure_port(bind)
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot bind gRPC server to {bind}: {e} (port in use?)") from e
+        if not self.port:
+            raise RuntimeError(f"cannot bind gRPC server to {bind} (port in use?)")
+        await server.start()
+        self._server = server
+        self._stopped = asyncio.Event()
+        await self._set_health(self._router_healthy())
+        self._poller = asyncio.create_task(self._poll_health(), name="pdserve-health")
+        log.info("serving %s on %s (tls=%s, auth=%s)", SERVICE_NAME, self.address,
+                 bool(srv_cfg.tls_cert), bool(srv_cfg.auth_token_file))
+        return self.address
+
+    def _router_healthy(self) -> bool:
+        try:
+            return bool(self.router.healthy())
+        except Exception:
+            log.exception("router.healthy() raised; reporting NOT_SERVING")
+            return False
+
+    async def _set_health(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        if status == self._status:
+            return
+        self._status = status
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+        log.log(logging.INFO if serving else logging.WARNING, "health: %s",
+                health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+
+    async def _poll_health(self) -> None:
+        while True:
+            await self._set_health(not self.state.draining and self._router_healthy())
+            await asyncio.sleep(self.health_poll_s)
+
+    async def stop(self, drain_timeout_s: float | None = None,
+                   shutdown_router: bool = True) -> None:
+        """Graceful stop: drain, abort stragglers, stop gRPC, shut the router down.
+
+        Idempotent; a second call while draining (e.g. a second Ctrl-C) with
+        drain_timeout_s=0 cuts the drain short.
+        """
+        timeout = self.cfg.limits.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if self._server is None or self.state.draining:
+            self._drain_end = min(self._drain_end, time.monotonic() + timeout)
+            if self._stopped is not None:
+                await self._stopped.wait()
+            return
+        self.state.draining = True
+        self._drain_end = time.monotonic() + timeout
+        await self._set_health(False)
+        log.info("draining %d request(s) for up to %.1f s", len(self.state.active), timeout)
+        while self.state.active and time.monotonic() < self._drain_end:
+            await asyncio.sleep(0.05)
+        if self.state.active:
+            log.warning("drain timeout: aborting %d request(s)", len(self.state.active))
+            for rid in list(self.state.active):
+                self.state.aborted.add(rid)  # their streams end with finish_reason ABORT
+                await self.router.abort(rid)
+            grace_end = time.monotonic() + 2.0
+            while self.state.active and time.monotonic() < grace_end:
+                await asyncio.sleep(0.05)
+        await self._server.stop(grace=1.0)
+        if self._poller is not None:
+            self._poller.cancel()
+        if shutdown_router:
+            await self.router.shutdown(max(0.0, self._drain_end - time.monotonic()))
+        log.info("server stopped")
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        assert self._stopped is not None, "start() first"
+        await self._stopped.wait()
+
+
+async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
+                on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain."""
+    server = GenerationServer(router, cfg)
+    address = await server.start()
+    if on_ready is not None:
+        on_ready(address)
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stopping:  # a second signal: stop now
+            log.warning("%s again: stopping without drain", sig.name)
+            stopping.append(asyncio.ensure_future(server.stop(drain_timeout_s=0)))
+            return
+        log.info("%s: draining", sig.name)
+        stopping.append(asyncio.ensure_future(server.stop()))
+
+    installed = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+            installed.append(sig)
+    try:
+        await server.wait_for_termination()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        if not server.state.draining:
+            await server.stop()
+
+
+class BackgroundServer:
+    """A GenerationServer on its own event-loop thread, for synchronous callers."""
+
+    def __init__(self, router: RouterAPI, cfg: ServeConfig | None = None, **server_kw):
+        self.router = router
+        self.cfg = cfg or ServeConfig()
+        self._server_kw = server_kw
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-grpc",
+                                        daemon=True)
+        self.server: GenerationServer | None = None
+        self.address = ""
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> str:
+        self._thread.start()
+        self.server = GenerationServer(self.router, self.cfg, **self._server_kw)
+        self.address = self.run(self.server.start())
+        return self.address
+
+    def stop(self, drain_timeout_s: float | None = None, shutdown_router: bool = True) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            if self.server is not None:
+                self.run(self.server.stop(drain_timeout_s, shutdown_router))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

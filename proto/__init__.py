@@ -1,0 +1,1 @@
+"""pdserve protocol buffers: `proto/pdserve/v1/pdserve.proto` and its generated stubs."""
