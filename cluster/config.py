@@ -70,6 +70,14 @@ class PoolsSection(Section):
                               "or 'ray://host:10001' joins an existing one")
     colocated: bool = opt(False, "serve with the colocated single-process engine instead of "
                           "the prefill/decode pools (the baseline)")
+    prefill_resources: Mapping[str, float] = opt(
+        None, "custom Ray resources each prefill worker needs, pinning the pool to the nodes "
+        "that offer them, e.g. 'prefill_node=0.01'", factory=dict)
+    decode_resources: Mapping[str, float] = opt(
+        None, "custom Ray resources each decode worker needs, e.g. 'decode_node=0.01'",
+        factory=dict)
+    max_restarts: int = opt(2, "times Ray restarts a dead worker actor", ge=0)
+    trace: bool = opt(False, "record per-request trace events on every worker (studies)")
 
     def _check(self) -> None:
         if self.address is not None and not self.address.strip():

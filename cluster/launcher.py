@@ -110,8 +110,15 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchO
     return specs
 
 
+def options_from_config(cfg: ServeConfig) -> LaunchOptions:
+    p = cfg.pools
+    return LaunchOptions(prefill_resources=dict(p.prefill_resources or {}) or None,
+                         decode_resources=dict(p.decode_resources or {}) or None,
+                         max_restarts=p.max_restarts, trace=p.trace)
+
+
 def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = None) -> Router:
-    opts = opts or LaunchOptions()
+    opts = opts or options_from_config(cfg)
     model_dir = resolve_model(cfg.model.path)
     model = load_model_config(model_dir)
     p = cfg.pools

@@ -170,6 +170,17 @@ class Router:
             num_inflight=len(self.flights), serving=self.serving,
         )
 
+    async def drain_traces(self) -> list[dict]:
+        """Trace events recorded by every live worker since the last call (plain dicts)."""
+        async def one(w: WorkerHandle) -> list[dict]:
+            try:
+                return await w.actor.drain_trace.remote()
+            except Exception:
+                return []
+
+        batches = await asyncio.gather(*(one(w) for w in self.workers if w.alive))
+        return [e for batch in batches for e in batch]
+
     async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
         self.serving = False
         end = time.monotonic() + drain_timeout_s

@@ -90,8 +90,12 @@ class DecodeEngine:
             ))
         self.num_steps += 1
         self.step_seconds += now - t0
-        self.tracer.record("*", "decode_step", wall0, wall0 + (now - t0), worker=self.worker_id,
-                           batch_num_seqs=len(items), batch_num_tokens=len(items))
+        if self.tracer.enabled:
+            for r in reqs:
+                self.tracer.record(r.request_id, "decode_step", wall0, wall0 + (now - t0),
+                                   worker=self.worker_id, past_kv_tokens=r.num_cached_tokens - 1,
+                                   batch_num_seqs=len(items), batch_num_tokens=len(items),
+                                   tenant=r.tenant)
         return events
 
     def _take_kv(self) -> list[WorkerEvent]:
@@ -118,6 +122,7 @@ class DecodeEngine:
                     continue
                 self.scheduler.start(rid)
                 self.started[rid] = time.monotonic()
+                self.tracer.record(rid, "decode_admit", worker=self.worker_id)
         return events
 
     def _write(self, chunk: KVChunk) -> None:

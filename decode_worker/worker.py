@@ -15,10 +15,9 @@ from engine.messages import DecodeTask
 class DecodeWorker(WorkerBase):
     def __init__(self, spec: WorkerSpec):
         super().__init__(spec)
+        from decode_worker.engine import DecodeEngine
         from kv_transfer.config import TransferConfig
         from kv_transfer.registry import make_receiver
-
-        from decode_worker.engine import DecodeEngine
 
         self.receiver = make_receiver(TransferConfig(**spec.transfer), **connector_kwargs(spec))
         self.engine = DecodeEngine(

@@ -99,11 +99,18 @@ class PrefillEngine:
         dt = time.monotonic() - t0
         self.num_steps += 1
         self.step_seconds += dt
-        self.tracer.record(
-            request_id=",".join(i.request.request_id for i in items), phase="prefill_step",
-            worker=self.worker_id, start=wall0, end=wall0 + dt,
-            batch_num_seqs=len(items), batch_num_tokens=sum(i.num_tokens for i in items),
-        )
+        if self.tracer.enabled:
+            batch_tokens = sum(i.num_tokens for i in items)
+            for item in items:
+                job = self.jobs.get(item.request.request_id)
+                self.tracer.record(
+                    item.request.request_id, "prefill_chunk", wall0, wall0 + dt,
+                    worker=self.worker_id, chunk_id=(job.seq_no if job else None),
+                    token_start=item.start, token_end=item.start + item.num_tokens,
+                    scheduled_tokens=item.num_tokens, past_kv_tokens=item.start,
+                    prefix_hit_tokens=item.request.prefix_hit_tokens,
+                    batch_num_seqs=len(items), batch_num_tokens=batch_tokens,
+                    tenant=item.request.tenant)
         return events
 
     def _ship(self, item, first_token: int | None) -> list[WorkerEvent]:
