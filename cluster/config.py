@@ -123,6 +123,8 @@ class SchedulerSection(Section):
                                choices=("fcfs", "srpt", "round-robin", "wfq", "edf"))
     tenant_weights: Mapping[str, float] = opt(None, "per-tenant weights for wfq, "
                                               "e.g. 'gold=4,free=1'", factory=dict)
+    itl_target_ms: float = opt(100.0, "decode inter-token latency the adaptive chunk policy "
+                               "defends: prefill chunks shrink while ITL p90 exceeds it", gt=0)
     aging_s: float = opt(5.0, "seconds after which a waiting prefill's priority rises "
                          "(starvation guard)", ge=0)
     enable_chunked_prefill: bool = opt(True, "chunked prefill (colocated backend only; the "

@@ -145,7 +145,9 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
         RouterConfig(max_queue_len=cfg.limits.max_queue_len,
                      request_timeout_s=cfg.limits.request_timeout_s,
                      prefix_affinity=cfg.cache.enable_prefix_caching,
-                     affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size),
+                     affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
+                     adaptive_chunks=cfg.scheduler.chunk_policy == "adaptive",
+                     itl_target_s=cfg.scheduler.itl_target_ms / 1000),
         load_tokenizer(model_dir), model.vocab_size,
         cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
     )

@@ -44,6 +44,8 @@ class RouterConfig:
     prefix_affinity: bool = True
     affinity_block_size: int = 16
     affinity_slack_tokens: int = 2048
+    adaptive_chunks: bool = False  # feed decode pressure to the prefill chunk policy
+    itl_target_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
@@ -64,6 +66,7 @@ class Flight:
     leg_prompt_len: int = 0
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     timing: dict[str, float] = field(default_factory=dict)
     done: bool = False
     admitted: bool = False

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from cluster.pool import WorkerHandle
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 0.05
+PRESSURE_WINDOW_S = 2.0
+PRESSURE_PERIOD_S = 0.5
 REVIVE_INTERVAL_S = 0.5
 
 
@@ -26,10 +29,32 @@ class EventPump:
         self.router = router
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._gaps: deque[tuple[float, float]] = deque()  # (time, inter-token gap)
 
     def start(self) -> None:
         for w in self.router.workers:
             self._tasks.append(asyncio.ensure_future(self._pump(w)))
+        if self.router.config.adaptive_chunks:
+            self._tasks.append(asyncio.ensure_future(self._pressure_loop()))
+
+    # ---- adaptive chunking: decode ITL -> prefill chunk cap ----------------------------
+    def decode_pressure(self, now: float) -> float:
+        """ITL p90 of the last window over the target (>= 1: decodes are being hurt)."""
+        while self._gaps and self._gaps[0][0] < now - PRESSURE_WINDOW_S:
+            self._gaps.popleft()
+        if not self._gaps:
+            return 0.0
+        gaps = sorted(g for _, g in self._gaps)
+        return gaps[int(0.9 * (len(gaps) - 1))] / self.router.config.itl_target_s
+
+    async def _pressure_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(PRESSURE_PERIOD_S)
+            pressure = self.decode_pressure(time.monotonic())
+            for w in self.router.prefill:
+                if w.alive:
+                    with contextlib.suppress(Exception):
+                        w.actor.set_decode_pressure.remote(pressure)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -117,6 +142,10 @@ class EventPump:
 
     async def _emit(self, flight: Flight, ev: WorkerEvent) -> None:
         flight.generated.extend(ev.token_ids)
+        now = time.monotonic()
+        if ev.kind == TOKENS and flight.last_token_at is not None:
+            self._gaps.append((now, now - flight.last_token_at))
+        flight.last_token_at = now
         if self.router.metrics and flight.generated and ev.kind == TOKENS:
             self.router.metrics.observe_token(flight)
         finished = ev.finish_reason is not None
