@@ -11,8 +11,8 @@ Shapes (fixed; the Triton backend implements the same contract):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -3,6 +3,8 @@ equal engine.LLM's for every chunk size / block size pairing, and nothing leaks.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -82,8 +84,11 @@ def test_abort_mid_prefill_and_mid_decode_leaks_nothing(tiny_model):
     pair.step()
     pair.prefill.abort("long")  # mid-prefill
     pair.decode.abort("long")
-    for _ in range(12):
+    for _ in range(2000):  # KV crosses on the sender's thread: wait for it, boundedly
         pair.step()
+        if pair.decode.scheduler.find_running("short") is not None:
+            break
+        time.sleep(0.002)
     assert pair.decode.scheduler.find_running("short") is not None
     pair.decode.abort("short")  # mid-decode
     pair.prefill.abort("short")

@@ -1,0 +1,59 @@
+"""Attention backend registry: names resolve per device; bad choices fail with a clear fix.
+
+Nothing here imports triton: the triton path is checked up to its device guard, and
+"auto" on CUDA is checked with the triton constructor swapped for a stub.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.attention as attention
+from engine.attention import BACKEND_NAMES, get_backend, torch_ref
+
+
+def test_auto_on_cpu_resolves_to_torch_reference():
+    be = get_backend("auto", "cpu")
+    assert be.name == "torch"
+    assert be.paged_prefill_attention is torch_ref.paged_prefill_attention
+    assert be.paged_decode_attention is torch_ref.paged_decode_attention
+    assert be.write_kv is torch_ref.write_kv
+
+
+def test_torch_by_name_on_any_device_string():
+    assert get_backend("torch", torch.device("cpu")).name == "torch"
+    assert get_backend("torch", "cuda:0").name == "torch"  # no CUDA needed to resolve
+
+
+def test_triton_on_cpu_without_interpreter_names_the_fix(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as err:
+        get_backend("triton", "cpu")
+    assert "'torch'" in str(err.value) and "CUDA" in str(err.value)
+
+
+def test_triton_interpreter_flag_must_be_exactly_one(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        get_backend("triton", "cpu")
+
+
+@pytest.mark.parametrize("name", ["cuda", "Triton", "flash", ""])
+def test_unknown_name_lists_the_choices(name):
+    with pytest.raises(ValueError, match="unknown attention_backend") as err:
+        get_backend(name, "cpu")
+    for choice in BACKEND_NAMES:
+        assert choice in str(err.value)
+
+
+def test_auto_on_cuda_picks_triton(monkeypatch):
+    seen = []
+
+    def fake_triton(device):
+        seen.append(device)
+        return "triton-backend"
+
+    monkeypatch.setattr(attention, "_triton_backend", fake_triton)
+    assert get_backend("auto", "cuda:0") == "triton-backend"
+    assert seen == [torch.device("cuda:0")]
