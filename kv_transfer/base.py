@@ -1,0 +1,215 @@
+"""The connector contract: what a prefill worker sends and a decode worker receives.
+
+A request's KV travels as ``KVChunk``s addressed by GLOBAL token index, so the two sides
+may page their caches with different block sizes. Senders and receivers are chosen by
+name (``kv_transfer.registry``); every transport honours the same contract:
+
+* ``KVSender.send`` never blocks the caller: a background thread frames, paces and
+  writes. The caller must not mutate ``chunk.payload`` after ``send`` (it is read later,
+  zero-copy, by that thread).
+* ``KVReceiver`` never writes into caller tensors from a foreign thread: the owner polls
+  chunks, copies them into its own blocks, then ``release``s them, which returns the
+  credit (in-flight bytes) to the sender.
+* Per request, ``seq_no`` runs 0, 1, ..., n-1 and the chunk with ``is_final`` has the
+  highest ``seq_no``; that is how the receiver knows a request is complete.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class KVChunk:
+    """KV of tokens ``[token_start, token_end)`` and layers ``[layer_start, layer_end)``.
+
+    ``payload``: CPU, contiguous, ``[layers, 2 (K,V), tokens, num_kv_heads, head_dim]``.
+    A final chunk may be empty (``token_start == token_end``) and carry only
+    ``first_token``. A receiver may hand a big sent chunk back as several pieces split
+    by layer (``layer_start`` > 0) or token range; only the last piece of the final
+    chunk has ``is_final`` and ``first_token`` set. Payloads the receiver returns may
+    be read-only views (e.g. of Ray's object store): copy, don't write into them.
+    """
+
+    request_id: str
+    seq_no: int
+    token_start: int
+    token_end: int
+    payload: torch.Tensor
+    is_final: bool = False
+    first_token: int | None = None
+    tenant: str = "default"
+    layer_start: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("KVChunk.request_id must be a non-empty str")
+        if self.seq_no < 0:
+            raise ValueError(f"KVChunk.seq_no must be >= 0, got {self.seq_no}")
+        if not 0 <= self.token_start <= self.token_end:
+            raise ValueError(
+                f"KVChunk.token_start/token_end must satisfy 0 <= start <= end, "
+                f"got [{self.token_start}, {self.token_end})"
+            )
+        if self.layer_start < 0:
+            raise ValueError(f"KVChunk.layer_start must be >= 0, got {self.layer_start}")
+        p = self.payload
+        if not isinstance(p, torch.Tensor) or p.dim() != 5 or p.shape[1] != 2:
+            raise ValueError("KVChunk.payload must be a [layers, 2, tokens, heads, dim] tensor")
+        if p.shape[2] != self.token_end - self.token_start:
+            raise ValueError(
+                f"KVChunk.payload has {p.shape[2]} tokens but the token range "
+                f"[{self.token_start}, {self.token_end}) has {self.token_end - self.token_start}"
+            )
+        if p.device.type != "cpu" or not p.is_contiguous():
+            raise ValueError("KVChunk.payload must be a contiguous CPU tensor")
+        if self.first_token is not None and not self.is_final:
+            raise ValueError("KVChunk.first_token is only set on the final chunk")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ValueError("KVChunk.tenant must be a non-empty str")
+
+    @property
+    def layer_end(self) -> int:
+        return self.layer_start + self.payload.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel() * self.payload.element_size()
+
+
+@dataclass(frozen=True)
+class FrameRecord:
+    """One frame's trip through a sender (monotonic seconds of the sending process)."""
+
+    request_id: str
+    dest: str
+    seq_no: int
+    part: int
+    nbytes: int
+    enqueue_t: float
+    start_t: float
+    end_t: float
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.start_t - self.enqueue_t
+
+    @property
+    def transfer_s(self) -> float:
+        """Duration of the write that carried this frame (coalesced frames share it)."""
+        return self.end_t - self.start_t
+
+
+@dataclass
+class SendEvents:
+    """What happened since the last ``KVSender.poll``.
+
+    ``finished``: every frame of the request (incl. the final one) was delivered and
+    released by the receiving owner. ``failed``: (request_id, reason); the request's
+    queued frames were dropped. ``records``: one per frame written (for metrics/traces).
+    """
+
+    finished: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    records: list[FrameRecord] = field(default_factory=list)
+
+
+@dataclass
+class ReceiveEvents:
+    """What arrived since the last ``KVReceiver.poll``.
+
+    ``chunks``: deduplicated, possibly out of order (token ranges are absolute).
+    ``failed``: (request_id, reason), e.g. checksum mismatch or link dropped before the
+    request completed; no further chunk of it is delivered. ``completed``: requests all
+    of whose frames (seq 0..final) have now been delivered in ``chunks`` (this poll or
+    an earlier one).
+    """
+
+    chunks: list[KVChunk] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+
+
+class KVSender(ABC):
+    """Prefill side. Thread-safe; all I/O happens on background threads."""
+
+    @abstractmethod
+    def send(self, chunk: KVChunk, *, dest: str) -> None:
+        """Queue ``chunk`` for the receiver at ``dest`` (its ``endpoint``); never blocks."""
+
+    @abstractmethod
+    def poll(self) -> SendEvents:
+        """Finished/failed requests and frame records since the last poll."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop the request's queued frames; no event is reported for it afterwards."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: totals, ``links`` (per dest) and ``requests`` (active ones)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads and connections; unfinished requests are reported failed."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReceiver(ABC):
+    """Decode side. ``poll``/``release``/``abort`` are called by the owner thread."""
+
+    @property
+    @abstractmethod
+    def endpoint(self) -> str:
+        """What a sender passes as ``dest`` to reach this receiver."""
+
+    @abstractmethod
+    def poll(self) -> ReceiveEvents:
+        """Chunks, failures and completions since the last poll."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until ``poll`` would return something or ``timeout_s`` passed; returns
+        whether it would. Lets an idle owner sleep instead of spinning on ``poll``."""
+        import time
+
+        time.sleep(timeout_s)
+        return True
+
+    @abstractmethod
+    def release(self, chunk: KVChunk) -> None:
+        """The owner has copied ``chunk``; return its credit to the sender. Idempotent."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Discard (and credit back) every present and future frame of the request."""
+
+    @abstractmethod
+    def expect(self, request_id: str) -> None:
+        """Announce a request; with ``require_expect`` unannounced ones are discarded."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: bytes/frames received, discarded, duplicates, failures, links."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop listening; connected senders see their link fail."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,123 @@
+"""TransferConfig: every knob of a connector, validated once, never mutated."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from kv_transfer.pacing import SEND_POLICIES
+from kv_transfer.send_queue import QUEUE_DISCIPLINES
+from kv_transfer.wire import CHECKSUM_FUNCS, MAX_HEADER_BYTES, PREAMBLE, resolve_checksum
+from kv_transfer.wire_header import CHECKSUM_ALGOS
+
+
+class FrozenWeights(dict):
+    """A read-only dict (unlike MappingProxyType it pickles, for Ray and multiprocessing)."""
+
+    def _readonly(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("TransferConfig.tenant_weights is read-only; use dataclasses.replace")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, float]]]:
+        return (FrozenWeights, (dict(self),))
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Connector configuration shared by both sides of a link.
+
+    Credits and pacing count payload bytes. ``secret`` authenticates TCP links; it is
+    excluded from ``repr`` so it never ends up in logs.
+    """
+
+    connector: str = "inproc"  # registry name: "inproc" | "tcp" | "ray"
+    send_policy: str = "eager"  # "at_end" (no streaming baseline) | "eager" | "paced"
+    rate_bytes_per_s: float = 0.0  # per link, "paced" only
+    burst_bytes: int = 4 << 20  # token-bucket depth, "paced" only
+    credit_window_bytes: int = 256 << 20  # max unreleased payload bytes per link
+    queue_discipline: str = "fcfs"  # "fcfs" | "wfq"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
+    default_tenant_weight: float = 1.0
+    max_frame_bytes: int = 64 << 20  # bigger chunks are split (by layer, then token)
+    coalesce_bytes: int = 1 << 20  # small frames are batched into one write up to this
+    failure_timeout_s: float = 10.0  # dead/hung peer -> requests failed within this
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int = 0  # 0 = ephemeral
+    secret: bytes = field(default=b"", repr=False)
+    # "auto": xxh3_64 if the xxhash package is installed (several GB/s), else zlib crc32
+    checksum: str = "auto"
+    require_expect: bool = False  # receiver discards requests not announced by expect()
+    socket_buffer_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"TransferConfig.{name} {why}")
+
+        if not isinstance(self.connector, str) or not self.connector:
+            raise bad("connector", "must be a non-empty registry name")
+        if self.send_policy not in SEND_POLICIES:
+            raise bad("send_policy", f"must be one of {sorted(SEND_POLICIES)}, got {self.send_policy!r}")
+        if self.queue_discipline not in QUEUE_DISCIPLINES:
+            raise bad(
+                "queue_discipline",
+                f"must be one of {sorted(QUEUE_DISCIPLINES)}, got {self.queue_discipline!r}",
+            )
+        if self.send_policy == "paced" and not (
+            math.isfinite(self.rate_bytes_per_s) and self.rate_bytes_per_s > 0
+        ):
+            raise bad("rate_bytes_per_s", f"must be > 0 for send_policy='paced', got {self.rate_bytes_per_s}")
+        if self.rate_bytes_per_s < 0:
+            raise bad("rate_bytes_per_s", f"must be >= 0, got {self.rate_bytes_per_s}")
+        if self.burst_bytes <= 0:
+            raise bad("burst_bytes", f"must be > 0, got {self.burst_bytes}")
+        if self.max_frame_bytes < (64 << 10):
+            raise bad("max_frame_bytes", f"must be >= 64 KiB, got {self.max_frame_bytes}")
+        if self.credit_window_bytes < self.max_frame_bytes:
+            raise bad(
+                "credit_window_bytes",
+                f"must be >= max_frame_bytes ({self.max_frame_bytes}), got {self.credit_window_bytes}",
+            )
+        if self.coalesce_bytes < 0:
+            raise bad("coalesce_bytes", f"must be >= 0, got {self.coalesce_bytes}")
+        if not (math.isfinite(self.failure_timeout_s) and self.failure_timeout_s > 0):
+            raise bad("failure_timeout_s", f"must be > 0, got {self.failure_timeout_s}")
+        if not 0 <= self.tcp_port <= 65535:
+            raise bad("tcp_port", f"must be in [0, 65535], got {self.tcp_port}")
+        if not self.tcp_host:
+            raise bad("tcp_host", "must be non-empty")
+        if not isinstance(self.secret, bytes):
+            raise bad("secret", "must be bytes")
+        if self.connector == "tcp" and len(self.secret) < 16:
+            raise bad("secret", "must be at least 16 bytes for connector='tcp'")
+        if self.checksum != "auto" and self.checksum not in CHECKSUM_ALGOS:
+            raise bad("checksum", f"must be 'auto' or one of {CHECKSUM_ALGOS}, got {self.checksum!r}")
+        if resolve_checksum(self.checksum) not in CHECKSUM_FUNCS:
+            raise bad("checksum", f"{self.checksum!r} needs the xxhash package")
+        if self.socket_buffer_bytes < 0:
+            raise bad("socket_buffer_bytes", f"must be >= 0, got {self.socket_buffer_bytes}")
+        if not (math.isfinite(self.default_tenant_weight) and self.default_tenant_weight > 0):
+            raise bad("default_tenant_weight", f"must be > 0, got {self.default_tenant_weight}")
+        weights = dict(self.tenant_weights)
+        for tenant, w in weights.items():
+            if not isinstance(tenant, str) or not (
+                isinstance(w, int | float) and math.isfinite(w) and w > 0
+            ):
+                raise bad("tenant_weights", f"needs str -> positive weight, got {tenant!r}: {w!r}")
+        # freeze the mapping so the config stays immutable after creation
+        object.__setattr__(self, "tenant_weights", FrozenWeights(weights))
+
+    @property
+    def checksum_algo(self) -> str:
+        """The checksum this process writes into frame headers (``auto`` resolved)."""
+        return resolve_checksum(self.checksum)
+
+    def tenant_weight(self, tenant: str) -> float:
+        return float(self.tenant_weights.get(tenant, self.default_tenant_weight))
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """Largest payload of one frame: the frame limit minus header room."""
+        return self.max_frame_bytes - MAX_HEADER_BYTES - PREAMBLE.size

@@ -1,0 +1,96 @@
+"""The unit on the wire: a chunk split into frame pieces, and acks coming back.
+
+A chunk bigger than one frame's payload limit is split by LAYER first: slicing the
+leading dim of ``[layers, 2, tokens, heads, dim]`` keeps each piece a contiguous view
+(zero copy). Only when a single layer is still too big are token sub-ranges copied out.
+
+A frame is identified by ``(request_id, seq_no, part)``; ``num_parts`` lets the receiver
+know when chunk ``seq_no`` is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
+
+from kv_transfer.base import KVChunk
+
+FrameKey = tuple[str, int, int]  # (request_id, seq_no, part)
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """One frame's worth of a chunk (``chunk`` is the sliced sub-chunk)."""
+
+    chunk: KVChunk
+    part: int
+    num_parts: int
+
+    @property
+    def key(self) -> FrameKey:
+        return (self.chunk.request_id, self.chunk.seq_no, self.part)
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunk.nbytes
+
+
+class AckStatus(IntEnum):
+    OK = 0  # the owner released the frame
+    DROPPED = 1  # discarded: request aborted/unknown/already failed on the receiver
+    FAILED = 2  # the frame was bad (e.g. checksum mismatch); the request failed
+    DUPLICATE = 3  # a second copy; the first copy's ack carries the credit
+
+
+class Ack(NamedTuple):
+    request_id: str
+    seq_no: int
+    part: int
+    status: int
+    reason: str = ""
+
+    @property
+    def key(self) -> FrameKey:
+        return (self.request_id, self.seq_no, self.part)
+
+
+def _sub(chunk: KVChunk, payload, layer_off: int, tok_off: int, last: bool) -> KVChunk:
+    n_tok = payload.shape[2]
+    return KVChunk(
+        request_id=chunk.request_id,
+        seq_no=chunk.seq_no,
+        token_start=chunk.token_start + tok_off,
+        token_end=chunk.token_start + tok_off + n_tok,
+        payload=payload,
+        is_final=chunk.is_final and last,
+        first_token=chunk.first_token if last else None,
+        tenant=chunk.tenant,
+        layer_start=chunk.layer_start + layer_off,
+    )
+
+
+def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> list[Piece]:
+    """Split ``chunk`` into pieces of at most ``max_payload_bytes`` payload each."""
+    assert max_payload_bytes > 0
+    p = chunk.payload  # [L, 2, T, H, D]
+    if chunk.nbytes <= max_payload_bytes or p.shape[0] == 0 or p.shape[2] == 0:
+        return [Piece(chunk, 0, 1)]
+    n_layers, n_tok = p.shape[0], p.shape[2]
+    per_layer = chunk.nbytes // n_layers
+    subs: list[tuple[object, int, int]] = []  # (payload, layer offset, token offset)
+    if per_layer <= max_payload_bytes:
+        step = max_payload_bytes // per_layer
+        for l0 in range(0, n_layers, step):
+            subs.append((p[l0 : l0 + step], l0, 0))  # contiguous view, no copy
+    else:
+        per_token = per_layer // n_tok  # bytes of one token of one layer (K and V)
+        step = max(1, max_payload_bytes // per_token)
+        for l0 in range(n_layers):
+            for t0 in range(0, n_tok, step):
+                # [1, 2, t, H, D] out of a [L, 2, T, H, D] tensor is strided: copy it
+                subs.append((p[l0 : l0 + 1, :, t0 : t0 + step].contiguous(), l0, t0))
+    n = len(subs)
+    return [
+        Piece(_sub(chunk, sp, lo, to, i == n - 1), i, n) for i, (sp, lo, to) in enumerate(subs)
+    ]

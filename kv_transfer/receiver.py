@@ -1,0 +1,224 @@
+"""InboxReceiver: the transport-independent half of every KVReceiver.
+
+Transport threads call ``_accept`` with a decoded frame; it is checked (checksum,
+duplicate, aborted/unknown request) and put in the inbox. The owner thread drains the
+inbox with ``poll`` and returns credit with ``release``. Acks go back through the
+``RxLink`` the frame came in on, always outside the lock (a transport's ack path may
+call into the sender synchronously, e.g. inproc).
+
+Completion: per request, seq_no runs 0..final and each chunk arrives as ``num_parts``
+frames; the request is complete when every part of every seq up to the final one is in.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
+from kv_transfer.config import TransferConfig
+from kv_transfer.frames import Ack, AckStatus
+from kv_transfer.wire import ChecksumError, FrameHeader, verify
+
+_MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
+
+
+class RxLink(ABC):
+    """The receiving end of one sender's link: where acks for its frames go."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def send_acks(self, acks: list[Ack]) -> None:
+        """Queue acks towards the sender; never blocks for long, never raises."""
+
+
+@dataclass(eq=False)
+class _RxRequest:
+    link: RxLink
+    parts_left: dict[int, int] = field(default_factory=dict)  # seq -> parts still missing
+    seen: set[tuple[int, int]] = field(default_factory=set)  # (seq, part)
+    final_seq: int | None = None
+
+
+class InboxReceiver(KVReceiver):
+    def __init__(self, cfg: TransferConfig) -> None:
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # notified when the inbox grows
+        self._inbox: deque[KVChunk] = deque()
+        self._events = ReceiveEvents()
+        self._requests: dict[str, _RxRequest] = {}
+        # rid -> {(seq, layer_start, token_start): (link, ack key, nbytes)} awaiting release
+        self._unreleased: dict[str, dict[tuple[int, int, int], tuple[RxLink, Ack, int]]] = {}
+        self._closed_rids: OrderedDict[str, str] = OrderedDict()  # rid -> why
+        self._expected: set[str] = set()
+        self._closed = False
+        self._counters = dict.fromkeys(
+            ("bytes_received", "frames_received", "frames_discarded", "duplicates",
+             "checksum_failures", "requests_completed", "requests_failed", "link_drops"), 0)
+
+    # ---- owner API ----
+    def poll(self) -> ReceiveEvents:
+        with self._lock:
+            ev, self._events = self._events, ReceiveEvents()
+            ev.chunks = list(self._inbox)
+            self._inbox.clear()
+            return ev
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block the owner until there is something to ``poll`` (or ``timeout_s``)."""
+        with self._lock:
+            if not (self._inbox or self._events.failed or self._events.completed):
+                self._arrived.wait(timeout_s)
+            return bool(self._inbox or self._events.failed or self._events.completed)
+
+    def release(self, chunk: KVChunk) -> None:
+        with self._lock:
+            entry = self._unreleased.get(chunk.request_id, {}).pop(
+                (chunk.seq_no, chunk.layer_start, chunk.token_start), None)
+            if entry is not None and not self._unreleased[chunk.request_id]:
+                del self._unreleased[chunk.request_id]
+        if entry is not None:
+            entry[0].send_acks([entry[1]])
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._expected.discard(request_id)
+            acks = self._close_request_locked(request_id, "aborted by receiver",
+                                              AckStatus.DROPPED, report=None)
+        self._flush(acks)
+
+    def expect(self, request_id: str) -> None:
+        with self._lock:
+            self._expected.add(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["inflight_bytes"] = sum(e[2] for d in self._unreleased.values() for e in d.values())
+            out["inbox_chunks"] = len(self._inbox)
+            out["active_requests"] = len(self._requests)
+            return out
+
+    # ---- transport API ----
+    def _accept(self, link: RxLink, header: FrameHeader, payload: torch.Tensor,
+                digest: int | None = None) -> None:
+        """Take one decoded frame from ``link`` (any thread). Verifies the checksum
+        (``digest``: the payload's checksum when the transport hashed it on the fly)."""
+        rid, key = header.request_id, (header.seq_no, header.part)
+        try:
+            verify(header, payload, digest)
+        except ChecksumError as e:
+            with self._lock:
+                self._counters["checksum_failures"] += 1
+                acks = [(link, Ack(rid, header.seq_no, header.part, AckStatus.FAILED, str(e)))]
+                if rid not in self._closed_rids:
+                    acks += self._close_request_locked(rid, str(e), AckStatus.FAILED, report=str(e))
+            self._flush(acks)
+            return
+        with self._lock:
+            why = self._discard_reason_locked(rid, link)
+            st = self._requests.get(rid)
+            # after completion every (seq, part) up to the final one is in: a copy
+            if (why is None and st is not None and key in st.seen) or (
+                self._closed_rids.get(rid) == "completed"
+            ):
+                self._counters["duplicates"] += 1
+                ack = Ack(rid, header.seq_no, header.part, AckStatus.DUPLICATE, "duplicate")
+            elif why is not None:
+                self._counters["frames_discarded"] += 1
+                ack = Ack(rid, header.seq_no, header.part, AckStatus.DROPPED, why)
+            else:
+                ack = None
+                self._store_locked(link, header, payload)
+        if ack is not None:
+            link.send_acks([ack])
+
+    def _discard_reason_locked(self, rid: str, link: RxLink) -> str | None:
+        if self._closed:
+            return "receiver closed"
+        if rid in self._closed_rids:
+            return f"request {self._closed_rids[rid]}"
+        st = self._requests.get(rid)
+        if st is None and self.cfg.require_expect and rid not in self._expected:
+            return "unknown request (not expected)"
+        if st is not None and st.link is not link:
+            return f"request already streaming on link {st.link.name}"
+        return None
+
+    def _store_locked(self, link: RxLink, h: FrameHeader, payload: torch.Tensor) -> None:
+        st = self._requests.get(h.request_id)
+        if st is None:
+            st = self._requests[h.request_id] = _RxRequest(link)
+            self._expected.discard(h.request_id)
+        st.seen.add((h.seq_no, h.part))
+        st.parts_left[h.seq_no] = st.parts_left.get(h.seq_no, h.num_parts) - 1
+        if h.is_final:
+            st.final_seq = h.seq_no
+        chunk = KVChunk(h.request_id, h.seq_no, h.token_start, h.token_end, payload,
+                        h.is_final, h.first_token, h.tenant, h.layer_start)
+        self._inbox.append(chunk)
+        self._arrived.notify_all()
+        self._unreleased.setdefault(h.request_id, {})[(h.seq_no, h.layer_start, h.token_start)] = (
+            link, Ack(h.request_id, h.seq_no, h.part, AckStatus.OK), payload.nbytes)
+        self._counters["frames_received"] += 1
+        self._counters["bytes_received"] += payload.nbytes
+        if st.final_seq is not None and all(
+            st.parts_left.get(s, 1) == 0 for s in range(st.final_seq + 1)
+        ):
+            del self._requests[h.request_id]
+            self._remember_closed(h.request_id, "completed")
+            self._events.completed.append(h.request_id)
+            self._counters["requests_completed"] += 1
+
+    def _link_closed(self, link: RxLink, reason: str) -> None:
+        """The link is gone: its incomplete requests fail, its unreleased credit is void."""
+        with self._lock:
+            self._counters["link_drops"] += 1
+            for rid in [r for r, st in self._requests.items() if st.link is link]:
+                self._close_request_locked(rid, "failed", None,
+                                           report=f"link dropped before final chunk: {reason}")
+            for rid, entries in list(self._unreleased.items()):
+                for k in [k for k, e in entries.items() if e[0] is link]:
+                    del entries[k]
+                if not entries:
+                    del self._unreleased[rid]
+
+    def _close_request_locked(self, rid: str, why: str, status: AckStatus | None,
+                              report: str | None) -> list[tuple[RxLink, Ack]]:
+        """Forget ``rid``: drop its undelivered chunks, void or ack its credit."""
+        self._requests.pop(rid, None)
+        self._remember_closed(rid, why if report is None else "failed")
+        if any(c.request_id == rid for c in self._inbox):
+            self._inbox = deque(c for c in self._inbox if c.request_id != rid)
+        entries = self._unreleased.pop(rid, {})
+        if report is not None:
+            self._events.failed.append((rid, report))
+            self._counters["requests_failed"] += 1
+            self._arrived.notify_all()
+        if status is None:
+            return []
+        return [(link, ack._replace(status=status, reason=why)) for link, ack, _ in entries.values()]
+
+    @staticmethod
+    def _flush(acks: list[tuple[RxLink, Ack]]) -> None:
+        by_link: dict[int, tuple[RxLink, list[Ack]]] = {}
+        for link, ack in acks:
+            by_link.setdefault(id(link), (link, []))[1].append(ack)
+        for link, batch in by_link.values():
+            link.send_acks(batch)
+
+    def _remember_closed(self, rid: str, why: str) -> None:
+        self._closed_rids[rid] = why
+        if len(self._closed_rids) > _MAX_CLOSED:
+            self._closed_rids.popitem(last=False)
+
+    def _close_inbox(self) -> None:
+        with self._lock:
+            self._closed = True

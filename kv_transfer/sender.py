@@ -1,0 +1,286 @@
+"""ThreadedSender: the transport-independent half of every KVSender.
+
+One thread per destination link runs: connect, then loop { ask the LinkScheduler for a
+batch, write it with the transport, record stats }. The caller's ``send`` only splits
+the chunk (views), enqueues and notifies, so it never blocks. Transports report acks and
+failures through the link (``LinkEvents``). One lock guards all sender state; transports
+are always called *outside* it, so a transport's callback can never deadlock with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
+from kv_transfer.config import TransferConfig
+from kv_transfer.frames import Ack, AckStatus, Piece, split_chunk
+from kv_transfer.link_scheduler import LinkScheduler
+from kv_transfer.pacing import Clock, monotonic_clock
+from kv_transfer.send_queue import QueuedFrame
+from kv_transfer.stats import LinkStats, RequestStats
+from kv_transfer.transport import LinkTransport
+
+_MAX_RECORDS = 100_000  # frame records kept between polls (oldest dropped first)
+_MAX_DEAD = 65_536  # failed/aborted request ids remembered to drop their late chunks
+
+
+class _Link:
+    """Per-destination state; also the ``LinkEvents`` a transport reports to."""
+
+    def __init__(self, sender: ThreadedSender, dest: str, stats: LinkStats) -> None:
+        self.sender = sender
+        self.dest = dest
+        self.stats = stats
+        self.sched = LinkScheduler(sender.cfg)
+        self.cond = threading.Condition(sender._lock)
+        self.inflight: dict[tuple, QueuedFrame] = {}
+        self.failed: str | None = None
+        self.transport: LinkTransport | None = None
+        self.thread: threading.Thread | None = None
+
+    def on_acks(self, acks: list[Ack]) -> None:
+        self.sender._on_acks(self, acks)
+
+    def on_failure(self, reason: str) -> None:
+        self.sender._fail_link(self, reason)
+
+    def busy(self) -> tuple[int, int]:
+        """(frames in flight, active requests): transports poll/heartbeat while busy."""
+        with self.sender._lock:
+            active = sum(1 for r in self.sender._requests.values() if r.dest == self.dest)
+            return len(self.inflight), active
+
+
+TransportFactory = Callable[[str, _Link], LinkTransport]
+
+
+class ThreadedSender(KVSender):
+    def __init__(self, cfg: TransferConfig, transport_factory: TransportFactory, *,
+                 clock: Clock = monotonic_clock, name: str = "kv-sender") -> None:
+        self.cfg = cfg
+        self._factory = transport_factory
+        self._clock = clock
+        self._name = name
+        self._lock = threading.Lock()
+        self._links: dict[str, _Link] = {}
+        self._link_stats: dict[str, LinkStats] = {}
+        self._requests: dict[str, RequestStats] = {}
+        self._pending: dict[str, tuple[int, bool, set[int]]] = {}  # rid -> (frames out, final queued, seqs)
+        self._dead: OrderedDict[str, None] = OrderedDict()
+        self._events = SendEvents()
+        self._records: deque[FrameRecord] = deque(maxlen=_MAX_RECORDS)
+        self._closed = False
+        self._totals = {"requests_finished": 0, "requests_failed": 0, "link_failures": 0}
+
+    # ---- caller API ----
+    def send(self, chunk: KVChunk, *, dest: str) -> None:
+        pieces = split_chunk(chunk, self.cfg.max_payload_bytes)
+        rid, now = chunk.request_id, self._clock()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVSender is closed")
+            if rid in self._dead:
+                return  # failed or aborted: already reported, late chunks are dropped
+            req = self._requests.get(rid)
+            if req is None:
+                req = self._requests[rid] = RequestStats(dest, chunk.tenant, now)
+                self._pending[rid] = (0, False, set())
+            elif req.dest != dest:
+                raise ValueError(f"request {rid!r} is bound to {req.dest!r}, not {dest!r}")
+            out, final, seqs = self._pending[rid]
+            if final:
+                raise ValueError(f"request {rid!r}: chunk seq {chunk.seq_no} after its final chunk")
+            if chunk.seq_no in seqs:
+                raise ValueError(f"request {rid!r}: seq_no {chunk.seq_no} sent twice")
+            seqs.add(chunk.seq_no)
+            link = self._links.get(dest) or self._open_link(dest)
+            for i, p in enumerate(pieces):
+                qf = QueuedFrame(rid, chunk.tenant, p.nbytes, now, item=p, key=p.key)
+                last = chunk.is_final and i == len(pieces) - 1
+                link.sched.enqueue(qf, completes_request=last)
+            req.bytes_queued += chunk.nbytes
+            self._pending[rid] = (out + len(pieces), chunk.is_final, seqs)
+            link.cond.notify()
+
+    def poll(self) -> SendEvents:
+        with self._lock:
+            ev, self._events = self._events, SendEvents()
+            ev.records = list(self._records)
+            self._records.clear()
+            return ev
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            self._pending.pop(request_id, None)
+            self._mark_dead(request_id)
+            link = self._links.get(req.dest) if req else None
+            if link is not None:
+                link.sched.abort(request_id)
+                link.cond.notify()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            links = {}
+            for dest, ls in self._link_stats.items():
+                link = self._links.get(dest)
+                links[dest] = ls.snapshot(link.sched if link else None)
+            out: dict[str, Any] = dict(self._totals)
+            for k in ("bytes_sent", "frames_sent", "queue_wait_s", "transfer_s",
+                      "inflight_bytes", "queued_bytes", "held_bytes", "failures"):
+                out[k] = sum(v[k] for v in links.values())
+            out["active_requests"] = len(self._requests)
+            out["links"] = links
+            out["requests"] = {rid: asdict(r) for rid, r in self._requests.items()}
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            links = list(self._links.values())
+            for rid in list(self._requests):
+                self._fail_request_locked(rid, "sender closed")
+            self._closed = True
+            for link in links:
+                link.cond.notify_all()
+        for link in links:
+            self._fail_link(link, "sender closed")
+            if link.thread is not None and link.thread is not threading.current_thread():
+                link.thread.join(timeout=self.cfg.failure_timeout_s + 1.0)
+
+    # ---- link machinery ----
+    def _open_link(self, dest: str) -> _Link:
+        stats = self._link_stats.setdefault(dest, LinkStats())
+        link = self._links[dest] = _Link(self, dest, stats)
+        link.transport = self._factory(dest, link)
+        link.thread = threading.Thread(target=self._run_link, args=(link,),
+                                       name=f"{self._name}->{dest}", daemon=True)
+        link.thread.start()
+        return link
+
+    def _run_link(self, link: _Link) -> None:
+        assert link.transport is not None
+        try:
+            self._link_loop(link, link.transport)
+        finally:
+            link.transport.close()
+            link.transport.release()
+
+    def _link_loop(self, link: _Link, transport: LinkTransport) -> None:
+        try:
+            transport.connect()
+        except Exception as e:  # any failure to reach the peer fails its requests
+            self._fail_link(link, f"cannot reach {link.dest}: {type(e).__name__}: {e}")
+            return
+        with self._lock:
+            link.stats.connects += 1
+        hb = self.cfg.failure_timeout_s / 3
+        last_io = self._clock()
+        while True:
+            with self._lock:
+                while True:
+                    if link.failed is not None or self._closed:
+                        return
+                    now = self._clock()
+                    batch, wait = link.sched.next_batch(now)
+                    if batch:
+                        break
+                    if now - last_io >= hb and any(
+                        r.dest == link.dest for r in self._requests.values()
+                    ):
+                        break  # heartbeat
+                    link.cond.wait(min(wait, hb) if wait is not None else hb)
+                for f in batch:
+                    link.inflight[f.key] = f
+            t0 = self._clock()
+            try:
+                if batch:
+                    transport.transmit([f.item for f in batch])
+                else:
+                    transport.heartbeat()
+            except Exception as e:
+                self._fail_link(link, f"send to {link.dest} failed: {type(e).__name__}: {e}")
+                return
+            t1 = last_io = self._clock()
+            if not batch:
+                continue
+            with self._lock:
+                link.stats.on_write(batch, t0, t1)
+                for f in batch:
+                    p: Piece = f.item
+                    self._records.append(FrameRecord(f.request_id, link.dest, p.chunk.seq_no,
+                                                     p.part, f.nbytes, f.enqueue_t, t0, t1))
+                    req = self._requests.get(f.request_id)
+                    if req is not None:
+                        req.bytes_sent += f.nbytes
+                        req.frames_sent += 1
+                        req.queue_wait_s += t0 - f.enqueue_t
+                        req.transfer_s += t1 - t0
+
+    def _on_acks(self, link: _Link, acks: list[Ack]) -> None:
+        with self._lock:
+            for a in acks:
+                if a.status == AckStatus.DUPLICATE:
+                    continue  # the first copy's ack returns the credit
+                f = link.inflight.pop(a.key, None)
+                if f is None:
+                    continue  # stale (link already failed) or unknown
+                link.sched.on_ack(f.nbytes)
+                link.stats.bytes_acked += f.nbytes
+                if a.request_id not in self._requests:
+                    continue  # aborted or failed: the ack only returns credit
+                if a.status != AckStatus.OK:
+                    what = "discarded" if a.status == AckStatus.DROPPED else "rejected"
+                    self._fail_request_locked(a.request_id, f"receiver {what} frame: {a.reason}")
+                    continue
+                out, final, seqs = self._pending[a.request_id]
+                self._pending[a.request_id] = (out - 1, final, seqs)
+                if final and out == 1:
+                    del self._requests[a.request_id], self._pending[a.request_id]
+                    self._events.finished.append(a.request_id)
+                    self._totals["requests_finished"] += 1
+            link.cond.notify()
+
+    def _fail_request_locked(self, rid: str, reason: str) -> None:
+        req = self._requests.pop(rid, None)
+        self._pending.pop(rid, None)
+        self._mark_dead(rid)
+        if req is None:
+            return
+        link = self._links.get(req.dest)
+        if link is not None:
+            link.sched.abort(rid)
+        self._events.failed.append((rid, reason))
+        self._totals["requests_failed"] += 1
+
+    def _fail_link(self, link: _Link, reason: str) -> None:
+        with self._lock:
+            if link.failed is not None:
+                return
+            link.failed = reason
+            if self._links.get(link.dest) is link:
+                del self._links[link.dest]  # the next send() to dest reconnects
+            link.sched.drain()
+            link.inflight.clear()  # no ack can come back on a dead link
+            if not self._closed:
+                link.stats.failures += 1
+                self._totals["link_failures"] += 1
+            for rid, req in list(self._requests.items()):
+                if req.dest == link.dest:
+                    self._fail_request_locked(rid, f"link to {link.dest} failed: {reason}")
+            link.cond.notify_all()
+        if link.transport is not None:
+            try:
+                link.transport.close()
+            except Exception:  # closing a broken connection may itself fail; nothing to do
+                pass
+
+    def _mark_dead(self, rid: str) -> None:
+        self._dead[rid] = None
+        if len(self._dead) > _MAX_DEAD:
+            self._dead.popitem(last=False)

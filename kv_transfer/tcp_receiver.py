@@ -1,0 +1,179 @@
+"""TCP receiver: listener thread + per-connection reader and ack-writer threads.
+
+A connection is served only after the HMAC handshake (``tcp_auth``); a peer that fails
+it is disconnected and none of its bytes is ever parsed as a KV frame. The reader
+receives payloads straight into fresh tensors and hands frames to the inbox; the writer
+batches the owner's acks and sends heartbeats, so the sender can detect a dead or hung
+receiver within ``failure_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from kv_transfer.buffers import BufferPool
+from kv_transfer.config import TransferConfig
+from kv_transfer.frames import Ack
+from kv_transfer.receiver import InboxReceiver, RxLink
+from kv_transfer.tcp_auth import AuthError, handshake_reader, server_handshake
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError, encode_control
+
+log = logging.getLogger(__name__)
+_ACKS_PER_MESSAGE = 128  # keeps an ack message far below MAX_HEADER_BYTES
+
+
+class _TcpRxLink(RxLink):
+    def __init__(self, sock: socket.socket, name: str, heartbeat_s: float) -> None:
+        self.name = name
+        self._sock = sock
+        self._hb = heartbeat_s
+        self._cond = threading.Condition()
+        self._acks: list[Ack] = []
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, daemon=True, name=f"kv-ack->{name}")
+        self._writer.start()
+
+    def send_acks(self, acks: list[Ack]) -> None:
+        with self._cond:
+            if not self._closed:
+                self._acks.extend(acks)
+                self._cond.notify()
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if not self._acks and not self._closed:
+                        self._cond.wait(self._hb)
+                    if self._closed:
+                        return
+                    acks, self._acks = self._acks, []
+                if not acks:
+                    self._sock.sendall(encode_control({"k": "hb"}))
+                for i in range(0, len(acks), _ACKS_PER_MESSAGE):
+                    batch = [list(a) for a in acks[i : i + _ACKS_PER_MESSAGE]]
+                    self._sock.sendall(encode_control({"k": "ack", "a": batch}))
+        except OSError as e:  # incl. timeout: a sender not reading acks is a dead sender
+            log.info("kv link %s: ack writer stopped: %s", self.name, e)
+            self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
+        except OSError:
+            pass
+
+
+class TcpReceiver(InboxReceiver):
+    def __init__(self, cfg: TransferConfig) -> None:
+        super().__init__(cfg)
+        self._listener = socket.create_server((cfg.tcp_host, cfg.tcp_port), backlog=64)
+        self._listener.settimeout(0.5)  # accept() wakes up to notice close()
+        self._host, self._port = self._listener.getsockname()[:2]
+        self._links: set[_TcpRxLink] = set()
+        self._threads: list[threading.Thread] = []
+        self._counters["auth_failures"] = 0
+        self._pool = BufferPool(max_idle_bytes=min(cfg.credit_window_bytes, 256 << 20))
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name=f"kv-rx-accept:{self._port}")
+        self._acceptor.start()
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"tcp://{host}:{self._port}"
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # listener closed
+            t = threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                                 name=f"kv-rx-conn:{addr}")
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
+
+    def _serve(self, conn: socket.socket, addr: tuple) -> None:
+        cfg = self.cfg
+        conn.settimeout(cfg.failure_timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if cfg.socket_buffer_bytes:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.socket_buffer_bytes)
+        reader = handshake_reader(conn)
+        try:
+            peer = server_handshake(conn, reader, cfg.secret)
+        except (AuthError, OSError) as e:
+            with self._lock:
+                self._counters["auth_failures"] += 1
+            log.warning("kv receiver %s: rejected connection from %s: %s", self.endpoint, addr, e)
+            conn.close()
+            return
+        reader.max_frame_bytes = cfg.max_frame_bytes
+        reader.max_header_bytes = MAX_HEADER_BYTES
+        reader.set_alloc(self._pool.get)  # only now: no pooled memory for strangers
+        link = _TcpRxLink(conn, f"{peer}@{addr[0]}:{addr[1]}", cfg.failure_timeout_s / 3)
+        with self._lock:
+            if self._closed:
+                link.close()
+            self._links.add(link)
+        reason = "sender closed the connection"
+        try:
+            while True:
+                try:
+                    msg = reader.read()
+                except TimeoutError:
+                    # at a frame boundary with nothing incomplete, silence is fine
+                    if reader.in_frame or self._has_incomplete(link):
+                        raise
+                    continue
+                if msg is None:
+                    break
+                if msg.kind == "kv":
+                    self._accept(link, msg.header, msg.payload, msg.digest)
+                elif msg.kind != "hb":
+                    raise WireError(f"unexpected message {msg.kind!r} from sender")
+        except TimeoutError:
+            reason = f"sender silent for {cfg.failure_timeout_s:g}s"
+        except (OSError, WireError) as e:
+            reason = "receiver closed" if self._closed else f"{type(e).__name__}: {e}"
+        finally:
+            link.close()
+            link._writer.join(timeout=5.0)
+            conn.close()
+            with self._lock:
+                self._links.discard(link)
+            self._link_closed(link, reason)
+            log.info("kv receiver %s: link %s closed: %s", self.endpoint, link.name, reason)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["buffers_reused"], out["buffers_allocated"] = self._pool.reused, self._pool.allocated
+        return out
+
+    def _has_incomplete(self, link: RxLink) -> bool:
+        with self._lock:
+            return any(st.link is link for st in self._requests.values())
+
+    def close(self) -> None:
+        self._close_inbox()
+        try:  # shutdown wakes a thread blocked in accept() at once (close alone does not)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            links, threads = list(self._links), list(self._threads)
+        for link in links:
+            link.close()
+        self._acceptor.join(timeout=2.0)
+        for t in threads:
+            t.join(timeout=2.0)
