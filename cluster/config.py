@@ -161,6 +161,8 @@ class LimitsSection(Section):
     kv_wait_timeout_s: float = opt(60.0, "a decode worker waiting longer for KV fails the "
                                    "request", gt=0)
     drain_timeout_s: float = opt(30.0, "on SIGTERM, how long running requests may finish", ge=0)
+    restart_grace_s: float = opt(15.0, "with a whole pool dead, how long new requests wait for "
+                                 "Ray to restart a worker before UNAVAILABLE", gt=0)
     max_prompt_tokens: int | None = opt(None, "reject longer prompts (default: "
                                         "max_model_len - 1)", ge=1)
 

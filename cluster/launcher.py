@@ -146,6 +146,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                      request_timeout_s=cfg.limits.request_timeout_s,
                      prefix_affinity=cfg.cache.enable_prefix_caching,
                      affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
+                     unavailable_grace_s=cfg.limits.restart_grace_s,
                      adaptive_chunks=cfg.scheduler.chunk_policy == "adaptive",
                      itl_target_s=cfg.scheduler.itl_target_ms / 1000),
         load_tokenizer(model_dir), model.vocab_size,

@@ -13,7 +13,11 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +37,9 @@ class ServiceMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.chunk = Histogram("pdserve:prefill_chunk_tokens", "Tokens per prefill chunk",
-                               buckets=CHUNK_BUCKETS, registry=self.registry)
         self._last_token: dict[str, float] = {}
         self._stats: list[Any] = []
+        self._chunk_sizes: dict[str, dict[int, int]] = {}
         self.registry.register(_PoolCollector(self))
 
     # ---- router hooks ------------------------------------------------------------------
@@ -60,9 +63,9 @@ class ServiceMetrics:
     def update_workers(self, workers: list[Any]) -> None:
         self._stats = list(workers)
 
-    def observe_chunks(self, sizes: list[int]) -> None:
-        for n in sizes:
-            self.chunk.observe(n)
+    def update_chunk_sizes(self, sizes_by_worker: dict[str, dict[int, int]]) -> None:
+        """Cumulative chunk-size counts per prefill worker (from their stats)."""
+        self._chunk_sizes = {w: dict(c) for w, c in sizes_by_worker.items()}
 
 
 class _PoolCollector:
@@ -99,6 +102,19 @@ class _PoolCollector:
                 xfer.add_metric(lv, w.extra.get("kv_transfer_s", 0.0))
                 queued.add_metric(lv, w.extra.get("kv_send_queue_s", 0.0))
         yield from (running, waiting, usage, inflight, sent, xfer, queued, alive)
+        yield self._chunk_histogram()
+
+    def _chunk_histogram(self) -> HistogramMetricFamily:
+        hist = HistogramMetricFamily("pdserve:prefill_chunk_tokens", "Tokens per prefill chunk",
+                                     labels=["worker"])
+        for worker, counts in self.metrics._chunk_sizes.items():
+            buckets, total = [], 0.0
+            for bound in (*CHUNK_BUCKETS, float("inf")):
+                n = sum(c for size, c in counts.items() if int(size) <= bound)
+                buckets.append((str(float(bound)) if bound != float("inf") else "+Inf", n))
+            total = sum(int(size) * c for size, c in counts.items())
+            hist.add_metric([worker], buckets, total)
+        return hist
 
 
 async def refresh_loop(router, metrics: ServiceMetrics, interval_s: float = 1.0) -> None:
@@ -107,8 +123,8 @@ async def refresh_loop(router, metrics: ServiceMetrics, interval_s: float = 1.0)
         try:
             stats = await router.stats()
             metrics.update_workers(list(stats.workers))
-            for w in getattr(router, "prefill", []):
-                metrics.observe_chunks(w.stats.pop("chunk_tokens", []) or [])
+            metrics.update_chunk_sizes({w.worker_id: w.stats.get("chunk_sizes") or {}
+                                        for w in getattr(router, "prefill", [])})
         except Exception as e:  # a scrape must never take the server down
             log.debug("metrics refresh failed: %s", e)
         await asyncio.sleep(interval_s)

@@ -71,6 +71,8 @@ class Flight:
     done: bool = False
     admitted: bool = False
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
+    leg_first_seen: bool = False  # the current leg's first token was streamed
+    held_tokens: list = field(default_factory=list)  # decode events that overtook it
 
 
 class Router:
@@ -170,7 +172,7 @@ class Router:
         workers = await self.pump.collect_stats()
         return ClusterStats(
             tuple(workers), router_queue_depth=self.waiting_admission,
-            num_inflight=len(self.flights), serving=self.serving,
+            num_inflight=len(self.flights), serving=self.healthy(),
         )
 
     async def drain_traces(self) -> list[dict]:
@@ -210,6 +212,8 @@ class Router:
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
         flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
         flight.prefill_done = False
+        flight.leg_first_seen = False
+        flight.held_tokens = []
         self.legs[leg_id] = flight
         decode = await self._admit(flight, DecodeTask(
             leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))

@@ -123,7 +123,14 @@ class EventPump:
                 flight.first_token_at = time.monotonic()
                 if self.router.metrics:
                     self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
+            flight.leg_first_seen = True
             await self._emit(flight, ev)
+            # decode tokens that overtook the first token (they come from another worker's
+            # pump) follow it now, in order
+            held, flight.held_tokens = flight.held_tokens, []
+            for later in held:
+                if not flight.done:
+                    await self._apply(w, later)
         elif ev.kind == PREFILL_DONE:
             flight.timing["transfer_s"] = flight.timing.get("transfer_s", 0.0) + ev.timing.get(
                 "transfer_s", 0.0)
@@ -133,6 +140,8 @@ class EventPump:
                 p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
                 if p is not flight.decode:  # a colocated engine keeps the leg until it ends
                     p.legs.discard(ev.request_id)
+        elif ev.kind == TOKENS and not flight.leg_first_seen:
+            flight.held_tokens.append(ev)  # the prefill's first token has not arrived yet
         elif ev.kind == TOKENS:
             flight.timing["decode_s"] = flight.timing.get("decode_s", 0.0) + ev.timing.get(
                 "decode_s", 0.0)

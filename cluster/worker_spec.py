@@ -32,7 +32,8 @@ class WorkerSpec:
     num_threads: int = 1
     prefill: dict[str, Any] = field(default_factory=dict)  # PrefillSchedulerConfig kwargs
     decode: dict[str, Any] = field(default_factory=dict)  # DecodeSchedulerConfig kwargs
-    transfer: dict[str, Any] = field(default_factory=dict)  # TransferConfig kwargs
+    # TransferConfig kwargs, including the per-cluster secret: never in a repr or a log
+    transfer: dict[str, Any] = field(default_factory=dict, repr=False)
     actor_name: str = ""  # the Ray actor's name (the "ray" connector's endpoint)
     trace: bool = False
     fault_injection: dict[str, Any] = field(default_factory=dict)  # tests only

@@ -9,6 +9,7 @@ and report all new tokens of the step together.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
@@ -20,6 +21,9 @@ from engine.sampler import sample
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
 
+if TYPE_CHECKING:
+    from kv_transfer.faults import FaultInjector
+
 
 class DecodeEngine:
     def __init__(
@@ -30,8 +34,10 @@ class DecodeEngine:
         receiver: KVReceiver,
         num_blocks: int,
         tracer: TraceRecorder | None = None,
+        faults: FaultInjector | None = None,
     ):
         self.worker_id = worker_id
+        self.faults = faults  # fault injection (tests only): may refuse admission
         self.config = config
         self.runner = ModelRunner(config, num_blocks)
         self.bm = BlockManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
@@ -45,6 +51,8 @@ class DecodeEngine:
 
     # ---- commands -------------------------------------------------------------------
     def reserve(self, task: DecodeTask) -> bool:
+        if self.faults is not None and self.faults.refuse_admission(task.request_id):
+            return False  # as if full: the router tries another worker, then waits
         ok = self.scheduler.reserve(task)
         if ok:
             self.receiver.expect(task.request_id)

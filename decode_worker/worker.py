@@ -6,6 +6,7 @@ from typing import Any
 
 import ray
 
+from cluster.faults import worker_fault_injector
 from cluster.worker_base import ACTOR_CONCURRENCY, WorkerBase
 from cluster.worker_runtime import WorkerLoop
 from cluster.worker_spec import WorkerSpec, connector_kwargs, decode_sched_config
@@ -24,14 +25,30 @@ class DecodeWorker(WorkerBase):
             spec.worker_id, self.cfg,
             decode_sched_config(spec, self.cfg.scheduler.max_model_len),
             self.receiver, self.num_blocks, self.tracer,
+            faults=worker_fault_injector(spec),  # None unless a test sets a fault plan
         )
         self.loop = WorkerLoop(self.engine)
 
     def endpoint(self) -> str:
-        return self.receiver.endpoint
+        """The receiver's address as peers on other nodes can reach it."""
+        ep = self.receiver.endpoint
+        for wildcard in ("0.0.0.0", "[::]"):
+            if f"//{wildcard}:" in ep:  # bound to every interface: advertise this node's IP
+                ep = ep.replace(wildcard, ray.util.get_node_ip_address())
+        return ep
 
     def reserve(self, task: DecodeTask) -> bool:
         return self.loop.call(lambda: self.engine.reserve(task))
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        rx = self.receiver.stats()
+        s["kv_checksum_failures"] = rx.get("checksum_failures", 0)
+        s["kv_duplicate_frames"] = rx.get("duplicates", 0)
+        s["kv_rx_active_requests"] = rx.get("active_requests", 0)
+        if self.engine.faults is not None:
+            s.update(self.engine.faults.stats())
+        return s
 
     def kv_deliver(self, msg: dict, payload: Any = None) -> list:
         """Entry point of the Ray connector: frames arrive as actor calls; returns acks."""

@@ -54,7 +54,7 @@ class PrefillEngine:
         self.jobs: dict[str, _Job] = {}
         self.num_steps = 0
         self.last_step_ran = False
-        self.chunk_tokens: list[int] = []  # every chunk's size since the last stats() call
+        self.chunk_sizes: dict[int, int] = {}  # chunk size -> chunks run (cumulative)
         self.step_seconds = 0.0
 
     # ---- commands (called on the worker's loop thread) ----------------------------------
@@ -95,7 +95,7 @@ class PrefillEngine:
         ), strict=True)) if done else {}
         for item in items:
             events += self._ship(item, firsts.get(item.request.request_id))
-            self.chunk_tokens.append(item.num_tokens)
+            self.chunk_sizes[item.num_tokens] = self.chunk_sizes.get(item.num_tokens, 0) + 1
         dt = time.monotonic() - t0
         self.num_steps += 1
         self.step_seconds += dt
@@ -179,9 +179,8 @@ class PrefillEngine:
 
     def stats(self) -> dict[str, float]:
         kv = self.sender.stats()
-        chunks, self.chunk_tokens = self.chunk_tokens, []
         return {
-            "chunk_tokens": chunks,
+            "chunk_sizes": dict(self.chunk_sizes),
             "kv_bytes_sent": float(kv.get("bytes_sent", 0)),
             "kv_frames_sent": float(kv.get("frames_sent", 0)),
             "kv_send_queue_s": float(kv.get("queue_wait_s", 0.0)),
