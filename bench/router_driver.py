@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.metrics import RequestRecord
@@ -24,17 +24,32 @@ class TimedRequest:
     max_tokens: int
     kind: str = "default"
     tenant: str = "default"
+    priority: int = 0
+    ttft_deadline_ms: float | None = None
 
 
-async def _one(router, req: TimedRequest, t0: float) -> RequestRecord:
+async def _one(router, req: TimedRequest, t0: float, limit: asyncio.Semaphore | None = None,
+               on_done: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
+    if limit is not None:
+        async with limit:
+            rec = await _send(router, req)
+    else:
+        rec = await _send(router, req)
+    if on_done is not None:
+        on_done(rec)
+    return rec
+
+
+async def _send(router, req: TimedRequest) -> RequestRecord:
     sp = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
     send = time.monotonic()
     times: list[float] = []
     usage, reason, error = None, "", ""
+    spec = GenerateSpec(req.request_id, req.prompt_token_ids, sp, tenant=req.tenant,
+                        priority=req.priority, ttft_deadline_ms=req.ttft_deadline_ms)
     try:
-        async for d in router.generate(GenerateSpec(req.request_id, req.prompt_token_ids, sp,
-                                                    tenant=req.tenant)):
+        async for d in router.generate(spec):
             now = time.monotonic()
             times.extend([now] * len(d.token_ids))
             if d.finished:
@@ -51,6 +66,23 @@ async def _one(router, req: TimedRequest, t0: float) -> RequestRecord:
     )
 
 
-async def run_workload(router, requests: Sequence[TimedRequest]) -> list[RequestRecord]:
+async def run_workload(router, requests: Sequence[TimedRequest], *,
+                       max_concurrency: int | None = None,
+                       on_done: Callable[[RequestRecord], None] | None = None,
+                       ) -> list[RequestRecord]:
+    """Send each request at its arrival offset; records in input order.
+
+    ``max_concurrency`` caps requests in flight (later arrivals wait, as in
+    ``vllm bench serve``; a request's send time is when it is actually sent);
+    ``on_done(record)`` is called as each request ends (progress bars).
+    """
     t0 = time.monotonic()
-    return list(await asyncio.gather(*(_one(router, r, t0) for r in requests)))
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    return list(await asyncio.gather(*(_one(router, r, t0, limit, on_done) for r in requests)))
+
+
+def timed_requests(requests: Sequence) -> list[TimedRequest]:
+    """``bench.workload.WorkloadRequest``s as TimedRequests (same ids, times and tenants)."""
+    return [TimedRequest(r.request_id, r.arrival_s, tuple(r.prompt_token_ids), r.max_tokens,
+                         kind=r.kind, tenant=r.tenant, priority=r.priority,
+                         ttft_deadline_ms=r.ttft_deadline_ms) for r in requests]

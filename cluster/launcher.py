@@ -62,17 +62,17 @@ def _init_ray(cfg: ServeConfig, plan_cpus: float) -> bool:
 
 def _transfer_kwargs(cfg: ServeConfig, secret: bytes) -> dict:
     t = cfg.transfer
-    rate = t.rate_gbps if t.rate_gbps is not None else t.link_gbps
-    policy = t.send_policy
-    if t.link_gbps is not None and policy != "paced":
-        policy = "paced"  # link emulation is a pacing cap
+    window = int(t.credit_window_mb * (1 << 20))
     return {
         "connector": t.connector,
-        "send_policy": policy,
-        "rate_bytes_per_s": (rate or 0.0) * 1e9 / 8,
+        "send_policy": t.send_policy,
+        "rate_bytes_per_s": (t.rate_gbps or 0.0) * 1e9 / 8,
+        # link emulation caps every policy (at_end and eager too) without changing it
+        "link_rate_bytes_per_s": (t.link_gbps or 0.0) * 1e9 / 8,
         "burst_bytes": int(t.burst_mb * (1 << 20)),
-        "credit_window_bytes": max(int(t.credit_window_mb * (1 << 20)), 64 << 20),
-        "max_frame_bytes": 64 << 20,
+        "credit_window_bytes": window,
+        # a frame never exceeds the window, so small windows can be studied
+        "max_frame_bytes": max(64 << 10, min(64 << 20, window)),
         "queue_discipline": t.send_queue,
         "tenant_weights": dict(cfg.scheduler.tenant_weights or {}),
         "failure_timeout_s": t.failure_timeout_s,

@@ -43,7 +43,7 @@ class DecodeEngine:
         self.bm = BlockManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self.scheduler = DecodeScheduler(sched_config, self.bm)
         self.receiver = receiver
-        self.tracer = tracer or TraceRecorder(enabled=False)
+        self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
         self.started: dict[str, float] = {}  # request_id -> monotonic decode start
         self.num_steps = 0
         self.last_step_ran = False

@@ -207,6 +207,9 @@ class TraceRecorder:
         """Records skipped at drain time because they failed validation (cumulative)."""
         return self._invalid
 
+    def __bool__(self) -> bool:  # a recorder is truthy even while empty (__len__ == 0)
+        return True
+
     def __len__(self) -> int:
         return len(self._buf)
 

@@ -36,6 +36,7 @@ class TransferConfig:
     connector: str = "inproc"  # registry name: "inproc" | "tcp" | "ray"
     send_policy: str = "eager"  # "at_end" (no streaming baseline) | "eager" | "paced"
     rate_bytes_per_s: float = 0.0  # per link, "paced" only
+    link_rate_bytes_per_s: float = 0.0  # emulated link capacity (studies): caps every policy
     burst_bytes: int = 4 << 20  # token-bucket depth, "paced" only
     credit_window_bytes: int = 256 << 20  # max unreleased payload bytes per link
     queue_discipline: str = "fcfs"  # "fcfs" | "wfq"
@@ -69,6 +70,8 @@ class TransferConfig:
             math.isfinite(self.rate_bytes_per_s) and self.rate_bytes_per_s > 0
         ):
             raise bad("rate_bytes_per_s", f"must be > 0 for send_policy='paced', got {self.rate_bytes_per_s}")
+        if not (math.isfinite(self.link_rate_bytes_per_s) and self.link_rate_bytes_per_s >= 0):
+            raise bad("link_rate_bytes_per_s", f"must be >= 0, got {self.link_rate_bytes_per_s}")
         if self.rate_bytes_per_s < 0:
             raise bad("rate_bytes_per_s", f"must be >= 0, got {self.rate_bytes_per_s}")
         if self.burst_bytes <= 0:

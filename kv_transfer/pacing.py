@@ -125,8 +125,16 @@ def get_send_policy(name: str) -> SendPolicy:
         raise ValueError(f"unknown send policy {name!r}; known: {sorted(SEND_POLICIES)}") from None
 
 
-register_send_policy(SendPolicy("at_end", True, lambda cfg: Unpaced()))
-register_send_policy(SendPolicy("eager", False, lambda cfg: Unpaced()))
+def link_pacer(cfg: TransferConfig, rate: float = 0.0) -> Pacer:
+    """A token bucket at `rate` capped by the emulated link (`link_rate_bytes_per_s`), or
+    no pacing when neither is set: the policy decides *when* frames may go, the link
+    how fast they can."""
+    caps = [r for r in (rate, cfg.link_rate_bytes_per_s) if r > 0]
+    return TokenBucket(min(caps), cfg.burst_bytes) if caps else Unpaced()
+
+
+register_send_policy(SendPolicy("at_end", True, lambda cfg: link_pacer(cfg)))
+register_send_policy(SendPolicy("eager", False, lambda cfg: link_pacer(cfg)))
 register_send_policy(
-    SendPolicy("paced", False, lambda cfg: TokenBucket(cfg.rate_bytes_per_s, cfg.burst_bytes))
+    SendPolicy("paced", False, lambda cfg: link_pacer(cfg, cfg.rate_bytes_per_s))
 )

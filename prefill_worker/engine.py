@@ -50,7 +50,7 @@ class PrefillEngine:
                                config.cache.enable_prefix_caching)
         self.scheduler = PrefillScheduler(sched_config, self.bm)
         self.sender = sender
-        self.tracer = tracer or TraceRecorder(enabled=False)
+        self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
         self.jobs: dict[str, _Job] = {}
         self.num_steps = 0
         self.last_step_ran = False
@@ -93,6 +93,7 @@ class PrefillEngine:
         firsts = dict(zip(ids, sample(
             logits, [r.sampling_params for r in done], [r.generator for r in done]
         ), strict=True)) if done else {}
+        compute_s = time.monotonic() - t0  # the trace span: compute only, not KV export
         for item in items:
             events += self._ship(item, firsts.get(item.request.request_id))
             self.chunk_sizes[item.num_tokens] = self.chunk_sizes.get(item.num_tokens, 0) + 1
@@ -104,7 +105,7 @@ class PrefillEngine:
             for item in items:
                 job = self.jobs.get(item.request.request_id)
                 self.tracer.record(
-                    item.request.request_id, "prefill_chunk", wall0, wall0 + dt,
+                    item.request.request_id, "prefill_chunk", wall0, wall0 + compute_s,
                     worker=self.worker_id, chunk_id=(job.seq_no if job else None),
                     token_start=item.start, token_end=item.start + item.num_tokens,
                     scheduled_tokens=item.num_tokens, past_kv_tokens=item.start,

@@ -1,0 +1,210 @@
+"""A launched configuration: Ray workers + Router + gRPC server, and a pool that reuses them.
+
+Every configuration of a study is a real service: the launcher starts its worker actors
+on the (shared) local Ray, the Router runs on the event loop of a ``BackgroundServer``
+that also serves gRPC on an ephemeral port. A workload reaches it either in-process
+(``bench.router_driver`` on the server's loop) or over gRPC (``bench.client`` from the
+caller's thread): the same records either way.
+
+Starting a configuration costs 20-60 s on a 2-core box (worker processes import torch
+and load the model), so :class:`ServicePool` keeps one configuration ``pinned`` (the
+studies' shared default) alive beside the current one and reuses any live service whose
+configuration is identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bench.metrics import RequestRecord
+from bench.workload import WorkloadRequest
+from cluster.config import ServeConfig
+from engine.tracing import TraceEvent, events_from_dicts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``disagg``: P/D pools of the config; ``colocated``: ``engines`` colocated engines."""
+
+    kind: str = "disagg"
+    engines: int = 2
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("disagg", "colocated"):
+            raise ValueError(f"Layout.kind must be 'disagg' or 'colocated', got {self.kind!r}")
+
+
+DISAGG = Layout()
+
+
+def ensure_ray(num_cpus: int = 4) -> bool:
+    """Start a local Ray (``num_cpus`` logical CPUs, so 2 services of 1P+1D fit on a 2-core
+    box) unless one is running; returns True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=max(num_cpus, os.cpu_count() or 1), num_gpus=0, include_dashboard=False,
+             namespace="pdserve-bench", configure_logging=False, log_to_driver=False)
+    return True
+
+
+@dataclass
+class RunOutput:
+    """What one workload run on one service produced."""
+
+    records: list[RequestRecord]
+    events: list[TraceEvent]
+    worker_stats: dict[str, dict[str, float]] = field(default_factory=dict)  # per-run deltas
+    wall_offset: float = 0.0  # time.time() - time.monotonic(): record times -> trace times
+
+
+class Service:
+    """One configuration, started; ``close()`` stops the gRPC server, router and actors."""
+
+    def __init__(self, cfg: ServeConfig, layout: Layout = DISAGG, *, trace: bool = True):
+        from cluster.launcher import (
+            LaunchOptions,
+            build_colocated_pool_router,
+            build_disaggregated_router,
+        )
+        from cluster.server import BackgroundServer
+
+        self.cfg = cfg.with_values({"server.port": 0, "limits.drain_timeout_s": 0.0})
+        self.layout = layout
+        opts = LaunchOptions(trace=trace)
+        t0 = time.monotonic()
+        if layout.kind == "disagg":
+            self.router = build_disaggregated_router(self.cfg, opts)
+        else:
+            self.router = build_colocated_pool_router(self.cfg, layout.engines,
+                                                      layout.chunked_prefill, opts)
+        self.server = BackgroundServer(self.router, self.cfg, health_poll_s=0.5)
+        self.address = self.server.start()
+        self.startup_s = time.monotonic() - t0
+        log.info("service %s up on %s in %.1fs", layout, self.address, self.startup_s)
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the service's event loop (where the router lives)."""
+        return self.server.run(coro, timeout)
+
+    def drain_events(self) -> list[TraceEvent]:
+        drain = getattr(self.router, "drain_traces", None)
+        return events_from_dicts(self.run(drain(), 60)) if drain else []
+
+    def worker_stats(self) -> dict[str, dict[str, float]]:
+        stats = self.run(self.router.stats(), 60)
+        return {w.worker_id: {"role": w.role, **w.extra} for w in stats.workers}
+
+    def run_workload(self, requests: Sequence[WorkloadRequest], *, transport: str = "inproc",
+                     max_concurrency: int | None = None,
+                     on_done: Callable[[RequestRecord], None] | None = None,
+                     timeout: float = 1800.0) -> RunOutput:
+        """Send ``requests`` (in-process or over gRPC) and collect records, this run's
+        trace events and per-worker step statistics."""
+        from bench.router_driver import run_workload, timed_requests
+
+        self.drain_events()  # leftovers of an earlier run on this service
+        before = self.worker_stats()
+        if transport == "inproc":
+            records = self.run(run_workload(self.router, timed_requests(requests),
+                                            max_concurrency=max_concurrency,
+                                            on_done=on_done), timeout)
+        elif transport == "grpc":
+            from bench.client import AsyncPdserveClient, run_requests
+
+            async def go() -> list[RequestRecord]:
+                async with AsyncPdserveClient(self.address, timeout=timeout) as client:
+                    return await run_requests(client, requests, max_concurrency=max_concurrency,
+                                              on_done=on_done)
+
+            records = asyncio.run(go())
+        else:
+            raise ValueError(f"transport must be 'inproc' or 'grpc', got {transport!r}")
+        after = self.worker_stats()
+        return RunOutput(records, self.drain_events(), stats_delta(before, after),
+                         wall_offset=time.time() - time.monotonic())
+
+    def close(self) -> None:
+        server_log = logging.getLogger("cluster.server")
+        level = server_log.level
+        server_log.setLevel(logging.ERROR)  # "health: NOT_SERVING" is expected here
+        try:
+            self.server.stop(drain_timeout_s=0)
+        except Exception:  # a dead worker must not stop the other configurations
+            log.exception("stopping service %s failed", self.layout)
+        finally:
+            server_log.setLevel(level)
+
+
+def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per worker: steps taken and mean step time during the run, KV bytes sent."""
+    out = {}
+    for wid, a in after.items():
+        b = before.get(wid, {})
+        steps = a.get("num_steps", 0) - b.get("num_steps", 0)
+        busy = a.get("num_steps", 0) * a.get("mean_step_s", 0.0) - \
+            b.get("num_steps", 0) * b.get("mean_step_s", 0.0)
+        out[wid] = {"role": a.get("role", ""), "steps": steps,
+                    "mean_step_s": busy / steps if steps > 0 else None,
+                    "kv_bytes_sent": a.get("kv_bytes_sent", 0.0) - b.get("kv_bytes_sent", 0.0)}
+    return out
+
+
+def mean_step_s(delta: dict[str, dict], role: str) -> float | None:
+    """Step-weighted mean step time of the workers of ``role`` in a stats delta."""
+    steps = sum(d["steps"] for d in delta.values() if d["role"] == role and d["mean_step_s"])
+    busy = sum(d["steps"] * d["mean_step_s"] for d in delta.values()
+               if d["role"] == role and d["mean_step_s"])
+    return busy / steps if steps else None
+
+
+def config_key(cfg: ServeConfig, layout: Layout) -> str:
+    return json.dumps([cfg.to_dict(), layout.__dict__], sort_keys=True, default=str)
+
+
+class ServicePool:
+    """Live services by configuration: the ``pinned`` one plus at most one other."""
+
+    def __init__(self, *, trace: bool = True):
+        self.trace = trace
+        self.pinned: str | None = None
+        self._live: dict[str, Service] = {}
+        self.launches = 0
+        self.started_ray = False
+
+    def pin(self, cfg: ServeConfig, layout: Layout = DISAGG) -> None:
+        """Keep this configuration alive once started (the studies' shared default)."""
+        self.pinned = config_key(cfg, layout)
+
+    def get(self, cfg: ServeConfig, layout: Layout = DISAGG) -> Service:
+        key = config_key(cfg, layout)
+        if key in self._live:
+            return self._live[key]
+        if key != self.pinned:  # make room: the pinned service stays, the other one goes
+            for other in [k for k in self._live if k != self.pinned]:
+                self._live.pop(other).close()
+        self.started_ray |= ensure_ray()
+        self._live[key] = svc = Service(cfg, layout, trace=self.trace)
+        self.launches += 1
+        return svc
+
+    def close(self) -> None:
+        """Stop every live service, and Ray if this pool started it."""
+        for svc in self._live.values():
+            svc.close()
+        self._live.clear()
+        if self.started_ray:
+            import ray
+
+            ray.shutdown()
+            self.started_ray = False

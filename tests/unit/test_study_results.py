@@ -1,0 +1,158 @@
+"""Study plumbing without a service: tables, result files, stats deltas, teaching claims,
+and the `pdserve bench` / `pdserve study` command lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import teaching as t
+from bench.studies.common import (
+    Column,
+    StudyOptions,
+    StudyResult,
+    parse_table,
+    write_result,
+)
+from bench.studies.link import LinkEmulation, Reference
+from bench.studies.service import mean_step_s, stats_delta
+from engine.tracing import TraceEvent
+
+REF = Reference(512, 0.1, 0.005, 512)
+
+
+def fake_ctx(out: Path) -> SimpleNamespace:
+    return SimpleNamespace(out=out, opts=StudyOptions(out=out, quick=True), model_dir=out,
+                           link=LinkEmulation.from_ratio(REF, 0.15, 16))
+
+
+def test_markdown_table_and_json_rows_agree(tmp_path: Path) -> None:
+    cols = [Column("config", "config"), Column("ttft", "TTFT (ms)"),
+            Column("share", "share", "{:.2f}"), Column("ok", "ok")]
+    rows = [{"config": "a", "ttft": 12.345, "share": 0.5, "ok": True},
+            {"config": "b", "ttft": None, "share": float("nan"), "ok": 3}]
+    res = StudyResult("demo", "Demo", "what it shows", cols, rows, {"a": {"files": {
+        "trace": "demo-a.trace.json"}}}, plots=["demo.png"])
+    paths = write_result(fake_ctx(tmp_path), res)
+    table = parse_table(paths["md"].read_text())
+    assert table == [["config", "TTFT (ms)", "share", "ok"], ["a", "12.3", "0.50", "yes"],
+                     ["b", "n/a", "n/a", "3"]]
+    data = json.loads(paths["json"].read_text())
+    assert data["rows"][0]["ttft"] == 12.345 and data["link"]["transfer_compute_ratio"] == 0.15
+    assert [c["key"] for c in data["columns"]] == ["config", "ttft", "share", "ok"]
+    md = paths["md"].read_text()
+    assert "![demo.png](demo.png)" in md and "[trace](demo-a.trace.json)" in md
+    assert "transfer/compute ratio 0.15" in md
+
+
+def test_stats_delta_gives_this_runs_mean_step_time() -> None:
+    before = {"p": {"role": "prefill", "num_steps": 10, "mean_step_s": 0.02, "kv_bytes_sent": 100},
+              "d": {"role": "decode", "num_steps": 0, "mean_step_s": 0.0}}
+    after = {"p": {"role": "prefill", "num_steps": 30, "mean_step_s": 0.03, "kv_bytes_sent": 900},
+             "d": {"role": "decode", "num_steps": 4, "mean_step_s": 0.01}}
+    d = stats_delta(before, after)
+    assert d["p"]["steps"] == 20 and d["p"]["mean_step_s"] == pytest.approx(0.7 / 20)
+    assert d["p"]["kv_bytes_sent"] == 800
+    assert mean_step_s(d, "prefill") == pytest.approx(0.035)
+    assert mean_step_s(d, "decode") == pytest.approx(0.01)
+    assert mean_step_s(d, "colocated") is None
+
+
+def scenario(chunks: int, step: float) -> tuple[list[TraceEvent], float]:
+    """S decodes every 10 ms; L arrives at 1.0 and prefills in ``chunks`` steps of ``step``
+    seconds, each step also decoding S (a colocated engine)."""
+    ev, t0 = [], 0.0
+    for i in range(5):  # S alone
+        t0 = 0.96 + 0.01 * i - 0.04
+        ev += [TraceEvent(t.S_ID, "decode_step", t.WORKER, t0, t0 + 0.01),
+               TraceEvent(t.S_ID, "token", t.WORKER, t0 + 0.01, t0 + 0.01)]
+    start = 1.0
+    for c in range(chunks):
+        a, b = start + c * step, start + (c + 1) * step
+        ev += [TraceEvent(t.L_ID, "prefill_chunk", t.WORKER, a, b, token_start=c * 64,
+                          token_end=(c + 1) * 64),
+               TraceEvent(t.S_ID, "decode_step", t.WORKER, a, b),
+               TraceEvent(t.S_ID, "token", t.WORKER, b, b)]
+    end = start + chunks * step
+    ev += [TraceEvent(t.L_ID, "token", t.WORKER, end, end)]
+    return ev, 1.0
+
+
+def test_teaching_timings_and_claims_from_traces() -> None:
+    whole = t.timings(*scenario(1, 0.030))
+    chunked = t.timings(*scenario(4, 0.012))
+    assert whole["s_next_token_ms"] == pytest.approx(30.0)
+    assert chunked["s_next_token_ms"] == pytest.approx(12.0)
+    assert whole["l_ttft_ms"] == pytest.approx(30.0) and chunked["l_ttft_ms"] == pytest.approx(48.0)
+    assert (chunked["l_prefill_steps"], chunked["l_steps_shared_with_s"]) == (4, 4)
+    res = {"spec": {"long_prompt": 256, "chunk": 64}, "whole": {"timings": whole},
+           "chunked": {"timings": chunked}}
+    claims = t.claims(res)
+    assert all(claims[k] for k in claims if not k.startswith("disagg"))
+    assert all(claims[k] is None for k in claims if k.startswith("disagg"))
+    assert "(b) chunked (64)" in t.side_by_side(res)
+
+
+def test_cli_parsers_and_plugin_registration(capsys) -> None:
+    from bench.cli import parse_length, parse_tenants
+    from cluster.cli import build_parser
+
+    assert parse_length("128").kind == "fixed"
+    u = parse_length("64:256")
+    assert (u.kind, u.lo, u.hi) == ("uniform", 64, 256)
+    assert parse_length("lognormal:100:0.5:10:400").hi == 400
+    gold, free = parse_tenants("gold:0.3:4:500,free:0.7:1")
+    assert (gold.weight, gold.ttft_deadline_ms, free.share) == (4.0, 500.0, 0.7)
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--addr", "h:1", "--num-prompts", "5", "--slo",
+                              "ttft:100", "--prompt-len", "8:16", "--mix", "mixed"])
+    assert args.num_prompts == 5 and args.prompt_len.hi == 16
+    args = parser.parse_args(["study", "chunk-size", "--out", "x", "--quick",
+                              "--transfer-compute-ratio", "0.3"])
+    assert args.name == "chunk-size" and args.transfer_compute_ratio == 0.3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["study", "chunk-size", "--out", "x", "--link-gbps", "1",
+                           "--transfer-compute-ratio", "0.3"])
+    capsys.readouterr()
+
+
+def offline_ctx(tmp_path: Path, tiny_model: Path, quick: bool):
+    """A StudyContext whose reference timing is given (nothing measured or launched)."""
+    from bench.studies.common import StudyContext
+    from bench.studies.service import ServicePool
+
+    ctx = StudyContext.__new__(StudyContext)
+    ctx.opts, ctx.out, ctx.model_dir = StudyOptions(out=tmp_path, quick=quick), tmp_path, tiny_model
+    ctx.pool = ServicePool()
+    ctx.__dict__["reference"] = REF
+    return ctx
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, tiny_model,
+                                                                       quick) -> None:
+    from bench.studies import chunk_size, fairness, interference, pacing
+    from bench.studies.service import DISAGG, config_key
+
+    ctx = offline_ctx(tmp_path, tiny_model, quick)
+    base = ctx.base_config()
+    assert base.transfer.link_gbps == pytest.approx(ctx.link.link_gbps)
+    cfgs = {f"chunk-{c}": base.with_values({"scheduler.max_prefill_chunk": c,
+                                           "scheduler.max_num_batched_tokens": c})
+            for c in (chunk_size.CHUNKS_QUICK if quick else chunk_size.CHUNKS_FULL)}
+    cfgs.update({f"pacing-{n}": base.with_values(v) for n, v in pacing.configs(ctx).items()})
+    for name in fairness.config_names(quick):
+        policy, queue = name.split("+")
+        cfgs[f"fairness-{name}"] = base.with_values({"scheduler.fairness_policy": policy,
+                                                     "transfer.send_queue": queue})
+    args = interference.workload_args(ctx)
+    for layout in interference.LAYOUTS.values():
+        interference.layout_config(ctx, layout, args.long_prompt)
+    shared = [n for n, c in cfgs.items() if config_key(c, DISAGG) == config_key(base, DISAGG)]
+    assert shared == ["chunk-256", "pacing-eager", "fairness-fcfs+fcfs"]
+    assert cfgs["pacing-at_end-raw"].transfer.link_gbps is None
+    assert not pacing.credit_can_bind(ctx)  # tiny: 2048 tokens of KV are 1 MiB
+    assert len(fairness.config_names(False)) == 10 and len(cfgs) == len(set(map(str, cfgs)))
