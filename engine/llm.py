@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -74,6 +74,18 @@ class LLM:
             device=device, dtype=dtype, attention_backend=attention_backend,
         )
         n_blocks = num_blocks or default_num_blocks(self.config)
+        capacity = n_blocks * block_size
+        if self.config.scheduler.max_model_len > capacity:
+            # A sequence longer than the whole KV pool could never be scheduled (it would
+            # wait, or be preempted, forever): refuse an explicit limit, clamp the default.
+            if max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len ({max_model_len}) is larger than the KV cache holds "
+                    f"({n_blocks} blocks x {block_size} = {capacity} tokens)"
+                )
+            self.config = replace(
+                self.config, scheduler=replace(self.config.scheduler, max_model_len=capacity)
+            )
         self.tokenizer = load_tokenizer(model_dir)
         self.runner = ModelRunner(self.config, n_blocks)
         self.block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)

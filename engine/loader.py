@@ -64,15 +64,21 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
-    _require(model_dir / "config.json", "config.json")
-    hf = AutoConfig.from_pretrained(model_dir)
-    archs = getattr(hf, "architectures", None) or []
+    cfg_path = _require(model_dir / "config.json", "config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from e
+    archs = raw.get("architectures") or [] if isinstance(raw, dict) else []
     arch = next((a for a in archs if a in SUPPORTED_ARCHS), None)
-    if arch is None:
+    if arch is None:  # checked before AutoConfig, whose error would not name the file
         raise ModelLoadError(
-            f"{model_dir / 'config.json'}: architectures {archs} not supported; "
-            f"supported: {SUPPORTED_ARCHS}"
+            f"{cfg_path}: architectures {archs} not supported; supported: {SUPPORTED_ARCHS}"
         )
+    try:
+        hf = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"{cfg_path}: transformers cannot read it ({e})") from e
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {hf.hidden_act!r} not supported (only 'silu')")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -50,6 +50,7 @@ class ModelRunner:
         model.load_hf_weights(load_weights(config.model_dir))
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()  # rope frequencies stay fp32
+        self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
         self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
 
     def _table(self, chunks: list[SeqChunk]) -> torch.Tensor:

@@ -56,6 +56,9 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # PREFILLING and RUNNING, oldest first
+        # A sequence stops where the whole pool is full, whatever max_model_len says:
+        # past that point it could only be preempted and re-admitted forever.
+        self._max_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -181,7 +184,7 @@ class Scheduler:
                 continue
             r.status = RequestStatus.RUNNING
             r.append_token(sampled[r.request_id])
-            if not r.is_finished and r.num_tokens >= self.config.max_model_len:
+            if not r.is_finished and r.num_tokens >= self._max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
             if r.is_finished:
                 self.running.remove(r)

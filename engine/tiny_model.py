@@ -113,29 +113,35 @@ def _random_weights(hf_config, std: float, seed: int) -> dict[str, torch.Tensor]
     return out
 
 
+def preset_config(preset: str = "tiny", arch: str = "llama"):
+    """The transformers config `make_model` writes for (preset, arch); writes nothing."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
+    p = PRESETS[preset]
+    tokenizer = train_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    return _hf_config(p, arch, p.vocab_size or len(tokenizer), eos_id)
+
+
 def make_model(
     out_dir: str | Path, preset: str = "tiny", arch: str = "llama", seed: int = 0
 ) -> Path:
     """Write a model directory; returns its path. Same arguments, same bytes."""
     from safetensors.torch import save_file
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHS)}")
-    p = PRESETS[preset]
+    cfg = preset_config(preset, arch)
+    eos_id = cfg.eos_token_id
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    vocab = p.vocab_size or len(tokenizer)
-    cfg = _hf_config(p, arch, vocab, eos_id)
     cfg.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": eos_id, "eos_token_id": eos_id, "do_sample": False})
     )
-    save_file(_random_weights(cfg, p.std, seed), str(out / "model.safetensors"),
+    save_file(_random_weights(cfg, PRESETS[preset].std, seed), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
 

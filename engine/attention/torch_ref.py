@@ -8,6 +8,7 @@ lives in slot `block_tables[s, i // block_size] * block_size + i % block_size`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _gather_kv(
@@ -22,21 +23,27 @@ def _gather_kv(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [q_len, H, D] at the last q_len positions of k/v [kv_len, KVH, D] (bottom-right causal)."""
-    q_len, num_heads, head_dim = q.shape
+    """q [q_len, H, D] at the last q_len positions of k/v [kv_len, KVH, D] (bottom-right causal).
+
+    Computed in fp32 by `F.scaled_dot_product_attention` (one fused kernel; a square chunk
+    uses `is_causal`, so the masked half is never computed). Query head `h` reads KV head
+    `h // (H // KVH)`, as in HF's `repeat_kv`.
+    """
+    q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    qh = q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, g, q, d]
-    kh = k.permute(1, 0, 2).unsqueeze(1)  # [kvh, 1, kv, d]
-    vh = v.permute(1, 0, 2).unsqueeze(1)
-    scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale  # [kvh, g, q, kv]
-    if q_len > 1:
+    qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, H, q, d] (views, no copies)
+    kh = k.float().transpose(0, 1).unsqueeze(0)  # [1, KVH, kv, d]
+    vh = v.float().transpose(0, 1).unsqueeze(0)
+    mask = None
+    if 1 < q_len < kv_len:
+        # query i sits at absolute position kv_len - q_len + i and sees keys j <= that
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(kv_len, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vh.float())  # [kvh, g, q, d]
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
+        mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= q_pos  # [q, kv]
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=q_len > 1 and q_len == kv_len, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [1, H, q, d]
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -78,7 +85,9 @@ def paged_decode_attention(
     """One query per sequence (q `[num_seqs, H, D]`) against its whole paged context.
 
     Batched: gathers every sequence's blocks into a padded `[S, max_blocks*bs, KVH, D]`
-    view and masks the padding, so a decode step costs one kernel chain, not one per seq.
+    tensor and masks the padding, so a decode step costs one kernel chain, not one per seq.
+    The `H // KVH` query heads sharing a KV head ride as that head's rows of queries,
+    so K/V are never repeated per query head.
     """
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
@@ -87,16 +96,17 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
     n_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :n_blocks].long()
-    k = k_cache[table].reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[table].reshape(num_seqs, n_blocks * block_size, num_kv_heads, head_dim)
-    qh = q.reshape(num_seqs, num_kv_heads, group, head_dim).float()  # [S, kvh, g, d]
-    scores = torch.einsum("skgd,stkd->skgt", qh, k.float()) * scale  # [S, kvh, g, T]
-    pos = torch.arange(n_blocks * block_size, device=q.device)
-    pad = pos.unsqueeze(0) >= seq_lens.to(q.device).unsqueeze(1)  # [S, T]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgt,stkd->skgd", probs, v.float())
+    width = n_blocks * block_size
+    idx = block_tables[:, :n_blocks].reshape(-1).long()
+    # [S, kvh, T, d] strided views of the gathered blocks (one copy: the gather)
+    k = k_cache.index_select(0, idx).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, idx).view(num_seqs, width, num_kv_heads, head_dim).transpose(1, 2)
+    qh = q.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, kvh, g, d]
+    pos = torch.arange(width, device=q.device)
+    valid = pos.unsqueeze(0) < seq_lens.to(q.device).unsqueeze(1)  # [S, T]
+    out = F.scaled_dot_product_attention(
+        qh.float(), k.float(), v.float(), attn_mask=valid[:, None, None, :], scale=scale
+    )  # [S, kvh, g, d]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

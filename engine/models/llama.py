@@ -44,6 +44,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
+    """Concatenate the `name` parameters of `linears` along dim 0 and re-point each one
+    at its slice of the result (a view: no second copy of the weights is kept)."""
+    fused = torch.cat([getattr(m, name).detach() for m in linears])
+    start = 0
+    for m in linears:
+        n = getattr(m, name).shape[0]
+        setattr(m, name, nn.Parameter(fused[start : start + n], requires_grad=False))
+        start += n
+    return fused
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -62,6 +74,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(); q/k/v weights view it
+        self.qkv_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One `[(H + 2 KVH) * D, hidden]` GEMM instead of three; the q/k/v parameters
+        become views into the fused tensor, so names and state_dict are unchanged."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_params(projs, "weight")
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_params(projs, "bias")
 
     def forward(
         self,
@@ -73,14 +96,24 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KVH) * D]
+            qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            if self.qk_norm:
+                qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+            qk = qk * c + _rotate_half(qk) * s  # rope on q and k heads at once
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = self.q_proj(x).view(t, h, d)
+            k = self.k_proj(x).view(t, kvh, d)
+            v = self.v_proj(x).view(t, kvh, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
         be = meta.backend
         be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         n = meta.num_decode_tokens
@@ -104,9 +137,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One `[2 * intermediate, hidden]` GEMM for gate and up (their weights view it)."""
+        self.gate_up_weight = _fuse_params((self.gate_proj, self.up_proj), "weight")
+        if self.gate_proj.bias is not None:
+            self.gate_up_bias = _fuse_params((self.gate_proj, self.up_proj), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -152,6 +197,13 @@ class LlamaForCausalLM(nn.Module):
                              f"unexpected={unexpected[:5]}")
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse(self) -> None:
+        """Fuse q/k/v and gate/up projections into single GEMMs. Call once the weights
+        are final (after loading and any `.to()`); parameter names stay the same."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim / 2]
