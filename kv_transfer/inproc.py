@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
+
+import torch
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, Piece
@@ -92,13 +95,19 @@ class InprocTransport(LinkTransport):
         self._link = rx._connect(self._events)
         self._rx = rx
 
+    # fault injection (tests; kv_transfer.faults): a replacement payload handed over
+    # after the header, whose checksum was computed from the real one
+    wire_tamper: Callable[[Piece], torch.Tensor | None] | None = None
+
     def transmit(self, pieces: list[Piece]) -> None:
         rx, link = self._rx, self._link
         assert rx is not None and link is not None, "transmit before connect"
         for p in pieces:
             if rx._closed:
                 raise ConnectionResetError(f"{rx.endpoint} closed")
-            rx._accept(link, header_for(p, self._algo), p.chunk.payload)
+            header = header_for(p, self._algo)
+            bad = self.wire_tamper(p) if self.wire_tamper is not None else None
+            rx._accept(link, header, p.chunk.payload if bad is None else bad)
 
     def close(self) -> None:
         rx, link, self._rx, self._link = self._rx, self._link, None, None

@@ -157,10 +157,16 @@ class RayTransport(LinkTransport):
             self._pending[ref] = time.monotonic()
             self._cond.notify()
 
+    # fault injection (tests; kv_transfer.faults): a replacement payload sent after the
+    # header, whose checksum was computed from the real one
+    wire_tamper: Callable[[Piece], torch.Tensor | None] | None = None
+
     def transmit(self, pieces: list[Piece]) -> None:
         for p in pieces:
             header = header_for(p, self._cfg.checksum_algo).to_wire()
-            data = p.chunk.payload.reshape(-1).view(torch.uint8).numpy()  # [nbytes] view
+            bad = self.wire_tamper(p) if self.wire_tamper is not None else None
+            payload = p.chunk.payload if bad is None else bad
+            data = payload.reshape(-1).view(torch.uint8).numpy()  # [nbytes] view
             self._call({"k": "kv", "h": header}, ray.put(data))
 
     def heartbeat(self) -> None:

@@ -153,6 +153,12 @@ class ThreadedSender(KVSender):
             if link.thread is not None and link.thread is not threading.current_thread():
                 link.thread.join(timeout=self.cfg.failure_timeout_s + 1.0)
 
+    def wrap_transports(self, wrap: Callable[[LinkTransport, str, _Link], LinkTransport]) -> None:
+        """Links opened from now on use ``wrap(transport, dest, link_events)`` instead of
+        the bare transport (fault injection in tests: ``kv_transfer.faults``)."""
+        inner = self._factory
+        self._factory = lambda dest, link: wrap(inner(dest, link), dest, link)
+
     # ---- link machinery ----
     def _open_link(self, dest: str) -> _Link:
         stats = self._link_stats.setdefault(dest, LinkStats())

@@ -16,6 +16,9 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
+from collections.abc import Callable
+
+import torch
 
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, Piece
@@ -24,7 +27,14 @@ from kv_transfer.sender import ThreadedSender
 from kv_transfer.tcp_auth import client_handshake, handshake_reader
 from kv_transfer.tcp_receiver import TcpReceiver
 from kv_transfer.transport import LinkEvents, LinkTransport
-from kv_transfer.wire import MAX_HEADER_BYTES, PREAMBLE, WireError, encode, encode_control
+from kv_transfer.wire import (
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    WireError,
+    encode,
+    encode_control,
+    payload_view,
+)
 
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 _CONTROL_LIMIT = PREAMBLE.size + MAX_HEADER_BYTES
@@ -104,10 +114,18 @@ class TcpTransport(LinkTransport):
                                         name=f"kv-acks<-{self._dest}")
         self._reader.start()
 
+    # fault injection (tests; kv_transfer.faults): a replacement payload written after
+    # the header, whose checksum was computed from the real one
+    wire_tamper: Callable[[Piece], torch.Tensor | None] | None = None
+
     def transmit(self, pieces: list[Piece]) -> None:
         buffers: list = []
         for p in pieces:
-            buffers.extend(encode(p, checksum_algo=self._cfg.checksum_algo))
+            frame = encode(p, checksum_algo=self._cfg.checksum_algo)
+            if self.wire_tamper is not None and len(frame) > 1:
+                bad = self.wire_tamper(p)
+                frame[1] = frame[1] if bad is None else payload_view(bad)
+            buffers.extend(frame)
         assert self._sock is not None
         sendmsg_all(self._sock, buffers)
 

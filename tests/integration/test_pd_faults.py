@@ -139,7 +139,7 @@ def test_worker_killed_mid_run_every_request_ends(start_router, tiny_model, vict
     outcomes = runner.run(go(), timeout=200)
     assert time.monotonic() - t0 < 150
     ref = LLM(str(tiny_model)).generate([list(p) for p in prompts], sp)
-    for (toks, last), r in zip(outcomes, ref):
+    for (toks, last), r in zip(outcomes, ref, strict=True):
         if isinstance(last, RouterError):
             assert last.code == ErrorCode.UNAVAILABLE, last
         else:

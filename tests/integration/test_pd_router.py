@@ -59,7 +59,7 @@ def test_sixteen_concurrent_requests_match_colocated(start_router, reference, na
     ps = prompts(16, seed=len(name))
     results = runner.generate_many(
         [GenerateSpec(f"{name}-{i}", tuple(p), GREEDY) for i, p in enumerate(ps)])
-    for (toks, last), ref, p in zip(results, reference(ps), ps):
+    for (toks, last), ref, p in zip(results, reference(ps), ps, strict=True):
         assert not isinstance(last, RouterError), last
         assert toks == ref, f"prompt of {len(p)} tokens"
         assert last.finished and last.finish_reason == "length"

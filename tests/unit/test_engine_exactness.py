@@ -42,7 +42,7 @@ def test_chunked_prefill_matches_transformers(model_dirs, arch, chunk):
     lengths = sorted({max(1, chunk - 1), chunk, chunk + 1, 3 * chunk + 5})
     prompts = [prompt(n, seed=n) for n in lengths]
     outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == hf_greedy(d, p, GREEDY.max_tokens), f"prompt len {len(p)}"
     assert llm.block_manager.num_used_blocks == 0
     llm.block_manager.check_integrity()
@@ -59,7 +59,7 @@ def test_eight_requests_batched_together(tiny_model):
     llm = LLM(str(tiny_model), block_size=16, max_prefill_chunk=16, max_num_batched_tokens=48)
     prompts = [prompt(n, seed=n) for n in (5, 12, 16, 17, 30, 33, 64, 90)]
     outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == hf_greedy(tiny_model, p, 10)
     assert llm.num_steps < 8 * 10 + 20  # really batched, not one request after another
     llm.block_manager.check_integrity()

@@ -1,0 +1,231 @@
+"""The soak's end checks (quiescence, metrics endpoint, exact greedy tokens) and its
+summary: a printed table and a JSON file. `SoakReport.ok` decides the exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cluster.convert import stats_from_proto
+from cluster.types import ClusterStats
+from proto.pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from bench.soak import SoakRequest, SoakRunner
+
+# per worker: counters that must be zero once the service is idle
+IDLE_FIELDS = ("kv_blocks_used", "num_running", "num_waiting", "queue_depth", "send_queue_depth")
+IDLE_EXTRA = ("jobs", "kv_inflight_bytes", "kv_queued_bytes", "kv_rx_active_requests")
+METRIC_GAUGES = ("pdserve:kv_cache_usage_perc", "pdserve:num_requests_running",
+                 "pdserve:num_requests_waiting", "pdserve:kv_inflight_bytes")
+
+
+@dataclass
+class SoakReport:
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    leaks: list[str] = field(default_factory=list)
+    hangs: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)  # bad / missing terminal statuses
+    kills: list[dict] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        survived = all(k["back_after_s"] is not None for k in self.kills)
+        return survived and not (self.leaks or self.hangs or self.mismatches or self.violations)
+
+    def to_json(self) -> str:
+        return json.dumps({"ok": self.ok, **asdict(self)}, indent=1, default=str)
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    def table(self) -> str:
+        s = self.summary
+        lines = [f"pdserve soak: {s['requests']} requests in {s['traffic_s']:.1f} s "
+                 f"(seed {self.config['seed']}, target {self.config['rate']:g} req/s, "
+                 f"cancel rate {self.config['cancel_rate']:g})", "",
+                 f"{'outcome':<28}{'count':>7}"]
+        lines += [f"{k:<28}{v:>7}" for k, v in s["outcomes"].items()]
+        lines += ["", f"{'cancel phase':<14}{'planned':>9}{'cancelled':>11}{'missed':>8}"]
+        for ph, row in s["cancel_phases"].items():
+            lines.append(f"{ph:<14}{row['planned']:>9}{row['cancelled']:>11}{row['missed']:>8}")
+        lines.append(f"(cancelled = phase {s['phase_source']} at the moment of the cancel; "
+                     "missed = the request ended first)")
+        if s["phase_source"] == "seen by the client":
+            lines.append("(client view: queued/prefill = cancelled before the first token, at "
+                         "the planned moment; transfer = after exactly one token)")
+        lines += ["", f"kills: {len(self.kills)}, survived {s['kills_survived']}"]
+        lines += [f"  {k['at_s']:7.1f}s  {k['role']:<8}{k['worker_id']:<12}" + (
+            f"back after {k['back_after_s']:.1f}s" if k["back_after_s"] is not None
+            else "DID NOT COME BACK") for k in self.kills]
+        idle = (f"service idle {s['quiesce_s']:.1f} s after the last request ended"
+                if not (self.leaks or self.hangs) else "service NOT idle at the end")
+        lines += ["", idle, f"exact-token check: {s['tokens_checked']} greedy requests compared "
+                  f"({s['tokens_skipped']})",
+                  f"leaks found: {len(self.leaks)}   hangs found: {len(self.hangs)}   "
+                  f"token mismatches: {len(self.mismatches)}   "
+                  f"status violations: {len(self.violations)}"]
+        for title, items in (("LEAK", self.leaks), ("HANG", self.hangs),
+                             ("MISMATCH", self.mismatches), ("VIOLATION", self.violations)):
+            lines += [f"  {title}: {x}" for x in items[:10]]
+            if len(items) > 10:
+                lines.append(f"  ... {len(items) - 10} more {title.lower()}s in the JSON")
+        lines += ["", "RESULT: " + ("PASS" if self.ok else "FAIL")]
+        return "\n".join(lines)
+
+
+def idle_problems(st: ClusterStats) -> list[str]:
+    """What keeps the service from being idle (empty list: quiescent, nothing leaked)."""
+    out = []
+    if st.num_inflight or st.router_queue_depth:
+        out.append(f"router: {st.num_inflight} in flight, {st.router_queue_depth} queued")
+    for w in st.workers:
+        if not w.alive:
+            out.append(f"{w.worker_id}: not alive")
+            continue
+        bad = {f: getattr(w, f) for f in IDLE_FIELDS if getattr(w, f)}
+        bad |= {f: w.extra[f] for f in IDLE_EXTRA if w.extra.get(f)}
+        if bad:
+            out.append(f"{w.worker_id}: " + ", ".join(f"{k}={v:g}" for k, v in bad.items()))
+    return out
+
+
+async def wait_quiescent(stub, md, timeout_s: float) -> tuple[ClusterStats | None, list[str]]:
+    """Poll GetStats until the service is idle (or `timeout_s`); (last stats, problems)."""
+    end = time.monotonic() + timeout_s
+    st, problems = None, ["GetStats never answered"]
+    while True:
+        try:
+            st = stats_from_proto(await stub.GetStats(pb.GetStatsRequest(), metadata=md,
+                                                      timeout=30))
+            problems = idle_problems(st)
+        except Exception as e:  # noqa: BLE001 - reported as a problem, retried
+            problems = [f"GetStats failed: {e}"]
+        if not problems or time.monotonic() > end:
+            return st, problems
+        await asyncio.sleep(0.5)
+
+
+def metrics_problems(url: str, timeout_s: float = 15.0) -> list[str]:
+    """Non-zero pool gauges (or dead workers) on the Prometheus endpoint, after retries
+    (the server refreshes its gauges every second)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    end = time.monotonic() + timeout_s
+    while True:
+        problems = []
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text = r.read().decode()
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name in METRIC_GAUGES and s.value != 0:
+                        problems.append(f"metrics: {s.name}{s.labels} = {s.value:g}")
+                    if s.name == "pdserve:worker_alive" and s.value != 1:
+                        problems.append(f"metrics: worker {s.labels} not alive")
+        except Exception as e:  # noqa: BLE001 - an unreachable endpoint is a finding
+            problems = [f"metrics endpoint {url}: {e}"]
+        if not problems or time.monotonic() > end:
+            return problems
+        time.sleep(1.0)
+
+
+def reference_tokens(model: str, reqs: list[SoakRequest]) -> dict[str, list[int]]:
+    """engine.LLM's greedy tokens for these requests (one batched offline run)."""
+    from engine import LLM, SamplingParams
+
+    if model == "tiny":
+        from engine.tiny_model import ensure_model
+
+        model = str(ensure_model("tiny", "llama"))
+    llm = LLM(model)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+              for r in reqs]
+    outs = llm.generate([list(r.prompt) for r in reqs], params)
+    return {r.request_id: list(o.token_ids) for r, o in zip(reqs, outs, strict=True)}
+
+
+async def finish_report(runner: SoakRunner, plan: list[SoakRequest], stub, md,
+                        traffic_s: float) -> SoakReport:
+    cfg, records = runner.cfg, runner.records
+    config = asdict(cfg)
+    config["token"] = "***" if cfg.token else None  # never the secret itself
+    report = SoakReport(config=config, summary={})
+    for rec in records.values():
+        if rec.outcome == "hang" or rec.e2e_s > cfg.deadline_s:
+            report.hangs.append(f"{rec.request_id}: {rec.outcome} after {rec.e2e_s:.1f}s")
+        if rec.terminal_count != 1:
+            report.violations.append(f"{rec.request_id}: {rec.terminal_count} terminal statuses")
+        if rec.outcome.startswith("unexpected") or rec.outcome == "pending":
+            report.violations.append(f"{rec.request_id}: {rec.outcome} {rec.message}")
+        report.violations += [f"{rec.request_id}: {v}" for v in rec.violations]
+    t0 = time.monotonic()
+    _, problems = await wait_quiescent(stub, md, cfg.quiesce_timeout_s)
+    quiesce_s = time.monotonic() - t0
+    for p in problems:
+        (report.hangs if "in flight" in p or "num_running" in p else report.leaks).append(p)
+    if cfg.metrics_url:
+        loop = asyncio.get_running_loop()
+        report.leaks += await loop.run_in_executor(None, metrics_problems, cfg.metrics_url)
+    checked, skipped = 0, "no --model given"
+    if cfg.model:
+        greedy = [r for r in plan if r.greedy and records[r.request_id].tokens]
+        loop = asyncio.get_running_loop()
+        ref = await loop.run_in_executor(None, reference_tokens, cfg.model, greedy)
+        for r in greedy:
+            rec, want = records[r.request_id], ref[r.request_id]
+            complete = rec.outcome == "finished"
+            if (rec.tokens != want) if complete else (rec.tokens != want[: len(rec.tokens)]):
+                report.mismatches.append(
+                    f"{r.request_id} ({rec.outcome}, {len(rec.tokens)} tokens): got "
+                    f"{rec.tokens[:12]}..., engine.LLM gives {want[:12]}...")
+            checked += 1
+        skipped = "complete outputs equal, cancelled/failed ones a prefix"
+    report.kills = [asdict(k) for k in runner.kills]
+    report.requests = [asdict(r) for r in records.values()]
+    report.summary = _summary(runner, plan, traffic_s, checked, skipped)
+    report.summary["quiesce_s"] = quiesce_s
+    return report
+
+
+def _summary(runner: SoakRunner, plan: list[SoakRequest], traffic_s: float, checked: int,
+             skipped: str) -> dict[str, Any]:
+    from bench.soak import PHASES, TERMINAL
+
+    recs = runner.records.values()
+    outcomes = Counter(r.outcome for r in recs)
+    ordered = {k: outcomes.pop(k, 0) for k in TERMINAL} | dict(sorted(outcomes.items()))
+    phases = {}
+    for ph in PHASES:
+        planned = [r for r in recs if r.cancel_planned == ph]
+        phases[ph] = {"planned": len(planned),
+                      "cancelled": sum(r.cancel_observed == ph and r.outcome == "CANCELLED"
+                                       for r in recs),
+                      "missed": sum(not r.cancel_sent for r in planned)}
+    other = Counter(r.cancel_observed for r in recs if r.cancel_sent
+                    and r.cancel_observed not in PHASES)
+    for ph, n in other.items():
+        phases[str(ph)] = {"planned": 0, "cancelled": n, "missed": 0}
+    return {
+        "requests": len(plan), "traffic_s": traffic_s, "outcomes": ordered,
+        "kinds": dict(Counter(r.kind for r in plan)), "cancel_phases": phases,
+        "phase_source": "seen by the router" if runner.phase_probe else "seen by the client",
+        "kills": len(runner.kills),
+        "kills_survived": sum(k.back_after_s is not None for k in runner.kills),
+        "tokens_checked": checked, "tokens_skipped": skipped,
+        "ttft_p50_s": _pct([r.ttft_s for r in recs if r.ttft_s is not None], 0.5),
+        "e2e_max_s": max((r.e2e_s for r in recs), default=0.0),
+    }
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return sorted(xs)[int(q * (len(xs) - 1))] if xs else None

@@ -1,0 +1,90 @@
+"""A short soak of the disaggregated service on the tiny model (1 prefill + 1 decode
+worker, tcp KV link, light KV chaos: duplicated, reordered and delayed frames): 200
+requests over gRPC, 30% cancelled at every phase, one decode and one prefill worker
+killed through Ray mid-run. Every request ends with one terminal status, nothing hangs
+or leaks (workers, router and metrics endpoint), and greedy tokens equal engine.LLM's.
+Then the same service answers malformed requests with INVALID_ARGUMENT and keeps
+serving exact tokens.
+
+The long version is a documented command (README / bench/soak.py):
+    pdserve soak --addr HOST:PORT --requests 1000 --cancel-rate 0.3 --kill-every 30 ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.soak import SoakConfig, router_phase_probe, run_soak
+from cluster.client import PdserveClient
+from cluster.config import ServeConfig
+from cluster.faults import find_worker_actors, service_tag
+from cluster.launcher import LaunchOptions, build_disaggregated_router
+from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
+from cluster.server import BackgroundServer
+from engine import LLM, SamplingParams
+from tests.integration.test_grpc_fuzz import MALFORMED, assert_rejected
+
+CHAOS = {"seed": 11, "faults": [
+    {"kind": "duplicate", "probability": 0.02},
+    {"kind": "reorder", "probability": 0.02},
+    {"kind": "delay", "probability": 0.01, "delay_s": 0.05},
+]}
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, tiny_model):
+    cfg = ServeConfig.from_dict({
+        "model": {"path": str(tiny_model), "device": "cpu"},
+        "pools": {"cpus_per_worker": 1.0},
+        # a small decode cache: long prompts make requests wait for admission
+        "cache": {"num_blocks": 320},
+        "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256},
+        "transfer": {"connector": "tcp"},
+        "limits": {"request_timeout_s": 170, "kv_wait_timeout_s": 40},
+        "server": {"port": 0},
+    })
+    router = build_disaggregated_router(cfg, LaunchOptions(fault_injection=CHAOS))
+    router.metrics = ServiceMetrics()
+    port = serve_metrics(router.metrics, 0)
+    srv = BackgroundServer(router, cfg, health_poll_s=0.2)
+    srv.start()
+    refresher = asyncio.run_coroutine_threadsafe(refresh_loop(router, router.metrics), srv.loop)
+    yield srv, router, f"http://127.0.0.1:{port}/metrics"
+    refresher.cancel()
+    srv.stop(drain_timeout_s=0)
+
+
+def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model):
+    srv, router, metrics_url = service
+    tag = service_tag(router.prefill[0].actor)
+    assert {w.role for w in find_worker_actors(tag)} == {"prefill", "decode"}
+    cfg = SoakConfig(
+        addr=srv.address, requests=200, rate=5.0, cancel_rate=0.3, kill_every_s=6.0,
+        max_kills=2, actor_tag=tag, model=str(tiny_model), metrics_url=metrics_url,
+        deadline_s=170.0, quiesce_timeout_s=90.0, seed=0, output_scale=0.5,
+        prompt_scale=0.8)
+    report = asyncio.run(run_soak(cfg, phase_probe=router_phase_probe(router)))
+    print(report.table())
+    assert report.ok, report.table()
+    s = report.summary
+    assert sorted(k["role"] for k in report.kills) == ["decode", "prefill"]
+    assert s["kills_survived"] == 2 and all(w.restarts >= 1 for w in router.workers)
+    assert s["outcomes"]["finished"] > 0 and s["tokens_checked"] > 0
+    assert sum(s["outcomes"].values()) == 200
+    for phase in ("queued", "prefill", "transfer", "decode"):
+        assert s["cancel_phases"][phase]["cancelled"] > 0, (phase, s["cancel_phases"])
+
+
+def test_after_the_soak_malformed_requests_are_rejected_and_tokens_stay_exact(service,
+                                                                               tiny_model):
+    srv, router, _ = service
+    with PdserveClient(srv.address, timeout=120) as client:
+        for name, (body, _) in MALFORMED.items():
+            assert_rejected(client, body, name)
+        prompt = list(range(5, 60))
+        got = client.complete(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        want = LLM(str(tiny_model)).generate([prompt], SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+        assert list(got.token_ids) == want and got.finish_reason == "length"
