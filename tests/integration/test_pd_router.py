@@ -53,7 +53,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n == "2P2D-ray-eager" else n for n in CONFIGS])
 def test_sixteen_concurrent_requests_match_colocated(start_router, reference, name):
     runner = start_router(CONFIGS[name])
     ps = prompts(16, seed=len(name))

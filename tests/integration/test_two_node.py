@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # tests/integration/test_deploy_cluster.py covers two nodes in `make test`
 def test_two_node_cluster_same_tokens(tiny_model):
     # its own process: this pytest process may already be attached to another Ray
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
