@@ -23,15 +23,14 @@ RX_CFG = TransferConfig(connector="ray", failure_timeout_s=2.0)  # what the rece
 
 
 @pytest.fixture(scope="module")
-def actors():
-    """Two receiving actors, started together (each start imports torch: seconds on CI)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+def actors(ray_session):
+    """Two receiving actors on the session's Ray (which this module must not shut down)."""
     shared = DecodeStub.options(name="decode-shared").remote(RX_CFG, "decode-shared", 32)
     doomed = DecodeStub.options(name="decode-dies").remote(RX_CFG, "decode-dies", 16)
     ray.get([shared.allocate.remote({}), doomed.allocate.remote({})])
     yield shared, doomed
-    ray.shutdown()
+    for actor in (shared, doomed):
+        ray.kill(actor)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
