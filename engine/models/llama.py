@@ -46,8 +46,16 @@ class RMSNorm(nn.Module):
 
 def _fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
     """Concatenate the `name` parameters of `linears` along dim 0 and re-point each one
-    at its slice of the result (a view: no second copy of the weights is kept)."""
+    at its slice of the result (a view: no second copy of the weights is kept).
+
+    A fused weight `[N, K]` is stored transposed (`[K, N]` contiguous, seen through
+    `.t()`), so `F.linear` runs a plain `x @ W_t` GEMM: on CPU BLAS this skips the
+    per-call repacking of the transposed operand that makes small-batch (decode) GEMMs
+    cost several times a GEMV.
+    """
     fused = torch.cat([getattr(m, name).detach() for m in linears])
+    if fused.dim() == 2:
+        fused = fused.t().contiguous().t()
     start = 0
     for m in linears:
         n = getattr(m, name).shape[0]
@@ -199,11 +207,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse(self) -> None:
-        """Fuse q/k/v and gate/up projections into single GEMMs. Call once the weights
-        are final (after loading and any `.to()`); parameter names stay the same."""
+        """Fuse q/k/v and gate/up projections into single GEMMs and store every
+        projection weight transposed (see `_fuse_params`). Call once the weights are
+        final (after loading and any `.to()`); parameter names and values stay the same."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            _fuse_params((layer.self_attn.o_proj,), "weight")
+            _fuse_params((layer.mlp.down_proj,), "weight")
+        if self.lm_head.weight is not self.model.embed_tokens.weight:
+            _fuse_params((self.lm_head,), "weight")  # (a tied one serves embedding rows)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim / 2]

@@ -123,7 +123,8 @@ def test_cancel_while_decoding(start_router):
 def test_worker_killed_mid_run_every_request_ends(start_router, tiny_model, victim):
     runner = start_router({"transfer": {"connector": "tcp"},
                            "scheduler": {"max_prefill_chunk": 16, "max_num_batched_tokens": 32},
-                           "limits": {"request_timeout_s": 120}})
+                           # wait for Ray's restart even on a loaded 2-core CI machine
+                           "limits": {"request_timeout_s": 140, "restart_grace_s": 100}})
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [tuple(range(1 + i, 300 + 37 * i)) for i in range(6)]
     specs = [GenerateSpec(f"{victim}-kill-{i}", p, sp) for i, p in enumerate(prompts)]

@@ -1,0 +1,290 @@
+"""engine.LLM vs transformers on one machine, side by side, same model, same threads.
+
+Workload: N prompts with seeded random lengths in [min_len, max_len] and random token ids,
+each generating exactly `output_len` tokens (greedy, EOS ignored). Figures are output
+tokens per second of wall time for:
+
+- engine       `engine.LLM.generate` (paged KV, chunked prefill, continuous batching)
+- hf-padded    transformers `model.generate` on left-padded batches (how most users call it)
+- hf-cb        transformers' own continuous batching, `model.generate_batch` (paged cache)
+
+It also prints the engine's decode step time at batch 1 as a fraction of the memory-
+bandwidth roof: a decode step must read every weight once, so it cannot beat
+`weight bytes / bandwidth`, with bandwidth measured by a large memcpy in the same run
+(STREAM convention: bytes read + bytes written per second).
+
+Wall time is the figure; each peer's process CPU time is printed too, because on a shared
+machine other processes stretch wall time (with one thread, CPU time is the work done).
+
+    python -m bench.engine_vs_hf --quick            # a couple of minutes
+    python -m bench.engine_vs_hf --json out.json    # the full workload (10+ min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PEERS = ("engine", "hf-padded", "hf-cb")
+PRESET, ARCH = "qwen2-0.5b-shape", "qwen2"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine_vs_hf",
+        description="Output tokens/s of engine.LLM vs transformers generate (padded batch) "
+        "and transformers continuous batching, on the same model and thread count.",
+    )
+    p.add_argument("--model-dir", default=None,
+                   help=f"HF model directory (default: the {PRESET} model in "
+                   "~/.cache/pdserve/models, written there if absent)")
+    p.add_argument("--num-prompts", type=int, default=32, help="number of prompts (default 32)")
+    p.add_argument("--min-len", type=int, default=32, help="shortest prompt, tokens (default 32)")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="longest prompt, tokens (default 1024)")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="tokens generated per prompt, EOS ignored (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for every peer (default: torch's default, "
+                   "the number of physical cores)")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated subset of {','.join(PEERS)} (default: all)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per step for the engine and for hf-cb (default 512)")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="prompts per padded transformers generate call (default: all at once)")
+    p.add_argument("--decode-steps", type=int, default=8,
+                   help="batch-1 decode steps timed for the roofline figure (default 8; 0 skips)")
+    p.add_argument("--quick", action="store_true",
+                   help="small workload (8 prompts of 32..256 tokens, 16 output tokens) that "
+                   "finishes in a couple of minutes")
+    p.add_argument("--json", metavar="OUT", default=None, help="also write all figures to OUT")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.min_len, args.max_len, args.output_len = 8, 32, 256, 16
+        args.decode_steps = min(args.decode_steps, 4)
+    peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    bad = [x for x in peers if x not in PEERS]
+    if bad or not peers:
+        p.error(f"--peers: unknown {bad}; choose from {PEERS}")
+    args.peers = peers
+    if not 1 <= args.min_len <= args.max_len:
+        p.error("--min-len must be >= 1 and <= --max-len")
+    for name in ("num_prompts", "output_len", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=n)
+    return [rng.integers(1, vocab, size=int(L)).tolist() for L in lengths]
+
+
+def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Best-of-`repeats` copy bandwidth in bytes/s, counting read + write traffic."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def run_engine(model_dir, prompts, args, result: dict) -> list[list[int]]:
+
+    from engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), max_num_seqs=len(prompts),
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=max(len(p) for p in prompts) + args.output_len + 1)
+    result["load_s"] = time.perf_counter() - t0
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompts[0][:8]], warm)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    t, c = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, sp)
+    result["wall_s"], result["cpu_s"] = time.perf_counter() - t, time.process_time() - c
+    result["steps"] = llm.num_steps
+    assert llm.block_manager.num_used_blocks == 0
+    if args.decode_steps:  # batch-1 decode step (after its prefill) for the roofline figure
+        r = llm.add_request(prompts[0][:16], SamplingParams(
+            temperature=0.0, max_tokens=args.decode_steps + 2, ignore_eos=True))
+        while r.status.name in ("WAITING", "PREFILLING"):
+            llm.step()
+        times = []
+        while llm.has_unfinished():
+            t = time.perf_counter()
+            llm.step()
+            times.append(time.perf_counter() - t)
+        result["decode_b1_step_s"] = statistics.median(times)
+        params = {id(p): p for p in llm.runner.model.parameters()}  # tied weights once
+        result["weight_bytes"] = sum(p.numel() * p.element_size() for p in params.values())
+    return [o.token_ids for o in outs]
+
+
+def _hf_model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def run_hf_padded(model_dir, prompts, args, result: dict) -> list[list[int]]:
+    import torch
+
+    t0 = time.perf_counter()
+    model = _hf_model(model_dir)
+    result["load_s"] = time.perf_counter() - t0
+    pad = model.generation_config.pad_token_id or model.config.eos_token_id or 0
+    bs = args.hf_batch_size or len(prompts)
+    result["batch_size"] = bs
+
+    def generate(batch: list[list[int]], n: int) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        return out[:, width:].tolist()
+
+    generate([prompts[0][:8]], 2)  # warm-up
+    t, c = time.perf_counter(), time.process_time()
+    outs: list[list[int]] = []
+    for i in range(0, len(prompts), bs):
+        outs += generate(prompts[i : i + bs], args.output_len)
+    result["wall_s"], result["cpu_s"] = time.perf_counter() - t, time.process_time() - c
+    result["padded_prompt_tokens"] = sum(
+        len(prompts[i : i + bs]) * max(len(p) for p in prompts[i : i + bs])
+        for i in range(0, len(prompts), bs))
+    return outs
+
+
+def run_hf_cb(model_dir, prompts, args, result: dict) -> list[list[int]]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    t0 = time.perf_counter()
+    model = _hf_model(model_dir)
+    result["load_s"] = time.perf_counter() - t0
+    page = 256  # transformers' default page size
+    per_seq = -(-(max(len(p) for p in prompts) + args.output_len) // page)
+    cb = ContinuousBatchingConfig(
+        num_blocks=per_seq * len(prompts) + 4,  # room for every request at once
+        max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=len(prompts),
+    )
+    result["attn_implementation"] = model.config._attn_implementation
+
+    def generate(batch: list[list[int]], n: int) -> list[list[int]]:
+        gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1,
+                               pad_token_id=0)
+        out = model.generate_batch(batch, generation_config=gen, continuous_batching_config=cb)
+        return [list(o.generated_tokens) for o in out.values()]
+
+    generate([prompts[0][:8]], 2)  # warm-up
+    t, c = time.perf_counter(), time.process_time()
+    outs = generate(prompts, args.output_len)
+    result["wall_s"], result["cpu_s"] = time.perf_counter() - t, time.process_time() - c
+    return outs
+
+
+RUNNERS = {"engine": run_engine, "hf-padded": run_hf_padded, "hf-cb": run_hf_cb}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads is not None:  # before torch starts its pools
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+    import torch
+
+    from engine.loader import load_model_config
+    from engine.tiny_model import ensure_model
+
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir) if args.model_dir else ensure_model(PRESET, ARCH)
+    cfg = load_model_config(model_dir)
+    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, cfg.vocab_size,
+                           args.seed)
+    n_prompt = sum(len(p) for p in prompts)
+    print(f"model {model_dir} ({cfg.architecture}, {cfg.num_layers} layers, "
+          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), fp32, {args.threads} threads, "
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print(f"workload: {len(prompts)} prompts, {n_prompt} prompt tokens "
+          f"(lengths {args.min_len}..{args.max_len}, seed {args.seed}), "
+          f"{args.output_len} output tokens each", flush=True)
+    report: dict = {"args": {k: v for k, v in vars(args).items()}, "model_dir": str(model_dir),
+                    "prompt_tokens": n_prompt, "peers": {}}
+    outputs: dict[str, list[list[int]]] = {}
+    for name in args.peers:
+        res: dict = {}
+        outputs[name] = RUNNERS[name](model_dir, prompts, args, res)
+        gc.collect()  # the peer's model goes before the next one loads
+        torch.set_num_threads(args.threads)
+        n_out = sum(len(o) for o in outputs[name])
+        res["output_tokens"] = n_out
+        res["output_tok_s"] = n_out / res["wall_s"]
+        res["total_tok_s"] = (n_out + n_prompt) / res["wall_s"]
+        report["peers"][name] = res
+        print(f"{name:10s} {res['output_tok_s']:8.2f} output tok/s  "
+              f"({n_out} tokens in {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s CPU; "
+              f"prompt+output {res['total_tok_s']:.1f} tok/s; load {res['load_s']:.1f} s)",
+              flush=True)
+        if n_out != len(prompts) * args.output_len:
+            print(f"  warning: {name} produced {n_out} tokens, expected "
+                  f"{len(prompts) * args.output_len}")
+    if "engine" in outputs:
+        for name in outputs:
+            if name != "engine":
+                same = sum(a == b for a, b in zip(outputs["engine"], outputs[name], strict=True))
+                report["peers"][name]["greedy_equal_to_engine"] = same
+                print(f"{name}: greedy outputs equal to the engine's for {same}/{len(prompts)} "
+                      "prompts")
+        eng = report["peers"]["engine"]
+        for name in outputs:
+            if name != "engine":
+                peer = report["peers"][name]
+                ratio = eng["output_tok_s"] / peer["output_tok_s"]
+                cpu_ratio = peer["cpu_s"] / eng["cpu_s"]
+                report[f"ratio_vs_{name}"] = ratio
+                report[f"cpu_ratio_vs_{name}"] = cpu_ratio
+                print(f"ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
+        if "decode_b1_step_s" in eng:
+            bw = memcpy_bandwidth()
+            roof = eng["weight_bytes"] / bw
+            frac = roof / eng["decode_b1_step_s"]
+            report["roofline"] = {"memcpy_bytes_per_s": bw, "weight_bytes": eng["weight_bytes"],
+                                  "roof_step_s": roof, "decode_b1_step_s": eng["decode_b1_step_s"],
+                                  "fraction_of_roof": frac}
+            print(f"decode step at batch 1: {1000 * eng['decode_b1_step_s']:.1f} ms; roof "
+                  f"{1000 * roof:.1f} ms ({eng['weight_bytes'] / 1e9:.2f} GB of weights at "
+                  f"{bw / 1e9:.1f} GB/s memcpy) -> {100 * frac:.0f}% of the bandwidth roof")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
