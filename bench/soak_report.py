@@ -17,7 +17,8 @@ from cluster.types import ClusterStats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from bench.soak import SoakRequest, SoakRunner
+    from bench.soak import SoakRunner
+    from bench.soak_plan import SoakRequest
 
 # per worker: counters that must be zero once the service is idle
 IDLE_FIELDS = ("kv_blocks_used", "num_running", "num_waiting", "queue_depth", "send_queue_depth")
@@ -199,7 +200,7 @@ async def finish_report(runner: SoakRunner, plan: list[SoakRequest], stub, md,
 
 def _summary(runner: SoakRunner, plan: list[SoakRequest], traffic_s: float, checked: int,
              skipped: str) -> dict[str, Any]:
-    from bench.soak import PHASES, TERMINAL
+    from bench.soak_plan import PHASES, TERMINAL
 
     recs = runner.records.values()
     outcomes = Counter(r.outcome for r in recs)

@@ -18,6 +18,7 @@ from cluster.worker_runtime import WorkerLoop
 from cluster.worker_spec import WorkerSpec
 from engine.llm import LLM
 from engine.messages import FIRST_TOKEN, PREFILL_DONE, TOKENS, DecodeTask, PrefillTask, WorkerEvent
+from engine.tombstones import Tombstones
 
 
 class ColocatedEngine:
@@ -29,12 +30,15 @@ class ColocatedEngine:
         self.sent: dict[str, int] = {}
         self.arrival: dict[str, float] = {}
         self.last_step_ran = False
+        self.aborted_early = Tombstones()
 
     @property
     def has_work(self) -> bool:
         return self.llm.has_unfinished()
 
     def add(self, task: PrefillTask) -> None:
+        if self.aborted_early.claim(task.request_id):
+            return  # its abort overtook it (threaded actor): the router already left
         self.llm.add_request(list(task.prompt_token_ids), task.sampling, task.request_id)
         self.sent[task.request_id] = 0
         self.arrival[task.request_id] = time.monotonic()
@@ -42,7 +46,10 @@ class ColocatedEngine:
     def abort(self, request_id: str) -> bool:
         self.llm.abort(request_id)
         self.arrival.pop(request_id, None)
-        return self.sent.pop(request_id, None) is not None
+        if self.sent.pop(request_id, None) is None:
+            self.aborted_early.bury(request_id)
+            return False
+        return True
 
     def step(self) -> list[WorkerEvent]:
         touched = self.llm.step()

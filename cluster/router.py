@@ -236,8 +236,10 @@ class Router:
             raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
         except Exception as e:  # the prefill actor died under us: next leg
             log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
+            if flight.leg_id != leg_id or flight.done:
+                return  # already re-dispatched (its decode died) or ended meanwhile
+            await self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
             self.pump.mark_dead(prefill)
-            await self._end_leg(flight)
             await self.dispatch(flight)
 
     async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle:

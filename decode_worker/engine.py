@@ -18,6 +18,7 @@ from engine.messages import FAILED, PREEMPTED, TOKENS, DecodeTask, WorkerEvent
 from engine.model_runner import ModelRunner
 from engine.request import RequestStatus
 from engine.sampler import sample
+from engine.tombstones import Tombstones
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
 
@@ -45,6 +46,7 @@ class DecodeEngine:
         self.receiver = receiver
         self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
         self.started: dict[str, float] = {}  # request_id -> monotonic decode start
+        self.aborted_early = Tombstones()
         self.num_steps = 0
         self.last_step_ran = False
         self.step_seconds = 0.0
@@ -53,6 +55,8 @@ class DecodeEngine:
     def reserve(self, task: DecodeTask) -> bool:
         if self.faults is not None and self.faults.refuse_admission(task.request_id):
             return False  # as if full: the router tries another worker, then waits
+        if self.aborted_early.claim(task.request_id):
+            return False  # its abort overtook it: the router has already left
         ok = self.scheduler.reserve(task)
         if ok:
             self.receiver.expect(task.request_id)
@@ -61,7 +65,10 @@ class DecodeEngine:
     def abort(self, request_id: str) -> bool:
         self.receiver.abort(request_id)
         self.started.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        if self.scheduler.abort(request_id) is not None:
+            return True
+        self.aborted_early.bury(request_id)
+        return False
 
     def headroom_blocks(self) -> int:
         return self.scheduler.promised_free_blocks()
@@ -80,7 +87,8 @@ class DecodeEngine:
             return events
         t0, wall0 = time.monotonic(), time.time()
         ids, logits = self.runner.execute([i.to_chunk() for i in items])
-        reqs = [i.request for i in items]
+        by_id = {i.request.request_id: i.request for i in items}
+        reqs = [by_id[rid] for rid in ids]  # the rows in execute()'s order
         tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
         now = time.monotonic()
         for r, tok in zip(reqs, tokens, strict=True):

@@ -42,6 +42,9 @@ _FINISH_REASON = {
 }
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -65,7 +68,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, logits / T overflows fp32: such a temperature means argmax anyway
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass

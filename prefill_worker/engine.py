@@ -16,6 +16,7 @@ from engine.messages import FAILED, FIRST_TOKEN, PREFILL_DONE, PrefillTask, Work
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampler import sample
+from engine.tombstones import Tombstones
 from engine.tracing import TraceRecorder
 from engine.validation import validate_prompt
 from kv_transfer.base import KVChunk, KVSender
@@ -56,6 +57,7 @@ class PrefillEngine:
         self.last_step_ran = False
         self.chunk_sizes: dict[int, int] = {}  # chunk size -> chunks run (cumulative)
         self.step_seconds = 0.0
+        self.aborted_early = Tombstones()
 
     # ---- commands (called on the worker's loop thread) ----------------------------------
     def add(self, task: PrefillTask) -> None:
@@ -64,6 +66,8 @@ class PrefillEngine:
                         self.config.scheduler.max_model_len)
         if task.request_id in self.jobs:
             raise ValueError(f"request_id {task.request_id!r} is already active")
+        if self.aborted_early.claim(task.request_id):
+            return  # its abort overtook it: the router has already ended this leg
         req = Request(task.request_id, list(task.prompt_token_ids), task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
         self.jobs[task.request_id] = _Job(task, req, time.monotonic())
@@ -71,6 +75,8 @@ class PrefillEngine:
 
     def abort(self, request_id: str) -> bool:
         job = self.jobs.pop(request_id, None)
+        if job is None:
+            self.aborted_early.bury(request_id)
         self.scheduler.abort(request_id)
         self.sender.abort(request_id)
         return job is not None
@@ -89,7 +95,9 @@ class PrefillEngine:
                 job.first_scheduled = t0
         ids, logits = self.runner.execute([i.to_chunk() for i in items])
         self.scheduler.advance(items)
-        done = [i.request for i in items if i.completes_prefill]
+        # execute() returns its sampled rows in its own order (1-token chunks first)
+        finishing = {i.request.request_id: i.request for i in items if i.completes_prefill}
+        done = [finishing[rid] for rid in ids]
         firsts = dict(zip(ids, sample(
             logits, [r.sampling_params for r in done], [r.generator for r in done]
         ), strict=True)) if done else {}

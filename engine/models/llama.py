@@ -82,8 +82,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(); q/k/v weights view it
-        self.qkv_bias: torch.Tensor | None = None
+        # set by fuse(); the q/k/v weights view it. Buffers, so that `.to()` moves them.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -145,8 +146,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
-        self.gate_up_bias: torch.Tensor | None = None
+        self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
+        self.register_buffer("gate_up_bias", None, persistent=False)
 
     @torch.no_grad()
     def fuse(self) -> None:

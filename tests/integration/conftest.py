@@ -93,9 +93,10 @@ class RouterRunner:
             self._thread.join(5)
 
 
-@pytest.fixture(scope="session")
-def start_router(ray_session, tiny_model) -> Callable[..., RouterRunner]:
-    """start_router({'transfer': {...}}, launch_options) -> a RouterRunner (closed at end)."""
+def _router_factory(tiny_model):
+    """A `start(overrides, launch_options) -> RouterRunner` and the runners it started."""
+    import ray
+
     from cluster.config import ServeConfig
     from cluster.launcher import LaunchOptions, build_disaggregated_router
 
@@ -106,13 +107,44 @@ def start_router(ray_session, tiny_model) -> Callable[..., RouterRunner]:
                 "pools": {"cpus_per_worker": 1.0}}
         for section, values in (overrides or {}).items():
             data.setdefault(section, {}).update(values)
-        runner = RouterRunner(build_disaggregated_router(ServeConfig.from_dict(data), opts))
+        cfg = ServeConfig.from_dict(data)
+        p = cfg.pools
+        need = (p.prefill_workers + p.decode_workers) * p.cpus_per_worker
+        # a killed actor's CPUs come back a moment after ray.kill; past that, fail naming
+        # the cause instead of waiting out the launcher's placement timeout
+        end = time.monotonic() + 30
+        while (free := ray.available_resources().get("CPU", 0.0)) < need \
+                and time.monotonic() < end:
+            time.sleep(0.2)
+        assert free >= need, (f"the test Ray has {free:g} CPUs free, this router needs "
+                              f"{need:g}: an earlier test leaked its worker actors")
+        runner = RouterRunner(build_disaggregated_router(cfg, opts))
         runners.append(runner)
         return runner
 
-    yield start
+    return start, runners
+
+
+def _close_all(runners: list[RouterRunner]) -> None:
     for r in runners:
         try:
             r.close()
         except Exception:
             pass
+
+
+@pytest.fixture
+def start_router(ray_session, tiny_model) -> Callable[..., RouterRunner]:
+    """start_router({'transfer': {...}}, launch_options) -> a RouterRunner, closed when the
+    test ends (its worker actors are killed and their CPUs freed)."""
+    start, runners = _router_factory(tiny_model)
+    yield start
+    _close_all(runners)
+
+
+@pytest.fixture(scope="module")
+def start_module_router(ray_session, tiny_model) -> Callable[..., RouterRunner]:
+    """Like start_router, for module-scoped fixtures: closed when the module ends."""
+    start, runners = _router_factory(tiny_model)
+    yield start
+    _close_all(runners)

@@ -44,9 +44,10 @@ PLAN = {"seed": 3, "faults": [
 
 
 @pytest.fixture(scope="module")
-def runner(start_router):
-    r = start_router({
-        "pools": {"prefill_workers": 1, "decode_workers": 2},
+def runner(start_module_router):
+    r = start_module_router({
+        # half a CPU each: modules before this one may still hold CPUs of the session's Ray
+        "pools": {"prefill_workers": 1, "decode_workers": 2, "cpus_per_worker": 0.5},
         "transfer": {"connector": "tcp", "failure_timeout_s": 4.0},
         "scheduler": {"max_prefill_chunk": 32, "max_num_batched_tokens": 64},
         "limits": {"kv_wait_timeout_s": KV_WAIT_S, "request_timeout_s": 150},
@@ -89,8 +90,23 @@ def run(runner, name: str, n: int = 2, sp: SamplingParams = GREEDY):
     return ps, results
 
 
+def extras(runner, timeout: float = 60.0) -> dict[str, dict[str, float]]:
+    """Every worker's stats counters; retried while one is missing (a stats call that
+    timed out under load reports an empty dict, which must not read as zero)."""
+    end = time.monotonic() + timeout
+    while True:
+        out = {w.worker_id: w.extra for w in runner.stats().workers}
+        if all(out.values()) or time.monotonic() > end:
+            return out
+        time.sleep(0.5)
+
+
 def fired(runner, kind: str) -> dict[str, float]:
-    return {w.worker_id: w.extra.get(f"fault_{kind}", 0.0) for w in runner.stats().workers}
+    return {w: extra.get(f"fault_{kind}", 0.0) for w, extra in extras(runner).items()}
+
+
+def counter(runner, name: str) -> float:
+    return sum(extra.get(name, 0.0) for extra in extras(runner).values())
 
 
 def assert_clean(runner, timeout: float = 60.0) -> None:
@@ -139,9 +155,8 @@ def test_corrupt_kv_is_caught_by_the_checksum_and_redispatched(runner, reference
     assert_exact(results, reference(ps))
     for i in range(2):
         assert any("checksum mismatch" in w for w in redispatches()[f"corrupt-{i}"])
-    assert sum(v for k, v in fired(runner, "corrupt").items()) >= 2
-    checks = sum(w.extra.get("kv_checksum_failures", 0) for w in runner.stats().workers)
-    assert checks >= 2
+    assert sum(fired(runner, "corrupt").values()) >= 2
+    assert counter(runner, "kv_checksum_failures") >= 2
     assert_clean(runner)
 
 
@@ -154,11 +169,12 @@ def test_duplicated_reordered_delayed_or_briefly_stalled_kv_gives_the_same_token
     assert not any(rid.startswith(f"{name}-") for rid in redispatches())
     assert fired(runner, kind)["prefill-0"] > 0
     if kind == "duplicate":
-        assert sum(w.extra.get("kv_duplicate_frames", 0) for w in runner.stats().workers) > 0
+        assert counter(runner, "kv_duplicate_frames") > 0
     assert_clean(runner)
 
 
-@pytest.mark.slow  # flaky under load in this session's CI dry run; see issue 7 note
+@pytest.mark.slow  # flaky under load in the lead's CI dry run (maybe a stats call timing
+# out: fired() now retries those); 5/5 passes here since, left in test-slow for now
 def test_link_stalled_past_the_failure_timeout_fails_and_the_request_is_redispatched(
         runner, reference, redispatches):
     before = fired(runner, "stall")["prefill-0"]
@@ -219,10 +235,6 @@ class _AddFailsOnce:
         return _Method()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "BUG (reported): Router.dispatch re-dispatches a failed add() itself AND through "
-    "mark_dead (the leg is already in prefill.legs): two new legs, one orphaned, and the "
-    "prefill handle keeps a stale leg and its outstanding tokens forever"))
 def test_prefill_dying_under_add_is_redispatched_once(runner, reference):
     router = runner.router
     handle = router.prefill[0]

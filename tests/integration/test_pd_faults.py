@@ -49,9 +49,9 @@ def _leg_on(router, rid: str, role: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def slow_link_runner(start_router):
+def slow_link_runner(start_module_router):
     # at_end + a slow paced link: the first token arrives long before the KV does
-    return start_router({
+    return start_module_router({
         "transfer": {"connector": "tcp", "send_policy": "at_end", "rate_gbps": 0.004},
         "cache": {"num_blocks": 200},
         "scheduler": {"max_prefill_chunk": 16, "max_num_batched_tokens": 16},
@@ -132,7 +132,10 @@ def test_worker_killed_mid_run_every_request_ends(start_router, tiny_model, vict
 
     async def go():
         tasks = [asyncio.ensure_future(_outcome(runner.router.generate(s))) for s in specs]
-        await asyncio.sleep(1.0)
+        end = time.monotonic() + 60
+        while not pool[0].legs:  # kill it while it holds requests
+            assert time.monotonic() < end, f"{victim}-0 never got a request"
+            await asyncio.sleep(0.01)
         ray.kill(pool[0].actor, no_restart=False)  # Ray restarts it (max_restarts)
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
 
@@ -148,7 +151,8 @@ def test_worker_killed_mid_run_every_request_ends(start_router, tiny_model, vict
     assert any(not isinstance(last, RouterError) for _, last in outcomes)
     # the pool recovers: the restarted worker is adopted again and serves exact tokens
     deadline = time.monotonic() + 90
-    while not all(w.alive for w in pool) and time.monotonic() < deadline:
+    while not (all(w.alive for w in pool) and pool[0].restarts >= 1) \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
     assert all(w.alive for w in pool) and pool[0].restarts >= 1
     toks, last = runner.generate(GenerateSpec(f"{victim}-after", prompts[0], sp))

@@ -37,12 +37,14 @@ CHAOS = {"seed": 11, "faults": [
 def service(ray_session, tiny_model):
     cfg = ServeConfig.from_dict({
         "model": {"path": str(tiny_model), "device": "cpu"},
-        "pools": {"cpus_per_worker": 1.0},
+        # half a CPU each: modules before this one may still hold CPUs of the session's Ray
+        "pools": {"cpus_per_worker": 0.5},
         # a small decode cache: long prompts make requests wait for admission
         "cache": {"num_blocks": 320},
         "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256},
         "transfer": {"connector": "tcp"},
-        "limits": {"request_timeout_s": 170, "kv_wait_timeout_s": 40},
+        # a killed worker is back in ~15-30 s here: queued requests wait for it
+        "limits": {"request_timeout_s": 170, "kv_wait_timeout_s": 40, "restart_grace_s": 60},
         "server": {"port": 0},
     })
     router = build_disaggregated_router(cfg, LaunchOptions(fault_injection=CHAOS))

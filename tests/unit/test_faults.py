@@ -258,3 +258,53 @@ def test_refused_admission_reserves_nothing(tiny_model):
     assert pair.decode.faults.stats() == {"fault_refuse_admission": 2}
     pair.leak_check()
     pair.close()
+
+
+# ---- service bugs the soak found (deterministic repros, now fixed) ---------------------
+def test_a_one_token_final_chunk_is_sampled_with_its_own_params(tiny_model):
+    from engine import LLM, SamplingParams
+
+    want = LLM(str(tiny_model)).generate([[9], [11]], greedy(3))
+    for trial, prompt in enumerate(([9], [11])):
+        pair = PDPair(tiny_model, chunk=64, budget=256)
+        # a hot sampled request completes its prompt in the same step, listed first
+        pair.submit("hot", list(range(100, 140)),
+                    SamplingParams(temperature=5.0, max_tokens=3, seed=trial))
+        pair.submit("cold", prompt, greedy(3))  # a 1-token chunk: run as a decode row
+        _run(pair)
+        assert pair.outputs["cold"] == want[trial].token_ids
+        pair.leak_check()
+        pair.close()
+
+
+def test_an_abort_that_overtakes_its_add_leaves_no_orphan_prefill_job(tiny_model):
+    pair, _ = _pair(tiny_model)
+    pair.prefill.abort("late")  # the router's abort, run first
+    eos = pair.prefill.config.model.eos_token_ids
+    try:
+        pair.prefill.add(PrefillTask("late", tuple(range(1, 30)), greedy(4),
+                                     pair.receiver.endpoint, eos))
+    except ValueError:
+        pass  # refusing the late add is a fine fix too
+    end = time.monotonic() + 30
+    while pair.prefill.scheduler.has_work and time.monotonic() < end:
+        pair.prefill.step()  # the router ignores the events of a leg it ended
+    for _ in range(200):  # then let the sender report
+        pair.prefill.step()
+        time.sleep(0.005)
+    assert not pair.prefill.jobs and not pair.prefill.has_work
+    pair.close()
+
+
+def test_an_abort_that_overtakes_its_reserve_leaves_no_promise(tiny_model):
+    pair, _ = _pair(tiny_model)
+    eos = pair.decode.config.model.eos_token_ids
+    free = pair.decode.headroom_blocks()
+    assert pair.decode.abort("late") is False  # the router's abort of a cancelled client
+    assert pair.decode.reserve(DecodeTask("late", 29, greedy(4), eos)) is False
+    assert pair.decode.headroom_blocks() == free
+    # the id is not refused forever: only that one overtaken reserve was dropped
+    assert pair.decode.reserve(DecodeTask("late", 29, greedy(4), eos)) is True
+    assert pair.decode.abort("late") is True
+    pair.leak_check()
+    pair.close()
