@@ -3,6 +3,7 @@ actors, and hand back a Router that owns them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -157,6 +158,18 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
 
 
 def _wait_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
+    """Wait for every actor's ready(); on failure kill them all (no half-started pool
+    keeps holding the cluster's CPUs and GPUs) and raise."""
+    try:
+        _wait_all_ready(handles, plan)
+    except BaseException:
+        for h in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(h.actor, no_restart=True)
+        raise
+
+
+def _wait_all_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
     refs = {h.actor.ready.remote(): h for h in handles}
     deadline = time.monotonic() + READY_TIMEOUT_S
     pending = list(refs)
