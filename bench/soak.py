@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from tqdm import tqdm
 
 from bench.soak_plan import PHASES, TERMINAL, SoakConfig, SoakRequest, build_plan
 from bench.soak_report import SoakReport, finish_report
@@ -84,6 +85,7 @@ class SoakRunner:
         self.kills: list[KillRecord] = []
         self._t0 = 0.0
         self._traffic_done = asyncio.Event()
+        self._bar = None
 
     async def run(self) -> SoakReport:
         cfg = self.cfg
@@ -101,8 +103,13 @@ class SoakRunner:
                 actors = await asyncio.get_running_loop().run_in_executor(
                     None, find_victims, cfg.ray_address, cfg.actor_tag)
             self._t0 = time.monotonic()
+            self._bar = tqdm(total=len(plan), desc="soak", unit="req", leave=False,
+                             disable=not cfg.progress)
             chaos = asyncio.ensure_future(self._chaos(actors))
-            await asyncio.gather(*(self._one(stub, md, r) for r in plan))
+            try:
+                await asyncio.gather(*(self._one(stub, md, r) for r in plan))
+            finally:
+                self._bar.close()
             self._traffic_done.set()
             await chaos
             traffic_s = time.monotonic() - self._t0
@@ -143,10 +150,15 @@ class SoakRunner:
         except asyncio.CancelledError:
             if not rec.cancel_sent:
                 raise  # the soak itself is being cancelled
-            self._ended(rec, "CANCELLED", "cancelled by the soak")
+            if rec.terminal_count:  # our cancel raced the final message, which won
+                rec.outcome, rec.message = "finished", "cancel sent as the stream ended"
+            else:
+                self._ended(rec, "CANCELLED", "cancelled by the soak")
         except grpc.aio.AioRpcError as e:
             code = e.code().name
-            if code == "CANCELLED" and rec.cancel_sent:
+            if code == "CANCELLED" and rec.cancel_sent and rec.terminal_count:
+                rec.outcome, rec.message = "finished", "cancel sent as the stream ended"
+            elif code == "CANCELLED" and rec.cancel_sent:
                 self._ended(rec, "CANCELLED", e.details() or "")
             elif code == "DEADLINE_EXCEEDED":
                 self._ended(rec, "hang", f"no end within {self.cfg.deadline_s:g}s")
@@ -160,6 +172,8 @@ class SoakRunner:
             if timer is not None:
                 timer.cancel()
             rec.e2e_s = time.monotonic() - t0
+            self._bar.set_postfix(kills=len(self.kills), refresh=False)
+            self._bar.update(1)
 
     async def _cancel_in_phase(self, call, rec: RequestRecord, req: SoakRequest) -> None:
         """In-process runs: cancel once the router shows the target phase (bounded wait;

@@ -50,6 +50,8 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file with the bearer token")
     p.add_argument("--tls-ca", help="PEM CA/certificate to trust: connect with TLS")
     p.add_argument("--json", default=None, help="write the full report (every request) here")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: on when stderr is a terminal)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -69,7 +71,7 @@ def config_from_args(args: argparse.Namespace):
         actor_tag=args.actor_tag, model=args.model, metrics_url=args.metrics_url,
         deadline_s=args.deadline, quiesce_timeout_s=args.quiesce_timeout, seed=args.seed,
         mix=mix, prompt_scale=args.prompt_scale, output_scale=args.output_scale,
-        token=token, tls_ca=args.tls_ca)
+        token=token, tls_ca=args.tls_ca, progress=sys.stderr.isatty() if args.progress is None else args.progress)
 
 
 def run_soak_cmd(args: argparse.Namespace) -> int:

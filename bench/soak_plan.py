@@ -39,6 +39,7 @@ class SoakConfig:
     greedy_share: float = 0.9
     token: str | None = None
     tls_ca: str | None = None
+    progress: bool = False  # a tqdm bar on stderr (the CLI turns it on)
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.rate <= 0 or not 0 <= self.cancel_rate <= 1:
