@@ -223,7 +223,11 @@ class Router:
             prefill = self._pick_prefill(prompt)
         except RouterError:
             await self._end_leg(flight)
-            raise
+            if flight.done:
+                raise
+            # the prefill pool died while we reserved: a new leg waits (grace) for it
+            await self.dispatch(flight)
+            return
         flight.prefill = prefill
         prefill.legs.add(leg_id)
         prefill.outstanding_tokens += len(prompt)

@@ -1,0 +1,129 @@
+"""Router races with scripted fake worker actors (the real pools run in
+tests/integration): a pool dying while a request is being dispatched."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.pool import WorkerHandle
+from cluster.router import Router, RouterConfig
+from cluster.types import GenerateSpec
+from engine import SamplingParams
+from engine.messages import FIRST_TOKEN, PREFILL_DONE, TOKENS, WorkerEvent
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))  # runs even if nobody awaits, like Ray
+
+
+class FakeActor:
+    """Answers like a worker actor; `on_reserve` / `on_add` script the races."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.calls: list[tuple[str, str]] = []
+        self.on_reserve = self.on_add = None
+
+    def __getattr__(self, name):
+        return _Method(getattr(self, f"_{name}"))
+
+    async def _ready(self):
+        return {"endpoint": f"fake://{self.worker_id}", "num_blocks": 100}
+
+    async def _poll(self, timeout):
+        try:
+            return [await asyncio.wait_for(self.events.get(), timeout)]
+        except TimeoutError:
+            return []
+
+    async def _reserve(self, task):
+        self.calls.append(("reserve", task.request_id))
+        if self.on_reserve:
+            await self.on_reserve(task)
+        return True
+
+    async def _add(self, task):
+        self.calls.append(("add", task.request_id))
+        if self.on_add:
+            await self.on_add(task)
+
+    async def _abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        return True
+
+    async def _stats(self):
+        return {}
+
+
+def _router(**cfg):
+    prefill = WorkerHandle("prefill-0", "prefill", FakeActor("prefill-0"))
+    decode = WorkerHandle("decode-0", "decode", FakeActor("decode-0"))
+    router = Router([prefill], [decode], RouterConfig(**cfg), tokenizer=None,
+                    vocab_size=100, max_model_len=64)
+    return router, prefill, decode
+
+
+def _serve_leg(prefill: WorkerHandle, decode: WorkerHandle, leg_id: str) -> None:
+    """What the two workers report for a served leg: first token, prefill done, 1 token."""
+    prefill.actor.events.put_nowait(WorkerEvent(FIRST_TOKEN, leg_id, "prefill-0", (7,)))
+    prefill.actor.events.put_nowait(WorkerEvent(PREFILL_DONE, leg_id, "prefill-0"))
+    decode.actor.events.put_nowait(WorkerEvent(TOKENS, leg_id, "decode-0", (8,),
+                                               finish_reason="length"))
+
+
+async def _collect(router, spec):
+    return [t for d in [d async for d in router.generate(spec)] for t in d.token_ids]
+
+
+def test_prefill_pool_dying_during_the_decode_reserve_waits_for_its_restart():
+    async def go():
+        router, prefill, decode = _router(unavailable_grace_s=5.0)
+
+        async def prefill_dies(task):  # the prefill actor dies while decode reserves
+            if task.request_id.endswith("#1"):
+                router.pump.mark_dead(prefill)
+
+        async def serve(task):
+            _serve_leg(prefill, decode, task.request_id)
+
+        decode.actor.on_reserve, prefill.actor.on_add = prefill_dies, serve
+        spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
+        toks = await asyncio.wait_for(_collect(router, spec), 10)
+        await router.shutdown(0)
+        return toks, router, prefill, decode
+
+    toks, router, prefill, decode = asyncio.run(go())
+    assert toks == [7, 8]
+    assert prefill.restarts == 1 and prefill.alive  # re-adopted by the event pump
+    assert ("abort", "r#1") in decode.actor.calls  # the first leg's reservation released
+    assert [c for c in prefill.actor.calls if c[0] == "add"] == [("add", "r#2")]
+    assert not router.flights and not router.legs
+    assert not prefill.legs and not decode.legs and prefill.outstanding_tokens == 0
+
+
+def test_prefill_dying_under_add_is_redispatched_exactly_once():
+    async def go():
+        router, prefill, decode = _router(unavailable_grace_s=5.0)
+
+        async def add(task):
+            if task.request_id.endswith("#1"):
+                raise RuntimeError("simulated: the actor died under add()")
+            _serve_leg(prefill, decode, task.request_id)
+
+        prefill.actor.on_add = add
+        spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
+        toks = await asyncio.wait_for(_collect(router, spec), 10)
+        await router.shutdown(0)
+        return toks, router, prefill, decode
+
+    toks, router, prefill, decode = asyncio.run(go())
+    assert toks == [7, 8]
+    assert [c for c in decode.actor.calls if c[0] == "reserve"] == [
+        ("reserve", "r#1"), ("reserve", "r#2")]
+    assert not router.legs and not prefill.legs and not decode.legs
+    assert prefill.outstanding_tokens == 0
