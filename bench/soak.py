@@ -86,6 +86,7 @@ class SoakRunner:
         self._t0 = 0.0
         self._traffic_done = asyncio.Event()
         self._bar = None
+        self._ttfts: dict[str, list[float]] = {}  # kind -> TTFTs seen so far
 
     async def run(self) -> SoakReport:
         cfg = self.cfg
@@ -130,7 +131,7 @@ class SoakRunner:
         if req.cancel_phase in ("queued", "prefill"):
             timer = (asyncio.ensure_future(self._cancel_in_phase(call, rec, req))
                      if self.phase_probe else asyncio.get_running_loop().call_later(
-                         req.cancel_after_s, self._cancel, call, rec))
+                         self._cancel_delay(req), self._cancel, call, rec))
         try:
             async for r in call:
                 if rec.terminal_count:
@@ -138,6 +139,7 @@ class SoakRunner:
                 rec.tokens.extend(r.token_ids)
                 if rec.ttft_s is None and r.token_ids:
                     rec.ttft_s = time.monotonic() - t0
+                    self._ttfts.setdefault(req.kind, []).append(rec.ttft_s)
                 if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     rec.terminal_count += 1
                     rec.finish_reason = FINISH_FROM_PROTO[r.finish_reason]
@@ -187,6 +189,15 @@ class SoakRunner:
                 break  # there, or it went past without stopping there
             await asyncio.sleep(0.002)
         self._cancel(call, rec)
+
+    def _cancel_delay(self, req: SoakRequest) -> float:
+        """A remote client cannot see the phase: aim a mid-prefill cancel at a random point
+        before the first token, scaled by the TTFTs this run has seen for the same kind."""
+        seen = self._ttfts.get(req.kind, [])
+        if req.cancel_phase != "prefill" or len(seen) < 5:
+            return req.cancel_after_s
+        recent = sorted(seen[-50:])
+        return req.cancel_frac * recent[len(recent) // 2]
 
     def _ended(self, rec: RequestRecord, outcome: str, message: str) -> None:
         rec.terminal_count += 1

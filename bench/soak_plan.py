@@ -68,6 +68,7 @@ class SoakRequest:
     cancel_phase: str | None = None  # target phase, None = not cancelled
     cancel_after_s: float = 0.0  # queued / prefill: seconds after the call starts
     cancel_after_tokens: int = 0  # transfer (1) / decode (>= 2)
+    cancel_frac: float = 0.5  # prefill, remote: this share of the kind's median TTFT
 
     @property
     def greedy(self) -> bool:
@@ -109,7 +110,8 @@ def build_plan(cfg: SoakConfig, vocab_size: int, max_model_len: int) -> list[Soa
             cancel_after_s=rng.uniform(0.0, 0.02) if phase == "queued" else
             rng.uniform(0.05, 0.6),
             cancel_after_tokens=1 if phase == "transfer" else rng.randint(2, out // 2)
-            if phase == "decode" else 0))
+            if phase == "decode" else 0,
+            cancel_frac=rng.uniform(0.2, 0.9)))
         t += rng.expovariate(cfg.rate)
     return plan
 
