@@ -109,14 +109,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         router = await build_router(cfg)
         refresher = None
         if cfg.server.metrics_port is not None:
+            from cluster.auth import read_token
             from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
 
             metrics = ServiceMetrics()
             if hasattr(router, "metrics"):
                 router.metrics = metrics  # latency histograms observed as tokens stream
-            port = serve_metrics(metrics, cfg.server.metrics_port, cfg.server.host)
+            token_file = cfg.server.auth_token_file
+            token = read_token(token_file) if token_file else None
+            port = serve_metrics(metrics, cfg.server.metrics_port, cfg.server.host, token=token)
             refresher = asyncio.ensure_future(refresh_loop(router, metrics))
-            print(f"pdserve: metrics on http://{cfg.server.host}:{port}/metrics", flush=True)
+            auth = " (bearer token required: server.auth_token_file)" if token else ""
+            print(f"pdserve: metrics on http://{cfg.server.host}:{port}/metrics{auth}",
+                  flush=True)
         try:
             await serve(router, cfg, on_ready=lambda addr: print(
                 f"pdserve: serving pdserve.v1.Generation on {addr} ({mode} backend); "

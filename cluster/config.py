@@ -172,8 +172,9 @@ class ServerSection(Section):
     NAME: ClassVar[str] = "server"
     host: str = opt("127.0.0.1", "gRPC bind address ('0.0.0.0' for all interfaces)")
     port: int = opt(50051, "gRPC port (0 = ephemeral)", ge=0, le=65535)
-    metrics_port: int | None = opt(None, "Prometheus /metrics port (default: off)", ge=0,
-                                   le=65535)
+    metrics_port: int | None = opt(None, "Prometheus /metrics port (default: off); needs "
+                                   "the bearer token too when auth_token_file is set",
+                                   ge=0, le=65535)
     tls_cert: str | None = opt(None, "PEM certificate chain file: serve TLS")
     tls_key: str | None = opt(None, "PEM private key file (with tls_cert)")
     auth_token_file: str | None = opt(None, "file holding a bearer token clients must send "

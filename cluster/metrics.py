@@ -8,11 +8,17 @@ stats on each scrape, so one endpoint shows the whole cluster.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -130,7 +136,53 @@ async def refresh_loop(router, metrics: ServiceMetrics, interval_s: float = 1.0)
         await asyncio.sleep(interval_s)
 
 
-def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -> int:
-    """Start the /metrics HTTP endpoint; returns the bound port."""
-    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
-    return server.server_port
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # request threads: never joined (no leak), never block exit
+
+
+class _SilentHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per scrape would drown the server's own log
+
+
+def _require_bearer(app: WSGIApp, token: str) -> WSGIApp:
+    """`app` behind `Authorization: Bearer <token>` (constant-time compare, never logged)."""
+    if not token:
+        raise ValueError("token must be non-empty")
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(got, expected):
+            return app(environ, start_response)
+        body = b"401 Unauthorized: send 'Authorization: Bearer <token>'\n"
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("Content-Length", str(len(body))),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [body]
+
+    return guarded
+
+
+def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1",
+                  token: str | None = None) -> int:
+    """Start the /metrics HTTP endpoint on a daemon thread; returns the bound port.
+
+    With `token` (server.auth_token_file) every request must carry the bearer token.
+    """
+    app: WSGIApp = make_wsgi_app(metrics.registry)
+    if token is not None:
+        app = _require_bearer(app, token)
+    # like prometheus_client.start_http_server: pick the family of `host` (IPv6 works)
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(_ThreadingWSGIServer):
+        address_family = family
+
+    httpd = make_server(sockaddr[0], port, app, Server, handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, name="pdserve-metrics", daemon=True).start()
+    return httpd.server_port
