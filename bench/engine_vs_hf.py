@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     outputs: dict[str, list[list[int]]] = {}
     for name in args.peers:
         res: dict = {}
+        print(f"running {name} ...", file=sys.stderr, flush=True)  # minutes each, full size
         outputs[name] = RUNNERS[name](model_dir, prompts, args, res)
         gc.collect()  # the peer's model goes before the next one loads
         torch.set_num_threads(args.threads)

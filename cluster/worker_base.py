@@ -42,6 +42,8 @@ class WorkerBase:
         return self.loop.poll(timeout_s)
 
     def abort(self, request_id: str) -> bool:
+        if self.loop.stopped:  # shut down: nothing runs any more, nothing to abort
+            return False
         return self.loop.call(lambda: self.engine.abort(request_id))
 
     def stats(self) -> dict[str, Any]:

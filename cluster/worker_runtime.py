@@ -39,6 +39,10 @@ class WorkerLoop:
         self._thread = threading.Thread(target=self._run, name="worker-loop", daemon=True)
         self._thread.start()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
         """Run `fn` on the loop thread and return its result (exceptions propagate)."""
         if self._stop.is_set():
