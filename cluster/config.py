@@ -150,6 +150,9 @@ class TransferSection(Section):
     def _check(self) -> None:
         if self.send_policy == "paced" and self.rate_gbps is None:
             raise self._bad("rate_gbps", "must be set when send_policy is 'paced'")
+        if self.send_policy != "paced" and self.rate_gbps is not None:
+            raise self._bad("rate_gbps", f"paces send_policy 'paced' only, not "
+                            f"{self.send_policy!r} (link_gbps caps every policy)")
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,9 @@ class LimitsSection(Section):
     max_queue_len: int = opt(256, "waiting requests before RESOURCE_EXHAUSTED", ge=1)
     request_timeout_s: float = opt(600.0, "a request running longer ends DEADLINE_EXCEEDED",
                                    gt=0)
-    kv_wait_timeout_s: float = opt(60.0, "a decode worker waiting longer for KV fails the "
-                                   "request", gt=0)
+    kv_wait_timeout_s: float = opt(60.0, "a decode worker that gets no KV for this long after "
+                                   "the prefill finished (or its last chunk) fails the leg, "
+                                   "which is re-dispatched", gt=0)
     drain_timeout_s: float = opt(30.0, "on SIGTERM, how long running requests may finish", ge=0)
     restart_grace_s: float = opt(15.0, "with a whole pool dead, how long new requests wait for "
                                  "Ray to restart a worker before UNAVAILABLE", gt=0)

@@ -46,6 +46,7 @@ class RouterConfig:
     affinity_slack_tokens: int = 2048
     adaptive_chunks: bool = False  # feed decode pressure to the prefill chunk policy
     itl_target_s: float = 0.1
+    kv_keepalive_s: float = 1.0  # how often decode hears that a leg's prefill is still on
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:

@@ -36,6 +36,7 @@ class EventPump:
             self._tasks.append(asyncio.ensure_future(self._pump(w)))
         if self.router.config.adaptive_chunks:
             self._tasks.append(asyncio.ensure_future(self._pressure_loop()))
+        self._tasks.append(asyncio.ensure_future(self._keepalive_loop()))
 
     # ---- adaptive chunking: decode ITL -> prefill chunk cap ----------------------------
     def decode_pressure(self, now: float) -> float:
@@ -55,6 +56,25 @@ class EventPump:
                 if w.alive:
                     with contextlib.suppress(Exception):
                         w.actor.set_decode_pressure.remote(pressure)
+
+    # ---- KV-wait keepalive ----------------------------------------------------------------
+    def waiting_on_prefill(self) -> dict[int, tuple[WorkerHandle, list[str]]]:
+        """Per decode worker, the legs whose prefill is queued or running on a live worker."""
+        out: dict[int, tuple[WorkerHandle, list[str]]] = {}
+        for leg_id, f in self.router.legs.items():
+            p, d = f.prefill, f.decode
+            if (f.done or f.prefill_done or p is None or d is None or p is d or not p.alive
+                    or not d.alive or leg_id != f.leg_id):
+                continue
+            out.setdefault(id(d), (d, []))[1].append(leg_id)
+        return out
+
+    async def _keepalive_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.router.config.kv_keepalive_s)
+            for d, legs in self.waiting_on_prefill().values():
+                with contextlib.suppress(Exception):
+                    d.actor.keepalive.remote(legs)
 
     async def stop(self) -> None:
         self._stopping = True

@@ -70,6 +70,9 @@ class DecodeEngine:
         self.aborted_early.bury(request_id)
         return False
 
+    def keepalive(self, request_ids: list[str]) -> int:
+        return self.scheduler.touch(request_ids, time.monotonic())
+
     def headroom_blocks(self) -> int:
         return self.scheduler.promised_free_blocks()
 

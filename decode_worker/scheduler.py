@@ -100,7 +100,18 @@ class DecodeScheduler:
         assert token_end <= p.request.num_prompt_tokens, "chunk beyond the announced prompt"
         ok = self.bm.allocate(p.request, token_end)
         assert ok, "allocation within a promise cannot fail"
+        p.since = time.monotonic()  # progress: the KV wait counts from the latest chunk
         return p.request
+
+    def touch(self, request_ids: list[str], now: float) -> int:
+        """The router vouches that these requests' prefills are queued or running on a live
+        worker: their KV wait restarts (a long prefill queue is not a lost transfer)."""
+        n = 0
+        for rid in request_ids:
+            p = self.pending.get(rid)
+            if p is not None:
+                p.since, n = now, n + 1
+        return n
 
     def start(self, request_id: str) -> Request:
         """All KV and the first token are in: WAITING_FOR_KV -> RUNNING."""

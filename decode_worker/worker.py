@@ -40,6 +40,9 @@ class DecodeWorker(WorkerBase):
     def reserve(self, task: DecodeTask) -> bool:
         return self.loop.call(lambda: self.engine.reserve(task))
 
+    def keepalive(self, request_ids: list[str]) -> int:
+        return self.loop.call(lambda: self.engine.keepalive(request_ids))
+
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         rx = self.receiver.stats()

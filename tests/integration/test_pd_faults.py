@@ -52,7 +52,7 @@ def _leg_on(router, rid: str, role: str) -> bool:
 def slow_link_runner(start_module_router):
     # at_end + a slow paced link: the first token arrives long before the KV does
     return start_module_router({
-        "transfer": {"connector": "tcp", "send_policy": "at_end", "rate_gbps": 0.004},
+        "transfer": {"connector": "tcp", "send_policy": "at_end", "link_gbps": 0.004},
         "cache": {"num_blocks": 200},
         "scheduler": {"max_prefill_chunk": 16, "max_num_batched_tokens": 16},
         "limits": {"kv_wait_timeout_s": 120},
@@ -61,13 +61,17 @@ def slow_link_runner(start_module_router):
 
 def test_cancel_while_queued(slow_link_runner):
     runner = slow_link_runner
-    hog = GenerateSpec("hog", tuple(range(1, 1500)), GREEDY)  # promises 94+ of 200 blocks
+    # each hog promises ~98 of the decode worker's 200 blocks and keeps them (a long decode)
+    # until the test cancels it, however fast this machine runs the tiny model
+    hogs = [GenerateSpec(name, tuple(range(i + 1, 1500)), LONG_DECODE)
+            for i, name in enumerate(("hog", "hog2"))]
 
     async def go():
-        hog_task = asyncio.ensure_future(_drain(runner.router.generate(hog)))
-        hog2 = asyncio.ensure_future(_drain(runner.router.generate(
-            GenerateSpec("hog2", tuple(range(2, 1500)), GREEDY))))
-        await asyncio.sleep(0.5)
+        hog_task, hog2 = (asyncio.ensure_future(_drain(runner.router.generate(h))) for h in hogs)
+        end = time.monotonic() + 60
+        while not all(_leg_on(runner.router, h.request_id, "decode") for h in hogs):
+            assert time.monotonic() < end, "the hogs were never admitted"
+            await asyncio.sleep(0.01)
         queued = asyncio.ensure_future(_drain(runner.router.generate(
             GenerateSpec("queued", tuple(range(3, 1500)), GREEDY))))
         while runner.router.waiting_admission == 0:

@@ -52,6 +52,10 @@ class FakeActor:
         if self.on_add:
             await self.on_add(task)
 
+    async def _keepalive(self, request_ids):
+        self.calls.append(("keepalive", tuple(request_ids)))
+        return len(request_ids)
+
     async def _abort(self, request_id):
         self.calls.append(("abort", request_id))
         return True
@@ -127,3 +131,33 @@ def test_prefill_dying_under_add_is_redispatched_exactly_once():
         ("reserve", "r#1"), ("reserve", "r#2")]
     assert not router.legs and not prefill.legs and not decode.legs
     assert prefill.outstanding_tokens == 0
+
+
+def test_decode_hears_keepalives_while_the_prefill_is_queued_and_not_after_it_ended():
+    async def go():
+        router, prefill, decode = _router(kv_keepalive_s=0.05)
+        release = asyncio.Event()
+
+        async def add(task):  # queued at the prefill worker until released
+            async def later():
+                await release.wait()
+                _serve_leg(prefill, decode, task.request_id)
+            asyncio.ensure_future(later())
+
+        prefill.actor.on_add = add
+        spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
+        run = asyncio.ensure_future(_collect(router, spec))
+        await asyncio.sleep(0.4)
+        kept = [c for c in decode.actor.calls if c[0] == "keepalive"]
+        release.set()
+        toks = await asyncio.wait_for(run, 10)
+        n = len([c for c in decode.actor.calls if c[0] == "keepalive"])
+        await asyncio.sleep(0.3)  # the leg ended: no more keepalives for it
+        after = len([c for c in decode.actor.calls if c[0] == "keepalive"])
+        await router.shutdown(0)
+        return toks, kept, n, after
+
+    toks, kept, n, after = asyncio.run(go())
+    assert toks == [7, 8]
+    assert len(kept) >= 3 and all(c == ("keepalive", ("r#1",)) for c in kept)
+    assert after == n

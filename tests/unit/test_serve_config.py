@@ -77,6 +77,8 @@ def test_invalid_values_are_rejected_naming_the_key(key, value):
 def test_cross_field_checks_name_the_key():
     with pytest.raises(ValueError, match="transfer.rate_gbps"):
         ServeConfig().with_values({"transfer.send_policy": "paced"})
+    with pytest.raises(ValueError, match="transfer.rate_gbps.*link_gbps"):  # silently unused
+        ServeConfig().with_values({"transfer.send_policy": "at_end", "transfer.rate_gbps": 1.0})
     with pytest.raises(ValueError, match="server.tls_key"):
         ServeConfig().with_values({"server.tls_cert": "cert.pem"})
 
