@@ -169,10 +169,10 @@ def main(argv=None) -> dict:
     for name, r in results.items():
         for phase in ("without_long", "with_long"):
             s = r[phase]
-            longs = (f"long TTFT {s['long_ttft_mean_s'] or 0:6.2f} s "
-                     f"({s['long_completed']} done)" if phase == "with_long" else "")
+            ttft = (f"long TTFT {s['long_ttft_mean_s'] or 0:6.2f} s "
+                    f"({s['long_completed']} done)" if phase == "with_long" else "")
             print(f"{name:10s} {phase:13s} chat ITL p50 {s['itl_p50_ms']:8.1f} ms  "
-                  f"p99 {s['itl_p99_ms']:8.1f} ms  max {s['itl_max_ms']:8.1f} ms  {longs}"
+                  f"p99 {s['itl_p99_ms']:8.1f} ms  max {s['itl_max_ms']:8.1f} ms  {ttft}"
                   f"  chat failed {s['failed']}")
     for name, r in results.items():
         print(f"ratio {name}: {r['ratio']:.2f}")

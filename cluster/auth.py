@@ -67,13 +67,24 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
+class BearerToken:
+    """The expected `Bearer <token>` value, compared in constant time (never logged)."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("token must be non-empty")
+        self._expected = f"Bearer {token}".encode()
+
+    def matches(self, got: str | bytes) -> bool:
+        got_bytes = got.encode("latin-1", "replace") if isinstance(got, str) else bytes(got)
+        return hmac.compare_digest(got_bytes, self._expected)
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
 
     def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = EXEMPT_PREFIXES):
-        if not token:
-            raise ValueError("token must be non-empty")
-        self._expected = f"Bearer {token}".encode()
+        self._token = BearerToken(token)
         self._exempt = exempt_prefixes
 
     async def intercept_service(
@@ -86,8 +97,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = dict(details.invocation_metadata or ())
         got = metadata.get("authorization", "")
-        got_bytes = got.encode() if isinstance(got, str) else bytes(got)
-        if hmac.compare_digest(got_bytes, self._expected):
+        if self._token.matches(got):
             return handler
         reason = "missing" if not got else "invalid"
         log.warning("rejected %s: %s bearer token", details.method, reason)

@@ -8,7 +8,6 @@ stats on each scrape, so one endpoint shows the whole cluster.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import threading
@@ -24,6 +23,8 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
 )
+
+from cluster.auth import BearerToken
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +150,11 @@ class _SilentHandler(WSGIRequestHandler):
 
 
 def _require_bearer(app: WSGIApp, token: str) -> WSGIApp:
-    """`app` behind `Authorization: Bearer <token>` (constant-time compare, never logged)."""
-    if not token:
-        raise ValueError("token must be non-empty")
-    expected = f"Bearer {token}".encode()
+    """`app` behind `Authorization: Bearer <token>` (the gRPC server's check)."""
+    bearer = BearerToken(token)
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        got = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
-        if hmac.compare_digest(got, expected):
+        if bearer.matches(environ.get("HTTP_AUTHORIZATION", "")):
             return app(environ, start_response)
         body = b"401 Unauthorized: send 'Authorization: Bearer <token>'\n"
         start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),

@@ -84,6 +84,16 @@ async def _collect(router, spec):
     return [t for d in [d async for d in router.generate(spec)] for t in d.token_ids]
 
 
+SPEC = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
+
+
+async def _serve_and_stop(router) -> list[int]:
+    """Stream SPEC to its end (bounded), then shut the router down."""
+    toks = await asyncio.wait_for(_collect(router, SPEC), 10)
+    await router.shutdown(0)
+    return toks
+
+
 def test_prefill_pool_dying_during_the_decode_reserve_waits_for_its_restart():
     async def go():
         router, prefill, decode = _router(unavailable_grace_s=5.0)
@@ -96,10 +106,7 @@ def test_prefill_pool_dying_during_the_decode_reserve_waits_for_its_restart():
             _serve_leg(prefill, decode, task.request_id)
 
         decode.actor.on_reserve, prefill.actor.on_add = prefill_dies, serve
-        spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
-        toks = await asyncio.wait_for(_collect(router, spec), 10)
-        await router.shutdown(0)
-        return toks, router, prefill, decode
+        return await _serve_and_stop(router), router, prefill, decode
 
     toks, router, prefill, decode = asyncio.run(go())
     assert toks == [7, 8]
@@ -120,10 +127,7 @@ def test_prefill_dying_under_add_is_redispatched_exactly_once():
             _serve_leg(prefill, decode, task.request_id)
 
         prefill.actor.on_add = add
-        spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
-        toks = await asyncio.wait_for(_collect(router, spec), 10)
-        await router.shutdown(0)
-        return toks, router, prefill, decode
+        return await _serve_and_stop(router), router, prefill, decode
 
     toks, router, prefill, decode = asyncio.run(go())
     assert toks == [7, 8]
@@ -145,8 +149,7 @@ def test_decode_hears_keepalives_while_the_prefill_is_queued_and_not_after_it_en
             asyncio.ensure_future(later())
 
         prefill.actor.on_add = add
-        spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
-        run = asyncio.ensure_future(_collect(router, spec))
+        run = asyncio.ensure_future(_collect(router, SPEC))
         await asyncio.sleep(0.4)
         kept = [c for c in decode.actor.calls if c[0] == "keepalive"]
         release.set()
