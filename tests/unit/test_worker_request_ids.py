@@ -10,8 +10,15 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
-from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, PREFILL_DONE, TOKENS, DecodeTask
-from engine.messages import PrefillTask
+from engine.messages import (
+    FAILED,
+    FIRST_TOKEN,
+    PREEMPTED,
+    PREFILL_DONE,
+    TOKENS,
+    DecodeTask,
+    PrefillTask,
+)
 from engine.tombstones import Tombstones
 from kv_transfer.base import KVChunk, ReceiveEvents
 from prefill_worker.engine import PrefillEngine
