@@ -47,6 +47,7 @@ class DecodeEngine:
         self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
         self.started: dict[str, float] = {}  # request_id -> monotonic decode start
         self.aborted_early = Tombstones()
+        self.max_len = min(config.scheduler.max_model_len, self.scheduler.max_len)
         self.num_steps = 0
         self.last_step_ran = False
         self.step_seconds = 0.0
@@ -63,12 +64,28 @@ class DecodeEngine:
         return ok
 
     def abort(self, request_id: str) -> bool:
+        """End the request here; an abort for an id not held here is either late (it
+        ended here already: a no-op) or early (it overtook its reserve: a tombstone)."""
         self.receiver.abort(request_id)
-        self.started.pop(request_id, None)
-        if self.scheduler.abort(request_id) is not None:
+        if self._end(request_id):
             return True
         self.aborted_early.bury(request_id)
         return False
+
+    def _end(self, request_id: str) -> bool:
+        """Forget a request that ended here (any status); its id is free again at once."""
+        self.started.pop(request_id, None)
+        known = self.scheduler.abort(request_id) is not None
+        if known:
+            self.aborted_early.ended(request_id)
+        return known
+
+    def _fail(self, request_id: str, message: str) -> list[WorkerEvent]:
+        """Fail one request (its KV intake went wrong): free it, drop its frames."""
+        self.receiver.abort(request_id)
+        if not self._end(request_id):
+            return []
+        return [WorkerEvent(FAILED, request_id, self.worker_id, message=message)]
 
     def keepalive(self, request_ids: list[str]) -> int:
         return self.scheduler.touch(request_ids, time.monotonic())
@@ -83,6 +100,7 @@ class DecodeEngine:
         items, preempted = self.scheduler.schedule()
         for r in preempted:
             self.started.pop(r.request_id, None)
+            self.aborted_early.ended(r.request_id)
             events.append(WorkerEvent(PREEMPTED, r.request_id, self.worker_id,
                                       message="decode worker out of KV blocks"))
         self.last_step_ran = bool(items)
@@ -97,11 +115,12 @@ class DecodeEngine:
         for r, tok in zip(reqs, tokens, strict=True):
             r.num_cached_tokens += 1
             r.append_token(tok)
-            if not r.is_finished and r.num_tokens >= self.config.scheduler.max_model_len:
+            if not r.is_finished and r.num_tokens >= self.max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
             timing = {}
             if r.is_finished:
                 self.scheduler.finish(r)
+                self.aborted_early.ended(r.request_id)
                 timing["decode_s"] = now - self.started.pop(r.request_id, now)
             events.append(WorkerEvent(
                 TOKENS, r.request_id, self.worker_id, (tok,),
@@ -118,15 +137,22 @@ class DecodeEngine:
         return events
 
     def _take_kv(self) -> list[WorkerEvent]:
+        """Write every chunk of the poll (or drop it with its request) and release it; a
+        chunk that cannot be written fails its own request, never the poll."""
         ev = self.receiver.poll()
         events: list[WorkerEvent] = []
         for chunk in ev.chunks:
-            self._write(chunk)
-            self.receiver.release(chunk)
+            try:
+                problem = self._write(chunk)
+            except Exception as e:  # noqa: BLE001 - e.g. a payload of the wrong shape
+                problem = (f"KV chunk [{chunk.token_start}, {chunk.token_end}) could not be "
+                           f"written: {type(e).__name__}: {e}")
+            finally:
+                self.receiver.release(chunk)
+            if problem is not None:
+                events += self._fail(chunk.request_id, problem)
         for rid, reason in ev.failed:
-            if self.scheduler.abort(rid) is not None:
-                events.append(WorkerEvent(FAILED, rid, self.worker_id,
-                                          message=f"KV receive failed: {reason}"))
+            events += self._fail(rid, f"KV receive failed: {reason}")
         for rid in ev.completed:
             p = self.scheduler.pending.get(rid)
             if p is not None:
@@ -134,40 +160,47 @@ class DecodeEngine:
         for rid, p in list(self.scheduler.pending.items()):
             if p.complete and p.first_token is not None:
                 if p.received_tokens < p.request.num_prompt_tokens:
-                    self.scheduler.abort(rid)
-                    events.append(WorkerEvent(FAILED, rid, self.worker_id, message=(
+                    events += self._fail(rid, (
                         f"KV incomplete: {p.received_tokens} of "
-                        f"{p.request.num_prompt_tokens} tokens")))
+                        f"{p.request.num_prompt_tokens} tokens"))
                     continue
                 self.scheduler.start(rid)
                 self.started[rid] = time.monotonic()
                 self.tracer.record(rid, "decode_admit", worker=self.worker_id)
         return events
 
-    def _write(self, chunk: KVChunk) -> None:
+    def _write(self, chunk: KVChunk) -> str | None:
+        """Copy one chunk into the request's blocks; returns what is wrong with it, if
+        anything (the request then fails)."""
         p = self.scheduler.pending.get(chunk.request_id)
         if p is None:
-            return  # unknown or aborted request: discard
-        if chunk.token_end > p.request.num_prompt_tokens:
-            self.scheduler.abort(chunk.request_id)
-            return
+            return None  # unknown, aborted or failed request: discard
+        n, layers = p.request.num_prompt_tokens, self.config.model.num_layers
+        if chunk.token_end > n:
+            return (f"KV chunk [{chunk.token_start}, {chunk.token_end}) is beyond the "
+                    f"announced prompt of {n} tokens")
+        if chunk.layer_end > layers:
+            return (f"KV chunk has layers [{chunk.layer_start}, {chunk.layer_end}) but the "
+                    f"model has {layers}")
+        first, vocab = chunk.first_token, self.config.model.vocab_size
+        if chunk.is_final and (first is None or not 0 <= first < vocab):
+            return f"final KV chunk carries first token {first!r}, not a token id < {vocab}"
         if chunk.num_tokens:
             r = self.scheduler.allocate_range(chunk.request_id, chunk.token_end)
             self.runner.kv.import_tokens(r.block_ids, chunk.token_start, chunk.payload,
                                          layer_start=chunk.layer_start)
             key = (chunk.token_start, chunk.token_end)
-            if chunk.layer_end == self.config.model.num_layers and key not in p.ranges:
+            if chunk.layer_end == layers and key not in p.ranges:
                 p.ranges.add(key)
                 p.received_tokens += chunk.num_tokens
         if chunk.is_final:
             p.first_token = chunk.first_token
+        return None
 
     def _expire(self) -> list[WorkerEvent]:
         out = []
         for rid in self.scheduler.expired(time.monotonic()):
-            self.abort(rid)
-            out.append(WorkerEvent(FAILED, rid, self.worker_id,
-                                   message="timed out waiting for KV from the prefill worker"))
+            out += self._fail(rid, "timed out waiting for KV from the prefill worker")
         return out
 
     @property

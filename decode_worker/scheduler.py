@@ -2,8 +2,14 @@
 continuous batching, preemption by recompute.
 
 Admission (`reserve`) counts the request's prompt plus headroom against the free blocks
-as a *promise*; blocks are allocated only as KV chunks arrive. Promises never exceed the
-free blocks, so half-received requests cannot deadlock the pool.
+as a *promise*; blocks are allocated only as KV chunks arrive. Invariant: the blocks
+still owed on promises never exceed the free blocks (`promised_free_blocks() >= 0`), so
+a chunk always finds its blocks and half-received requests cannot deadlock the pool.
+
+A promise holds for the request's whole stay: a started request keeps what is left of
+its headroom and decodes into it without competing with anyone. Beyond its promise a
+running request may only take *unpromised* free blocks; when there are none, the newest
+running request is preempted (recompute through a prefill worker), never a promise.
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ class Pending:
     """A request whose KV is still arriving (WAITING_FOR_KV)."""
 
     request: Request
-    promise: int  # blocks promised
     since: float
     received_tokens: int = 0
     ranges: set[tuple[int, int]] | None = None
@@ -50,32 +55,38 @@ class DecodeScheduler:
         self.bm = block_manager
         self.pending: dict[str, Pending] = {}
         self.running: list[Request] = []  # oldest first
+        self.promises: dict[str, int] = {}  # request_id -> blocks promised (pending, running)
+        # A sequence stops where the whole pool is full: past that point it could only
+        # preempt itself and come back forever.
+        self.max_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.bm.block_size)
+    def _owed(self, r: Request) -> int:
+        """Blocks promised to `r` that it has not allocated yet."""
+        return max(0, self.promises.get(r.request_id, 0) - len(r.block_ids))
 
     def promised_free_blocks(self) -> int:
-        owed = sum(max(0, p.promise - len(p.request.block_ids)) for p in self.pending.values())
+        owed = sum(self._owed(p.request) for p in self.pending.values())
+        owed += sum(self._owed(r) for r in self.running)
         return self.bm.num_free_blocks - owed
 
     def reserve(self, task: DecodeTask) -> bool:
         """Admit a request if its prompt + headroom fits the unpromised free blocks."""
         if task.request_id in self.pending or self.find_running(task.request_id):
             raise ValueError(f"request_id {task.request_id!r} is already on this worker")
-        if self._blocks_for(task.prompt_len + 1) > self.bm.num_blocks:
+        if self.bm.blocks_for(task.prompt_len + 1) > self.bm.num_blocks:
             raise ValueError(
                 f"prompt of {task.prompt_len} tokens cannot fit this decode worker's KV cache "
                 f"({self.bm.num_blocks * self.bm.block_size} tokens)")
         remaining = task.sampling.max_tokens - task.num_generated
-        tokens = min(task.prompt_len + min(remaining, self.config.headroom_tokens),
-                     self.config.max_model_len)
-        promise = min(self._blocks_for(tokens), self.bm.num_blocks)
+        tokens = min(task.prompt_len + min(remaining, self.config.headroom_tokens), self.max_len)
+        promise = max(self.bm.blocks_for(task.prompt_len), self.bm.blocks_for(tokens))
         if promise > self.promised_free_blocks():
             return False
         req = Request(task.request_id, [0] * task.prompt_len, task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant,
                       status=RequestStatus.WAITING_FOR_KV)
-        self.pending[task.request_id] = Pending(req, promise, time.monotonic(), ranges=set())
+        self.pending[task.request_id] = Pending(req, time.monotonic(), ranges=set())
+        self.promises[task.request_id] = promise
         return True
 
     def find_running(self, request_id: str) -> Request | None:
@@ -89,17 +100,26 @@ class DecodeScheduler:
         if r in self.running:
             self.running.remove(r)
         r.status = RequestStatus.FINISHED_ABORTED
-        self.bm.free(r)
+        self._release(r)
         return r
 
+    def _release(self, r: Request) -> None:
+        self.bm.free(r)
+        self.promises.pop(r.request_id, None)
+
     def allocate_range(self, request_id: str, token_end: int) -> Request | None:
-        """Blocks for a chunk ending at `token_end` (within the promise)."""
+        """Blocks for a chunk ending at `token_end`, within the request's promise. Raises
+        ValueError (the request fails, nobody else) for a chunk beyond the prompt."""
         p = self.pending.get(request_id)
         if p is None:
             return None
-        assert token_end <= p.request.num_prompt_tokens, "chunk beyond the announced prompt"
-        ok = self.bm.allocate(p.request, token_end)
-        assert ok, "allocation within a promise cannot fail"
+        n = p.request.num_prompt_tokens
+        if token_end > n:
+            raise ValueError(f"KV chunk ends at token {token_end}, beyond the announced "
+                             f"prompt of {n} tokens")
+        if not self.bm.allocate(p.request, token_end):  # unreachable while promises hold
+            raise RuntimeError(f"no free block for {request_id!r} within its promise "
+                               f"({self.promises.get(request_id)} blocks)")
         p.since = time.monotonic()  # progress: the KV wait counts from the latest chunk
         return p.request
 
@@ -114,11 +134,11 @@ class DecodeScheduler:
         return n
 
     def start(self, request_id: str) -> Request:
-        """All KV and the first token are in: WAITING_FOR_KV -> RUNNING."""
+        """All KV and the first token are in: WAITING_FOR_KV -> RUNNING (keeps its promise)."""
         p = self.pending.pop(request_id)
         r = p.request
         r.num_computed_tokens = r.num_cached_tokens = r.num_prompt_tokens
-        assert p.first_token is not None
+        assert p.first_token is not None, "start() follows the final chunk's first token"
         r.status = RequestStatus.RUNNING
         r.output_token_ids.append(p.first_token)
         self.running.append(r)
@@ -128,6 +148,15 @@ class DecodeScheduler:
         return [rid for rid, p in self.pending.items()
                 if now - p.since > self.config.kv_wait_timeout_s]
 
+    def _grow(self, r: Request, num_tokens: int) -> bool:
+        """Room for `num_tokens` tokens: first from r's own promise, then only from blocks
+        nobody was promised."""
+        need = self.bm.blocks_needed(r, num_tokens)
+        beyond = need - min(need, self._owed(r))
+        if beyond > self.promised_free_blocks():
+            return False
+        return self.bm.allocate(r, num_tokens)  # need <= owed(r) + unpromised <= free
+
     def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
         """One decode token per running request; preempts the newest when out of blocks."""
         items: list[ScheduledItem] = []
@@ -135,10 +164,9 @@ class DecodeScheduler:
         for r in list(self.running[: self.config.max_num_seqs]):
             if r not in self.running:
                 continue
-            while not self.bm.allocate(r, r.num_cached_tokens + 1):
-                victim = self.running[-1]
-                self.running.remove(victim)
-                self.bm.free(victim)
+            while not self._grow(r, r.num_cached_tokens + 1):
+                victim = self.running.pop()
+                self._release(victim)
                 victim.status = RequestStatus.PREEMPTED
                 preempted.append(victim)
                 if victim is r:
@@ -151,4 +179,4 @@ class DecodeScheduler:
 
     def finish(self, r: Request) -> None:
         self.running.remove(r)
-        self.bm.free(r)
+        self._release(r)

@@ -65,18 +65,20 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         """New blocks `request` needs so that `num_tokens` total tokens have slots."""
-        have = len(request.block_ids)
-        need = -(-num_tokens // self.block_size)
-        return max(0, need - have)
+        return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
 
     # ---- prefix cache ---------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks holding a prefix of `token_ids`; always leaves >= 1 token to compute."""
+        """Cached blocks holding a prefix of `token_ids`; always leaves >= 1 token to compute.
+
+        A lookup only: nothing is taken and no statistic counts it (`take_prefix` does)."""
         if not self.enable_prefix_caching:
             return []
-        self.prefix_queries += 1
         usable = (len(token_ids) - 1) // self.block_size
         hit: list[int] = []
         for h in block_hashes(token_ids[: usable * self.block_size], self.block_size):
@@ -84,13 +86,23 @@ class BlockManager:
             if b is None:
                 break
             hit.append(b)
-        if hit:
-            self.prefix_hits += 1
         return hit
 
-    def take_prefix(self, request: Request, blocks: list[int]) -> None:
-        """Give a fresh request the prefix blocks from `match_prefix` (adds references)."""
+    def admission_cost(self, hit: Sequence[int], num_tokens: int) -> int:
+        """Free blocks a fresh request consumes to hold `num_tokens` tokens when it takes
+        the prefix `hit`: its new blocks *plus* the hit blocks no request holds, which
+        leave the LRU of cached free blocks (they count as free until taken)."""
+        new = max(0, self.blocks_for(num_tokens) - len(hit))
+        return new + sum(1 for b in hit if self._ref[b] == 0)
+
+    def take_prefix(self, request: Request, blocks: Sequence[int]) -> None:
+        """Give a fresh request the prefix blocks from `match_prefix` (adds references).
+
+        Call it once per admitted request (with an empty hit too): it counts the lookup."""
         assert not request.block_ids, "prefix blocks go into an empty block table"
+        if self.enable_prefix_caching:
+            self.prefix_queries += 1
+            self.prefix_hits += bool(blocks)
         for b in blocks:
             if self._ref[b] == 0:
                 del self._cached_free[b]

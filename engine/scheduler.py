@@ -61,6 +61,10 @@ class Scheduler:
         self._max_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
 
     def add_request(self, request: Request) -> None:
+        if self.bm.blocks_for(request.prefill_len) > self.bm.num_blocks:
+            raise ValueError(  # it would wait at the head of the queue forever
+                f"prompt of {request.prefill_len} tokens cannot fit the KV cache "
+                f"({self.bm.num_blocks * self.bm.block_size} tokens)")
         self.waiting.append(request)
 
     @property
@@ -88,15 +92,6 @@ class Scheduler:
         r.reset_for_recompute()
         self.waiting.appendleft(r)
         out.preempted.append(r)
-
-    def _admit_prefix(self, r: Request) -> None:
-        if r.num_computed_tokens or r.block_ids:
-            return
-        hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len])
-        if hit:
-            self.bm.take_prefix(r, hit)
-            n = len(hit) * self.bm.block_size
-            r.num_computed_tokens = r.num_cached_tokens = r.prefix_hit_tokens = n
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule_once()
@@ -150,20 +145,25 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, chunked: bool) -> bool:
+        """Admit from the head while its first chunk fits. A prefix hit is looked up, not
+        taken, until it does: its cached blocks count as free until someone takes them."""
         admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            r = self.waiting[0]
-            self._admit_prefix(r)
-            remaining = r.remaining_prefill
+            r = self.waiting[0]  # fresh or preempted: no blocks, nothing computed
+            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len])
+            start = len(hit) * self.bm.block_size
+            remaining = r.prefill_len - start
             c = min(remaining, self.config.chunk_cap, budget) if chunked else remaining
-            if c > budget or not self.bm.allocate(r, r.num_computed_tokens + c):
-                self.bm.free(r)  # give back prefix-hit blocks; admission is retried later
-                r.num_computed_tokens = r.num_cached_tokens = r.prefix_hit_tokens = 0
+            if c > budget or self.bm.admission_cost(hit, start + c) > self.bm.num_free_blocks:
                 break
             self.waiting.popleft()
+            self.bm.take_prefix(r, hit)
+            r.num_computed_tokens = r.num_cached_tokens = r.prefix_hit_tokens = start
+            ok = self.bm.allocate(r, start + c)
+            assert ok, "admission_cost is exact: the first chunk's blocks are free"
             r.status = RequestStatus.PREFILLING if c < remaining else RequestStatus.WAITING
             self.running.append(r)
-            out.items.append(ScheduledItem(r, r.num_computed_tokens, c, is_prefill=True))
+            out.items.append(ScheduledItem(r, start, c, is_prefill=True))
             budget -= c
             admitted = True
         return admitted

@@ -1,7 +1,19 @@
 """Tombstones: ids aborted before they were known here.
 
 Worker actors run commands on several threads, so an abort sent after an add can run
-first; the late add must then be dropped, not started as an orphan nobody will end."""
+first; the late add must then be dropped, not started as an orphan nobody will end.
+
+An abort can also arrive *after* its request ended here (finished, failed, preempted or
+aborted): the router ends every leg it opened. That abort is late, not early, and must
+not bury the id: an id is free again the moment its request ends (DESIGN §8), so a later
+add/reserve of the same id is a new request. The engine therefore reports every end
+(`ended`), and `bury` leaves no tombstone for an id that ended here recently.
+
+What stays ambiguous without distinct ids: an id that ended here, then is added again
+while the abort of that *new* add overtakes it, looks like a late abort of the old one.
+The router gives every leg its own id, so the case does not arise from it; were it to,
+the orphan would only hold resources until its KV wait times out.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +23,32 @@ from collections import OrderedDict
 class Tombstones:
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, None] = OrderedDict()  # aborted before they arrived
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ended here recently
 
-    def bury(self, request_id: str) -> None:
-        self._ids[request_id] = None
-        self._ids.move_to_end(request_id)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+    @staticmethod
+    def _remember(ids: OrderedDict[str, None], request_id: str, capacity: int) -> None:
+        ids[request_id] = None
+        ids.move_to_end(request_id)
+        while len(ids) > capacity:
+            ids.popitem(last=False)
+
+    def ended(self, request_id: str) -> None:
+        """`request_id` ended on this worker (any status): a later abort of it is late."""
+        self._remember(self._ended, request_id, self.capacity)
+
+    def bury(self, request_id: str) -> bool:
+        """An abort for an id this worker does not hold. Leaves a tombstone (True) unless
+        the id ended here recently: then the abort is late and the id stays free."""
+        if request_id in self._ended:
+            return False  # late (possibly repeated) abort: the id stays ended, not buried
+        self._remember(self._ids, request_id, self.capacity)
+        return True
 
     def claim(self, request_id: str) -> bool:
-        """True (and forgets it) when `request_id` was aborted before it arrived."""
+        """An add/reserve arrives: True (and forgets it) when its abort overtook it.
+        Otherwise the id starts a new request here, so it no longer counts as ended."""
+        self._ended.pop(request_id, None)
         return self._ids.pop(request_id, 0) is None
 
     def __len__(self) -> int:

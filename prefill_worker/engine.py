@@ -70,16 +70,25 @@ class PrefillEngine:
             return  # its abort overtook it: the router has already ended this leg
         req = Request(task.request_id, list(task.prompt_token_ids), task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
+        self.scheduler.add(req, task.ttft_deadline_s)  # ValueError if it can never fit
         self.jobs[task.request_id] = _Job(task, req, time.monotonic())
-        self.scheduler.add(req, task.ttft_deadline_s)
 
     def abort(self, request_id: str) -> bool:
-        job = self.jobs.pop(request_id, None)
+        """End the job here; an abort for an id not held here is either late (it ended
+        here already: a no-op) or early (it overtook its add: a tombstone)."""
+        job = self._end(request_id)
         if job is None:
             self.aborted_early.bury(request_id)
         self.scheduler.abort(request_id)
         self.sender.abort(request_id)
         return job is not None
+
+    def _end(self, request_id: str) -> _Job | None:
+        """Forget a job that ended here (any status); its id is free again at once."""
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            self.aborted_early.ended(request_id)
+        return job
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[WorkerEvent]:
@@ -142,7 +151,7 @@ class PrefillEngine:
         ended = r.is_finished  # e.g. EOS or max_tokens == 1: the decode side is not needed
         if ended:
             self.sender.abort(r.request_id)
-            self.jobs.pop(r.request_id)
+            self._end(r.request_id)
         else:
             self._send(job, item.start, item.start + item.num_tokens, final=True,
                        first_token=first_token)
@@ -164,13 +173,13 @@ class PrefillEngine:
         ev = self.sender.poll()
         out: list[WorkerEvent] = []
         for rid in ev.finished:
-            job = self.jobs.pop(rid, None)
+            job = self._end(rid)
             if job is not None:
                 end = job.prefill_end or time.monotonic()
                 out.append(WorkerEvent(PREFILL_DONE, rid, self.worker_id,
                                        timing={"transfer_s": time.monotonic() - end}))
         for rid, reason in ev.failed:
-            if self.jobs.pop(rid, None) is not None:
+            if self._end(rid) is not None:
                 self.scheduler.abort(rid)
                 out.append(WorkerEvent(FAILED, rid, self.worker_id,
                                        message=f"KV transfer failed: {reason}"))

@@ -6,7 +6,7 @@ of all others (oldest first), so no policy can starve anyone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -68,6 +68,62 @@ def order(
     starving = sorted((r for r in reqs if waited(r) >= aging_s), key=lambda r: r.arrival)
     rest = sorted((r for r in reqs if waited(r) < aging_s), key=lambda r: key(r, now, served))
     return starving + rest
+
+
+class TenantLedger(Mapping[str, float]):
+    """WFQ's weighted tokens served per tenant, read by the policies as `served`.
+
+    Tenant names come from clients, so the ledger only knows tenants with a live request
+    on this worker (`join` .. `leave`): it never outgrows the requests it holds. Service
+    is counted in virtual time: `vtime` is the least service among tenants with a
+    running prefill (never decreasing while anyone is live). A tenant whose request
+    starts running (`activate`) is lifted to `vtime` at least, so a new, renamed or
+    returning tenant is served like the least-served running one instead of going first
+    until its zero total "catches up"; a tenant that was ahead keeps its lead.
+    """
+
+    def __init__(self, weights: Mapping[str, float] | None = None):
+        self.weights = dict(weights or {})
+        self.vtime = 0.0
+        self._served: dict[str, float] = {}
+        self._live: dict[str, int] = {}
+
+    def __getitem__(self, tenant: str) -> float:
+        return self._served[tenant]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._served)
+
+    def __len__(self) -> int:
+        return len(self._served)
+
+    def join(self, tenant: str) -> None:
+        self._live[tenant] = self._live.get(tenant, 0) + 1
+        self._served.setdefault(tenant, self.vtime)
+
+    def leave(self, tenant: str) -> None:
+        n = self._live.get(tenant, 0) - 1
+        if n > 0:
+            self._live[tenant] = n
+            return
+        self._live.pop(tenant, None)
+        self._served.pop(tenant, None)
+        if not self._live:
+            self.vtime = 0.0  # nobody left to compare with: start the clock afresh
+
+    def activate(self, tenant: str) -> None:
+        self._served[tenant] = max(self._served.get(tenant, 0.0), self.vtime)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        self._served[tenant] = self._served.get(tenant, self.vtime) + tokens / self.weights.get(
+            tenant, 1.0)
+
+    def tick(self, running_tenants: Iterable[str]) -> None:
+        """Advance virtual time to the least service among the running tenants."""
+        least = min((self._served[t] for t in running_tenants if t in self._served),
+                    default=None)
+        if least is not None:
+            self.vtime = max(self.vtime, least)
 
 
 class ChunkPolicy:

@@ -3,6 +3,9 @@
 Admission promises a request every block its whole prompt will need (its earlier chunks'
 KV must stay resident for the later chunks' attention), so admitted prefills can always
 finish and never deadlock each other; physical blocks are still allocated per chunk.
+Invariant: the blocks promised to admitted prefills never exceed the free blocks. With
+prefix caching, cached free blocks count as free until a hit takes them, so admission
+charges a hit for the cached blocks it takes and takes nothing unless the request fits.
 Each step: requests in the fairness policy's order get `C = chunk_policy.size(remaining,
 budget left)` until the token budget is spent.
 """
@@ -18,7 +21,13 @@ from types import MappingProxyType
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledItem
-from prefill_worker.policies import FAIRNESS_POLICIES, PrefillState, make_chunk_policy, order
+from prefill_worker.policies import (
+    FAIRNESS_POLICIES,
+    PrefillState,
+    TenantLedger,
+    make_chunk_policy,
+    order,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,9 @@ class PrefillSchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.aging_s <= 0:
             raise ValueError("aging_s must be > 0")
+        bad = {t: w for t, w in self.tenant_weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"tenant_weights must be > 0, got {bad}")
         object.__setattr__(self, "tenant_weights", MappingProxyType(dict(self.tenant_weights)))
 
 
@@ -58,27 +70,43 @@ class PrefillScheduler:
                                               config.min_chunk)
         self.waiting: deque[tuple[Request, PrefillState]] = deque()
         self.active: dict[str, tuple[Request, PrefillState]] = {}
-        self.served: dict[str, float] = {}  # tenant -> tokens / weight (for wfq)
+        self._queued: set[str] = set()  # ids in `waiting`
+        self.served = TenantLedger(config.tenant_weights)  # tenant -> tokens / weight (wfq)
 
     # ---- queue --------------------------------------------------------------------
     def add(self, request: Request, deadline_s: float | None = None) -> None:
+        """Queue a prefill; ValueError if its id is live here or it can never fit the pool."""
+        rid = request.request_id
+        if rid in self.active or rid in self._queued:
+            raise ValueError(f"request_id {rid!r} is already queued or running")
+        if self.bm.blocks_for(request.prefill_len) > self.bm.num_blocks:
+            raise ValueError(
+                f"prompt of {request.prefill_len} tokens cannot fit this prefill worker's KV "
+                f"cache ({self.bm.num_blocks * self.bm.block_size} tokens)")
         now = self.clock()
         state = PrefillState(
-            request.request_id, now, request.prefill_len, request.prefill_len, request.tenant,
+            rid, now, request.prefill_len, request.prefill_len, request.tenant,
             None if deadline_s is None else now + deadline_s,
         )
         self.waiting.append((request, state))
+        self._queued.add(rid)
+        self.served.join(request.tenant)
 
     def abort(self, request_id: str) -> Request | None:
         entry = self.active.pop(request_id, None)
         if entry is None:
-            entry = next((e for e in self.waiting if e[0].request_id == request_id), None)
-            if entry is None:
+            if request_id not in self._queued:
                 return None
+            entry = next(e for e in self.waiting if e[0].request_id == request_id)
             self.waiting.remove(entry)
-        entry[0].status = RequestStatus.FINISHED_ABORTED
-        self.bm.free(entry[0])
+            self._queued.discard(request_id)
+        self._end(entry[0], RequestStatus.FINISHED_ABORTED)
         return entry[0]
+
+    def _end(self, r: Request, status: RequestStatus) -> None:
+        r.status = status
+        self.bm.free(r)
+        self.served.leave(r.tenant)
 
     @property
     def num_outstanding_tokens(self) -> int:
@@ -89,23 +117,29 @@ class PrefillScheduler:
         return sum(self.bm.blocks_needed(r, r.prefill_len) for r, _ in self.active.values())
 
     def _admit(self) -> None:
+        """Admit from the head while the whole prompt fits the unpromised free blocks.
+
+        A prefix hit is looked up, not taken, until the request fits: the cached blocks
+        it would take leave the free pool, and a head that holds them while it waits
+        could leave an admitted prefill short of its promise forever."""
         while self.waiting and len(self.active) < self.config.max_num_seqs:
             r, s = self.waiting[0]
-            if not r.block_ids:
-                hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len])
-                if hit:
-                    self.bm.take_prefix(r, hit)
-                    n = len(hit) * self.bm.block_size
-                    r.num_computed_tokens = r.num_cached_tokens = r.prefix_hit_tokens = n
-                    s.remaining = r.remaining_prefill
-            need = self.bm.blocks_needed(r, r.prefill_len)
-            if need > self.bm.num_free_blocks - self._promised_blocks():
+            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len])
+            cost = self.bm.admission_cost(hit, r.prefill_len)
+            if cost > self.bm.num_free_blocks - self._promised_blocks():
                 return
             self.waiting.popleft()
+            self._queued.discard(r.request_id)
+            self.bm.take_prefix(r, hit)
+            n = len(hit) * self.bm.block_size
+            r.num_computed_tokens = r.num_cached_tokens = r.prefix_hit_tokens = n
+            s.remaining = r.remaining_prefill
             self.active[r.request_id] = (r, s)
+            self.served.activate(r.tenant)
 
     # ---- steps --------------------------------------------------------------------
     def schedule(self) -> list[ScheduledItem]:
+        self.served.tick(s.tenant for _, s in self.active.values())
         self._admit()
         now = self.clock()
         budget = self.config.max_num_batched_tokens
@@ -122,8 +156,7 @@ class PrefillScheduler:
             items.append(ScheduledItem(r, r.num_computed_tokens, c, is_prefill=True))
             budget -= c
             s.last_served = now
-            w = self.config.tenant_weights.get(r.tenant, 1.0)
-            self.served[r.tenant] = self.served.get(r.tenant, 0.0) + c / w
+            self.served.charge(r.tenant, c)
         return items
 
     def advance(self, items: list[ScheduledItem]) -> None:
@@ -136,9 +169,8 @@ class PrefillScheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Prefill done (its KV exported): release the blocks (cached ones go to the LRU)."""
-        self.active.pop(request.request_id, None)
-        request.status = status
-        self.bm.free(request)
+        if self.active.pop(request.request_id, None) is not None:
+            self._end(request, status)
 
     @property
     def has_work(self) -> bool:

@@ -11,6 +11,7 @@ from prefill_worker.policies import (
     ChunkPolicy,
     PrefillState,
     TailMergePolicy,
+    TenantLedger,
     make_chunk_policy,
     order,
 )
@@ -105,3 +106,122 @@ def test_admission_promises_whole_prompts_so_prefills_never_deadlock():
     sched.abort("a")
     bm.check_integrity()
     assert bm.num_used_blocks == 0
+
+
+def _drive(sched, max_steps=500, now=None):
+    """Run the scheduler to the end like PrefillEngine does; returns the served ids."""
+    served = []
+    for _ in range(max_steps):
+        if not sched.has_work:
+            return served
+        if now is not None:
+            now[0] += 0.001
+        items = sched.schedule()
+        assert items, "prefills left but none scheduled: deadlock"
+        served += [i.request.request_id for i in items]
+        sched.advance(items)
+        for i in items:
+            if i.completes_prefill:
+                sched.finish(i.request, i.request.status)
+        sched.bm.check_integrity()
+    raise AssertionError("prefill scheduler did not drain")
+
+
+def test_prefix_hit_at_the_queue_head_never_takes_blocks_promised_to_a_running_prefill():
+    # 10 blocks of 4 tokens. P leaves 4 hashed blocks in the LRU (and 6 on the free list).
+    bm = BlockManager(10, 4)  # prefix caching on, as by default
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_chunk=16),
+                             bm)
+    p = _req("p", 17)
+    sched.add(p)
+    _drive(sched)
+    assert len(bm._cached_free) == 4 and bm.num_free_blocks == 10
+    # A (40 tokens) is promised the whole pool and runs its first chunk from the free list
+    a = Request("a", list(range(500, 540)), SamplingParams(temperature=0))
+    sched.add(a)
+    sched.advance(sched.schedule())
+    assert a.num_computed_tokens == 16 and bm.num_free_blocks == 6  # 2 free + 4 cached
+    # B shares P's 16-token prefix: taking those 4 cached blocks would leave A's promise
+    # of 6 blocks with 2, and A stuck at 16 of 40 tokens forever (prefill never preempts)
+    b = Request("b", p.prompt_token_ids[:16] + [900, 901, 902, 903],
+                SamplingParams(temperature=0))
+    sched.add(b)
+    items = sched.schedule()
+    assert [(i.request.request_id, i.start) for i in items] == [("a", 16)]
+    assert list(sched.active) == ["a"] and not b.block_ids  # B waits holding nothing
+    assert sched._promised_blocks() <= bm.num_free_blocks
+    sched.advance(items)
+    _drive(sched)
+    assert a.num_computed_tokens == 40 and b.num_computed_tokens == 20
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def _wfq(now, budget=16):
+    bm = BlockManager(64, 16, enable_prefix_caching=False)
+    return PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=16,
+                                                   fairness="wfq"), bm, clock=lambda: now[0])
+
+
+def _serve(sched, now, steps):
+    served = []
+    for _ in range(steps):
+        now[0] += 0.001
+        items = sched.schedule()
+        served += [i.request.tenant for i in items]
+        sched.advance(items)
+        for i in items:
+            if i.completes_prefill:
+                sched.finish(i.request, i.request.status)
+    return served
+
+
+def test_wfq_new_tenant_starts_at_the_virtual_time_instead_of_going_first_until_it_catches_up():
+    now = [0.0]
+    sched = _wfq(now)
+    sched.add(_req("old-1", 300, tenant="old"))
+    assert _serve(sched, now, 5) == ["old"] * 5  # 80 tokens served alone
+    sched.add(_req("new-1", 300, tenant="renamed"))  # a new (or renamed) tenant arrives
+    # it is served like the least-served running tenant: turns alternate from now on
+    assert _serve(sched, now, 6) == ["old", "renamed"] * 3
+    for rid in ("old-1", "new-1"):
+        sched.abort(rid)
+    assert len(sched.served) == 0 and sched.bm.num_used_blocks == 0
+
+
+def test_tenant_ledger_virtual_time_floor_and_weights():
+    led = TenantLedger({"gold": 2.0})
+    led.join("a")
+    led.activate("a")
+    led.charge("a", 100)
+    led.tick(["a"])
+    assert led.vtime == 100.0
+    led.join("gold")  # arrives while a runs: starts at the virtual time, not at 0
+    led.activate("gold")
+    assert led["gold"] == 100.0
+    led.charge("gold", 100)  # weight 2: half the virtual cost
+    led.charge("a", 100)
+    led.tick(["a", "gold"])
+    assert (led["a"], led["gold"], led.vtime) == (200.0, 150.0, 150.0)
+    led.activate("a")  # a was ahead: activation never lowers it
+    assert led["a"] == 200.0
+    led.leave("gold")
+    assert "gold" not in led and len(led) == 1
+    led.leave("a")
+    assert len(led) == 0 and led.vtime == 0.0
+
+
+def test_tenant_ledger_holds_only_tenants_with_live_requests():
+    now = [0.0]
+    sched = _wfq(now, budget=64)
+    for i in range(1000):  # tenant strings come from clients: every one different
+        sched.add(_req(f"r{i}", 8, tenant=f"client-{i}"))
+        if i % 3 == 0:
+            sched.abort(f"r{i}")
+        assert len(sched.served) <= len(sched.waiting) + len(sched.active)
+    while sched.has_work:
+        _serve(sched, now, 1)
+        assert len(sched.served) <= len(sched.waiting) + len(sched.active)
+    assert len(sched.served) == 0
+    sched.bm.check_integrity()
+    assert sched.bm.num_used_blocks == 0
