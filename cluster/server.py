@@ -116,6 +116,11 @@ class GenerationServer:
         return self.address
 
     @property
+    def model_name(self) -> str:
+        """The model's name on the HTTP API (server.served_model_name, else model.path)."""
+        return self.cfg.server.served_model_name or self.cfg.model.path
+
+    @property
     def http_url(self) -> str | None:
         """Base URL of the OpenAI-compatible API (None without server.http_port)."""
         return self.http.url if self.http is not None else None
@@ -125,7 +130,7 @@ class GenerationServer:
 
         srv_cfg, limits = self.cfg.server, self.cfg.limits
         opts = FrontDoorOptions(
-            model_name=srv_cfg.served_model_name or self.cfg.model.path,
+            model_name=self.model_name,
             token=read_token(srv_cfg.auth_token_file) if srv_cfg.auth_token_file else None,
             request_timeout_s=limits.request_timeout_s,
             max_prompt_tokens=limits.max_prompt_tokens)
@@ -201,12 +206,17 @@ class GenerationServer:
 
 
 async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
-                on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain."""
+                on_ready: Callable[[str], None] | None = None,
+                on_started: Callable[[GenerationServer], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain.
+
+    `on_ready(address)` / `on_started(server)` run once both front doors listen."""
     server = GenerationServer(router, cfg)
     address = await server.start()
     if on_ready is not None:
         on_ready(address)
+    if on_started is not None:
+        on_started(server)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
 
