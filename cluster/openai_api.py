@@ -91,7 +91,8 @@ class OpenAIFrontDoor:
 
     def _card(self) -> dict:
         return {"id": self.opts.model_name, "object": "model", "created": self.created,
-                "owned_by": "pdserve", "max_model_len": self.router.max_model_len}
+                "owned_by": "pdserve", "max_model_len": self.router.max_model_len,
+                "vocab_size": self.router.vocab_size}
 
     async def models(self, request: Request) -> Response:
         try:

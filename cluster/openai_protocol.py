@@ -69,6 +69,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: INT32 = 0
+    ttft_deadline_ms: float | None = None  # pdserve's (as on gRPC): deadline-aware policies
     return_token_ids: bool = False  # vLLM's: token ids beside the text
     # Not supported yet: any value but "off" is a 400 naming the field (never ignored).
     logprobs: Any = None
@@ -139,7 +140,7 @@ class _Common(BaseModel):
             prompt, request_id=request_id, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, max_tokens=max_tokens, seed=self.seed,
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
-            tenant=tenant, priority=self.priority)
+            tenant=tenant, priority=self.priority, ttft_deadline_ms=self.ttft_deadline_ms)
         try:
             return spec_from_request(req, request_id=request_id, tokenize=tokenize,
                                      vocab_size=vocab_size, max_model_len=max_model_len,
