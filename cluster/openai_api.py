@@ -47,6 +47,7 @@ from engine.chat import render_chat
 
 log = logging.getLogger(__name__)
 
+INTERNAL = OpenAIError(500, "internal error in the backend", code="internal")
 TENANT_HEADER = "x-pdserve-tenant"
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -149,6 +150,9 @@ class OpenAIFrontDoor:
         except ClientGone:
             log.info("client of %s went away before its answer", spec.request_id)
             return Response(status_code=499)
+        except Exception:  # a backend bug fails this request alone
+            log.exception("request %s failed in the backend", spec.request_id)
+            return self._error(INTERNAL, headers)
         finally:
             if not handed_over:
                 await pieces.aclose()
@@ -172,6 +176,9 @@ class OpenAIFrontDoor:
         except OpenAIError as e:
             log.info("request %s failed mid-stream: %s", run.rid, e.message)
             yield sse(e.body())
+        except Exception:
+            log.exception("request %s failed in the backend mid-stream", run.rid)
+            yield sse(INTERNAL.body())
         finally:
             await pieces.aclose()
         yield DONE

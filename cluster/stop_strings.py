@@ -2,9 +2,9 @@
 
 Text arrives in deltas; a stop string may straddle two of them. `StopStrings.push` returns
 the text that is safe to release: everything before a match (the stop string itself is not
-released unless `include`), or, while nothing matched, all but the last
-`len(longest stop) - 1` characters, which could still begin a match and are held back
-until later text decides (as vLLM does). The final push releases what is held.
+released unless `include`), or, while nothing matched, all but the longest tail that is
+the beginning of a stop string: that tail is held back until later text decides. The
+final push releases what is held.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ class StopStrings:
             raise ValueError("stop strings must not be empty")
         self.stops = tuple(stops)
         self.include = include
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._text = ""
         self._released = 0
         self.matched: str | None = None  # the stop string that ended the text
@@ -32,16 +31,25 @@ class StopStrings:
         """Add generated text; returns the newly releasable part. After a match, ''."""
         if self.matched is not None:
             return ""
-        # a match must end inside the new text: it starts at most _hold chars before it
-        start = max(0, len(self._text) - self._hold)
         self._text += delta
-        hit = self._first_match(start)
+        # released text never begins a match (its tail was held while it could)
+        hit = self._first_match(self._released)
         if hit is not None:
             pos, stop = hit
             self.matched = stop
             return self._release(pos + (len(stop) if self.include else 0))
-        end = len(self._text) if final else max(self._released, len(self._text) - self._hold)
+        end = len(self._text) if final else len(self._text) - self._held_tail()
         return self._release(end)
+
+    def _held_tail(self) -> int:
+        """Length of the longest unreleased tail that a stop string begins with."""
+        longest = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self._text) - self._released), longest, -1):
+                if self._text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
 
     def _first_match(self, start: int) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
