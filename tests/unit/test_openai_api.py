@@ -5,6 +5,8 @@ client that leaves mid-stream; every test ends with the engine idle and no block
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import time
 
@@ -12,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from cluster.cli import main
 from cluster.config import ServeConfig
 from cluster.local_backend import LocalBackend
 from cluster.server import BackgroundServer
@@ -180,3 +183,19 @@ def test_client_leaving_mid_stream_frees_the_request(served):
         assert st.num_inflight == 1 and st.workers[0].kv_blocks_used > 0
     assert_idle(srv, backend)
     assert backend.llm.num_steps - steps < 4000  # aborted: it never generated them all
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_pdserve_bench_drives_either_front_door(served, capsys, tmp_path, backend):
+    srv, backend_, _ = served
+    addr = srv.address if backend == "grpc" else srv.server.http_url.removeprefix("http://")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--backend", backend, "--addr", addr, "--num-prompts", "4",
+                 "--prompt-len", "20", "--output-len", "6", "--no-progress",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"Successful requests:\s+4\b", text)
+    assert re.search(r"Total generated tokens:\s+24\b", text)  # exact counts on both doors
+    records = json.loads(out.read_text())["records"]
+    assert all(r["success"] and len(r["token_times"]) == 6 for r in records)
+    assert_idle(srv, backend_)

@@ -121,3 +121,23 @@ def test_openai_chat_stream_on_real_weights(smollm2, default_engine):
         client.close()
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_model_names_and_cache_location_offline(tmp_path, monkeypatch):
+    from cluster.config import REAL_MODEL_NAMES
+    from engine.model_fetch import cache_root, real_model_dir
+
+    assert REAL_MODEL_NAMES == tuple(REAL_MODELS)  # the config's copy of the registry
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert cache_root() == tmp_path
+    assert real_model_dir("smollm2", "bfloat16") == (
+        tmp_path / "models" / "smollm2-135m-instruct-bfloat16")
+    with pytest.raises(ValueError, match="unknown model 'gpt2'"):
+        real_model_dir("gpt2")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        real_model_dir("smollm2", "int8")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "stray.txt").write_text("x")
+    with pytest.raises(ModelFetchError, match="is not a finished smollm2 conversion"):
+        ensure_real_model("smollm2", out=busy)
