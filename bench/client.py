@@ -89,9 +89,8 @@ class OpenAIBenchClient:
         if tls_ca:  # trust this CA for an https:// base URL (server.tls_cert)
             import ssl
 
-            import httpx
-
-            http = httpx.AsyncClient(verify=ssl.create_default_context(cafile=tls_ca))
+            http = openai.DefaultAsyncHttpxClient(
+                verify=ssl.create_default_context(cafile=tls_ca))
         self._client = openai.AsyncOpenAI(base_url=base_url, api_key=token or "no-token",
                                           timeout=timeout or 600.0, max_retries=0,
                                           http_client=http)

@@ -5,6 +5,7 @@ and a client leaving mid-stream, each ending with zero blocks used on both pools
 
 from __future__ import annotations
 
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,9 +17,11 @@ import torch
 from cluster.client import PdserveClient
 from cluster.config import ServeConfig
 from cluster.launcher import build_disaggregated_router
+from cluster.local_backend import LocalBackend
 from cluster.metrics import ServiceMetrics
 from cluster.server import BackgroundServer
 from engine import LLM, SamplingParams
+from tests.integration.test_grpc_server import _self_signed_cert
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +121,29 @@ def test_client_leaving_mid_stream_frees_both_pools(pd_http):
         decode = [w for w in grpc_client.stats().workers if w.role == "decode"]
         assert decode[0].kv_blocks_used > 0  # it is decoding on the decode pool
     assert_no_leaks(grpc_client)
+
+
+def test_https_with_the_grpc_certificate_and_token(tiny_model, tmp_path):
+    cert, key = _self_signed_cert(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text("tls-token")
+    cfg = ServeConfig().with_values({
+        "server.port": 0, "server.http_port": 0, "server.tls_cert": str(cert),
+        "server.tls_key": str(key), "server.auth_token_file": str(token_file),
+        "server.served_model_name": "tiny"})
+    with BackgroundServer(LocalBackend(LLM(str(tiny_model))), cfg) as srv:
+        url = srv.server.http_url
+        assert url.startswith("https://")
+        http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert)))
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="tls-token", max_retries=0,
+                           http_client=http)
+        r = ok.completions.create(model="tiny", prompt="hi", max_tokens=3,
+                                  extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0,
+                              http_client=http)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        ok.close()
+        with pytest.raises(httpx.HTTPError):  # no plain-text HTTP on the TLS port
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=10)
