@@ -165,7 +165,7 @@ class OpenAIFrontDoor:
         try:
             piece = first
             while True:
-                if piece.text or piece.finish_reason or shaper._first_chunk or (
+                if piece.text or piece.finish_reason or shaper.first_chunk or (
                         req.return_token_ids and piece.token_ids):
                     yield sse(shaper.chunk(piece, run.usage if every else None, include))
                 if piece.finish_reason is not None:

@@ -126,7 +126,8 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "prompt"}
+    ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "prompt",
+                                         "request_id": "x-request-id"}
 
     def to_spec(self, prompt: str | list[int], *, request_id: str, tenant: str,
                 tokenize: Callable[[str], list[int]], vocab_size: int, max_model_len: int,
@@ -179,7 +180,8 @@ class CompletionRequest(_Common):
 
 
 class ChatCompletionRequest(_Common):
-    ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "messages"}
+    ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "messages",
+                                         "request_id": "x-request-id"}
     messages: Any = None
     max_completion_tokens: INT32 | None = None
     chat_template: str | None = None  # vLLM's: override the model's template

@@ -39,7 +39,7 @@ class Shaper:
     prompt_token_ids: tuple[int, ...]
     return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    _first_chunk: bool = True
+    first_chunk: bool = True  # no chunk sent yet: the next one opens the stream
 
     @property
     def object(self) -> str:
@@ -56,7 +56,7 @@ class Shaper:
             choice["text"] = text
         elif delta:
             choice["delta"] = {"content": text} if text else {}
-            if self._first_chunk:
+            if self.first_chunk:
                 choice["delta"] = {"role": "assistant", "content": text}
         else:
             choice["message"] = {"role": "assistant", "content": text}
@@ -80,9 +80,9 @@ class Shaper:
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
         out["choices"] = [self._choice(piece.text, piece.token_ids, piece.finish_reason,
                                        piece.stop_reason, delta=True)]
-        if self.return_token_ids and self._first_chunk:
+        if self.return_token_ids and self.first_chunk:
             out["prompt_token_ids"] = list(self.prompt_token_ids)
-        self._first_chunk = False
+        self.first_chunk = False
         if include_usage:
             out["usage"] = usage
         return out

@@ -140,6 +140,8 @@ def test_request_id_header_tenant_and_duplicates(fake):
     assert router.specs[-1].tenant == "free" and router.specs[-1].request_id.startswith("cmpl-")
     client.post("/v1/completions", json={"prompt": "hi"})
     assert router.specs[-1].tenant == "default"
+    assert_error(client.post("/v1/completions", headers={"x-request-id": "x" * 300},
+                             json={"prompt": "hi"}), 400, "x-request-id")
     # a second request with an in-flight id is a conflict; the first is unaffected
     with client.stream("POST", "/v1/completions", headers={"x-request-id": "dup"},
                        json={"prompt": "hang", "stream": True}) as first:
