@@ -103,6 +103,9 @@ def ensure_real_model(name: str, dtype: str = "float32", out: Path | None = None
             say(f"dequantizing {gguf.name} to {dtype} safetensors ...")
             convert_gguf(gguf, staging, dtype)
             (staging / COMPLETE).write_text(f"{spec.requirement}\n{dtype}\n")
+            staging.chmod(0o755)  # mkdtemp made it private; a model cache is readable
+            for f in staging.iterdir():
+                f.chmod(0o644)
             if dest.exists():
                 dest.rmdir()  # empty (checked above)
             try:
