@@ -337,8 +337,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 register("serve", "serve the gRPC API (P/D pools, or --colocated)", _add_serve, _run_serve)
 register("generate", "stream one completion from a server", _add_generate, _run_generate)
 register("stats", "print a server's worker table", lambda p: _add_conn(p), _run_stats)
-register("make-model", "write a deterministic random HF model dir", _add_make_model,
-         _run_make_model)
+register("make-model", "write a deterministic random HF model dir, or fetch and convert a "
+         "real one (--preset smollm2)", _add_make_model, _run_make_model)
 register("demo", "serve in-process and stream 4 requests", _add_demo, _run_demo)
 
 
