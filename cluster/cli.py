@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -19,6 +18,13 @@ from typing import NoReturn
 
 from cluster.config import ServeConfig
 from cluster.config_cli import keys_epilog
+from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
+    StartupError,
+    build_router,
+    launcher_available,
+    resolve_model,
+    startup_errors,
+)
 
 PLUGIN_MODULES = ("bench.cli", "bench.soak_cli", "bench.study_cli")
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -60,10 +66,6 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-class StartupError(Exception):
-    """A model, config or bind problem found while starting: `pdserve: error: ...`, exit 2."""
-
-
 def fail(message: str) -> NoReturn:
     print(f"pdserve: error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -75,61 +77,6 @@ def config_or_exit(args: argparse.Namespace) -> ServeConfig:
         return ServeConfig.from_args(args)
     except (ValueError, OSError) as e:
         fail(str(e))
-
-
-def _startup_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the model or configuration is unusable", not a bug: every
-    ModelLoadError / ModelFetchError, a config ValueError, an unbindable port."""
-    from cluster.http_server import BindError
-    from engine.model_fetch import ModelFetchError
-
-    return (ValueError, OSError, ModelFetchError, BindError)
-
-
-def resolve_model(cfg: ServeConfig) -> ServeConfig:
-    """`cfg` with model.path a directory ('tiny' is written and 'smollm2' fetched here,
-    once, in this process, before any worker starts); the served model name keeps the
-    name the user gave."""
-    path = str(cfg.model.resolve_path())
-    if path == cfg.model.path:
-        return cfg
-    values = {"model.path": path}
-    if cfg.server.served_model_name is None:
-        values["server.served_model_name"] = cfg.model.path
-    return cfg.with_values(values)
-
-
-def launcher_available() -> bool:
-    """True when the disaggregated backend (cluster.launcher) can be imported."""
-    try:
-        importlib.import_module("cluster.launcher")
-    except ImportError:
-        return False
-    return True
-
-
-async def build_router(cfg: ServeConfig):
-    """The colocated LocalBackend, or the P/D router from cluster.launcher.
-
-    A model, config or bind problem raises StartupError with a one-line reason."""
-    try:
-        return await _build_router(resolve_model(cfg))
-    except _startup_errors() as e:
-        raise StartupError(str(e)) from e
-
-
-async def _build_router(cfg: ServeConfig):
-    if cfg.pools.colocated:
-        from cluster.local_backend import LocalBackend
-
-        return LocalBackend.from_config(cfg)
-    try:
-        from cluster.launcher import build_disaggregated_router
-    except ImportError as e:
-        raise StartupError(f"the disaggregated backend is unavailable ({e}); serve the "
-                           "colocated engine with --colocated") from None
-    router = build_disaggregated_router(cfg)
-    return await router if inspect.isawaitable(router) else router
 
 
 # ---- serve --------------------------------------------------------------------------
@@ -172,7 +119,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         try:
             await serve(router, served, on_started=ready)
-        except _startup_errors() as e:
+        except startup_errors() as e:
             await router.shutdown(0.0)
             raise StartupError(str(e)) from e
         finally:

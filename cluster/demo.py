@@ -54,7 +54,8 @@ def long_text() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import StartupError, config_or_exit, fail, launcher_available, setup_logging
+    from cluster.cli import config_or_exit, fail, setup_logging
+    from cluster.startup import StartupError, launcher_available
 
     defaults = {"pools.colocated": not launcher_available(),
                 "server.port": 0,  # ephemeral: never collide with a real server
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _real_model_or_tiny(cfg: ServeConfig) -> ServeConfig:
-    from cluster.cli import resolve_model
+    from cluster.startup import resolve_model
     from engine.model_fetch import ModelFetchError
 
     try:
@@ -125,9 +126,10 @@ async def _demo(cfg: ServeConfig, max_tokens: int | None) -> int:
     import openai
 
     from cluster.auth import read_token
-    from cluster.cli import build_router, format_stats
+    from cluster.cli import format_stats
     from cluster.client import AsyncPdserveClient
     from cluster.server import GenerationServer
+    from cluster.startup import build_router
     from engine.chat import has_chat_template
 
     mode = "colocated" if cfg.pools.colocated else "disaggregated (prefill/decode pools)"
