@@ -98,7 +98,12 @@ def workload_spec(args: argparse.Namespace, vocab_size: int, max_model_len: int)
 
 # ---- pdserve bench ------------------------------------------------------------------
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default=DEFAULT_ADDR, help=f"server HOST:PORT (default {DEFAULT_ADDR})")
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="front door: grpc (pdserve.v1.Generation) or openai (the HTTP API's "
+                   "/v1/completions, --http-port) (default grpc)")
+    p.add_argument("--addr", default=DEFAULT_ADDR, help="server HOST:PORT of the chosen front "
+                   f"door (default {DEFAULT_ADDR})")
+    p.add_argument("--base-url", help="openai: the API's base URL (default http://ADDR/v1)")
     p.add_argument("--token-file", help="file with the bearer token (server.auth_token_file)")
     p.add_argument("--tls-ca", help="PEM CA/certificate to trust: connect with TLS")
     p.add_argument("--timeout", type=float, default=None, help="per-request RPC deadline (s)")
@@ -128,26 +133,33 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve bench: error: --slo: {e}", file=sys.stderr)
         return 2
+    import openai
+
     token = read_token(args.token_file) if args.token_file else None
+    target = args.addr if args.backend == "grpc" else (args.base_url or f"http://{args.addr}/v1")
     try:
-        vocab, max_len = asyncio.run(server_model_info(args.addr, token=token,
-                                                       tls_ca=args.tls_ca))
+        vocab, max_len = asyncio.run(server_model_info(target, token=token,
+                                                       tls_ca=args.tls_ca, backend=args.backend))
         spec = workload_spec(args, vocab, max_len)
         requests = build_workload(spec)
     except grpc.RpcError as e:
         print(f"pdserve bench: error: {args.addr}: {e.code().name}: {e.details()}",
               file=sys.stderr)
         return 1
+    except openai.APIError as e:
+        print(f"pdserve bench: error: {target}: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
     summary = summarize_workload(requests)
-    print(f"pdserve bench: {args.addr}: {summary['num_requests']} requests, mix {spec.mix}, "
+    print(f"pdserve bench: {target} ({args.backend}): {summary['num_requests']} requests, "
+          f"mix {spec.mix}, "
           f"rate {spec.request_rate:g}/s, prompt mean {summary['prompt_len']['mean']:.0f}, "
           f"output mean {summary['max_tokens']['mean']:.0f}", flush=True)
-    run = asyncio.run(run_bench(args.addr, requests, max_concurrency=args.max_concurrency,
+    run = asyncio.run(run_bench(target, requests, max_concurrency=args.max_concurrency,
                                 token=token, tls_ca=args.tls_ca, timeout=args.timeout,
-                                progress=not args.no_progress))
+                                progress=not args.no_progress, backend=args.backend))
     weights = {t.name: t.weight for t in spec.tenants}
     m = compute_metrics(run.records, run.duration_s, slos=slos,
                         long_prompt_threshold=args.long_prompt_threshold,
@@ -157,7 +169,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     for e in errors[:5]:
         print(f"  error: {e}", file=sys.stderr)
     if args.json:
-        out = {"addr": args.addr, "workload": summary, "max_concurrency": args.max_concurrency,
+        out = {"addr": target, "backend": args.backend, "workload": summary, "max_concurrency": args.max_concurrency,
                "metrics": m.to_json_dict(), "records": [asdict(r) for r in run.records]}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from cluster.config import ServeConfig
 from cluster.config_cli import keys_epilog
+from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
+    StartupError,
+    build_router,
+    launcher_available,
+    resolve_model,
+    startup_errors,
+)
 
 PLUGIN_MODULES = ("bench.cli", "bench.soak_cli", "bench.study_cli")
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -59,37 +66,17 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def fail(message: str) -> NoReturn:
+    print(f"pdserve: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def config_or_exit(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig from --config and flags; a bad key/value exits 2 with the message."""
     try:
         return ServeConfig.from_args(args)
     except (ValueError, OSError) as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def launcher_available() -> bool:
-    """True when the disaggregated backend (cluster.launcher) can be imported."""
-    try:
-        importlib.import_module("cluster.launcher")
-    except ImportError:
-        return False
-    return True
-
-
-async def build_router(cfg: ServeConfig):
-    """The colocated LocalBackend, or the P/D router from cluster.launcher."""
-    if cfg.pools.colocated:
-        from cluster.local_backend import LocalBackend
-
-        return LocalBackend.from_config(cfg)
-    try:
-        from cluster.launcher import build_disaggregated_router
-    except ImportError as e:
-        raise SystemExit(f"pdserve: error: the disaggregated backend is unavailable ({e}); "
-                         "serve the colocated engine with --colocated") from None
-    router = build_disaggregated_router(cfg)
-    return await router if inspect.isawaitable(router) else router
+        fail(str(e))
 
 
 # ---- serve --------------------------------------------------------------------------
@@ -106,7 +93,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     setup_logging(cfg.server.log_level)
     mode = "colocated" if cfg.pools.colocated else "disaggregated"
     async def main() -> None:
-        router = await build_router(cfg)
+        served = resolve_model(cfg)  # 'smollm2' is fetched here on first use
+        router = await build_router(served)
         refresher = None
         if cfg.server.metrics_port is not None:
             from cluster.auth import read_token
@@ -122,10 +110,18 @@ def _run_serve(args: argparse.Namespace) -> int:
             auth = " (bearer token required: server.auth_token_file)" if token else ""
             print(f"pdserve: metrics on http://{cfg.server.host}:{port}/metrics{auth}",
                   flush=True)
+        def ready(server) -> None:
+            print(f"pdserve: serving pdserve.v1.Generation on {server.address} ({mode} "
+                  "backend); Ctrl-C drains and stops", flush=True)
+            if server.http_url is not None:
+                print(f"pdserve: serving the OpenAI-compatible API on {server.http_url}/v1 "
+                      f"(model {server.model_name!r})", flush=True)
+
         try:
-            await serve(router, cfg, on_ready=lambda addr: print(
-                f"pdserve: serving pdserve.v1.Generation on {addr} ({mode} backend); "
-                "Ctrl-C drains and stops", flush=True))
+            await serve(router, served, on_started=ready)
+        except startup_errors() as e:
+            await router.shutdown(0.0)
+            raise StartupError(str(e)) from e
         finally:
             if refresher is not None:
                 refresher.cancel()
@@ -244,17 +240,31 @@ def _run_stats(args: argparse.Namespace) -> int:
 
 # ---- make-model ---------------------------------------------------------------------
 def _add_make_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=("tiny", "small", "qwen2-0.5b-shape"),
-                   help="model size (default tiny)")
+    from engine.model_fetch import CONVERT_DTYPES, REAL_MODELS
+
+    random = ("tiny", "small", "qwen2-0.5b-shape")
+    p.add_argument("--preset", default="tiny", choices=(*random, *REAL_MODELS),
+                   help="random model sizes " + ", ".join(random) + "; real models: " +
+                   "; ".join(f"{m.name} = {m.description}" for m in REAL_MODELS.values()) +
+                   " (default tiny)")
     p.add_argument("--arch", default="llama", choices=("llama", "qwen2", "qwen3", "mistral"),
-                   help="architecture (default llama)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+                   help="architecture of a random model (default llama)")
+    p.add_argument("--out", help="output directory (default: a real model goes to the cache, "
+                   "~/.cache/pdserve/models or $PDSERVE_CACHE_DIR; required for random ones)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of a random model")
+    p.add_argument("--dtype", default="float32", choices=CONVERT_DTYPES,
+                   help="weight dtype of a real model's conversion (default float32)")
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
+    from engine.model_fetch import REAL_MODELS, ensure_real_model
     from engine.tiny_model import make_model
 
+    if args.preset in REAL_MODELS:
+        print(ensure_real_model(args.preset, args.dtype, out=args.out))
+        return 0
+    if args.out is None:
+        fail(f"make-model --preset {args.preset}: give --out DIR")
     print(make_model(args.out, args.preset, args.arch, seed=args.seed))
     return 0
 
@@ -274,8 +284,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 register("serve", "serve the gRPC API (P/D pools, or --colocated)", _add_serve, _run_serve)
 register("generate", "stream one completion from a server", _add_generate, _run_generate)
 register("stats", "print a server's worker table", lambda p: _add_conn(p), _run_stats)
-register("make-model", "write a deterministic random HF model dir", _add_make_model,
-         _run_make_model)
+register("make-model", "write a deterministic random HF model dir, or fetch and convert a "
+         "real one (--preset smollm2)", _add_make_model, _run_make_model)
 register("demo", "serve in-process and stream 4 requests", _add_demo, _run_demo)
 
 
@@ -295,7 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except StartupError as e:
+        fail(str(e))
+    except Exception as e:
+        from engine.loader import ModelLoadError
+        from engine.model_fetch import ModelFetchError
+
+        if isinstance(e, ModelLoadError | ModelFetchError):  # from any subcommand
+            fail(str(e))
+        raise
 
 
 if __name__ == "__main__":

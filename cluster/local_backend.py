@@ -54,6 +54,7 @@ class LocalBackend:
         if max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {max_queue_len}")
         self.llm = llm
+        self.tokenizer = llm.tokenizer  # the front doors' chat templates
         self.vocab_size: int = llm.config.model.vocab_size
         self.max_model_len: int = llm.config.scheduler.max_model_len
         self.max_queue_len = max_queue_len

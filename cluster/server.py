@@ -2,11 +2,16 @@
 
     server = GenerationServer(router, cfg)      # cfg: ServeConfig (server + limits used)
     address = await server.start()              # "127.0.0.1:50051"
+    server.http_url                             # "http://127.0.0.1:8000" with server.http_port
     ...
     await server.stop()                         # drain, then router.shutdown()
 
 or `await serve(router, cfg)` (runs until SIGINT/SIGTERM), or, from synchronous code
 (tests, notebooks), `with BackgroundServer(router, cfg) as srv: srv.address`.
+
+With `server.http_port` set, the OpenAI-compatible HTTP API (cluster/openai_api.py) is
+served by uvicorn on the same event loop, over the same router and ServingState: draining
+covers both front doors, and the bearer token and TLS files apply to both.
 
 Health: both "" and "pdserve.v1.Generation" report SERVING while the router is healthy
 (polled every `health_poll_s`) and NOT_SERVING when it is not or while draining. Health
@@ -30,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.auth import BearerTokenInterceptor, read_token, server_credentials
 from cluster.config import ServeConfig
+from cluster.http_server import BindError, HttpServer
 from cluster.servicer import GenerationServicer, ServingState
 from cluster.types import RouterAPI
 from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -59,6 +65,7 @@ class GenerationServer:
         self._status: int | None = None
         self._drain_end = float("inf")
         self._stopped: asyncio.Event | None = None  # created by start() (needs a loop)
+        self.http: HttpServer | None = None
 
     @property
     def address(self) -> str:
@@ -90,9 +97,15 @@ class GenerationServer:
             else:
                 self.port = server.add_insecure_port(bind)
         except RuntimeError as e:
-            raise RuntimeError(f"cannot bind gRPC server to {bind}: {e} (port in use?)") from e
+            raise BindError(f"cannot bind gRPC server to {bind}: {e} (port in use?)") from e
         if not self.port:
-            raise RuntimeError(f"cannot bind gRPC server to {bind} (port in use?)")
+            raise BindError(f"cannot bind gRPC server to {bind} (port in use?)")
+        if srv_cfg.http_port is not None:
+            try:
+                await self._start_http()
+            except BaseException:
+                await server.stop(grace=0)
+                raise
         await server.start()
         self._server = server
         self._stopped = asyncio.Event()
@@ -101,6 +114,32 @@ class GenerationServer:
         log.info("serving %s on %s (tls=%s, auth=%s)", SERVICE_NAME, self.address,
                  bool(srv_cfg.tls_cert), bool(srv_cfg.auth_token_file))
         return self.address
+
+    @property
+    def model_name(self) -> str:
+        """The model's name on the HTTP API (server.served_model_name, else model.path)."""
+        return self.cfg.server.served_model_name or self.cfg.model.path
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (None without server.http_port)."""
+        return self.http.url if self.http is not None else None
+
+    async def _start_http(self) -> None:
+        from cluster.openai_api import FrontDoorOptions, OpenAIFrontDoor
+
+        srv_cfg, limits = self.cfg.server, self.cfg.limits
+        opts = FrontDoorOptions(
+            model_name=self.model_name,
+            token=read_token(srv_cfg.auth_token_file) if srv_cfg.auth_token_file else None,
+            request_timeout_s=limits.request_timeout_s,
+            max_prompt_tokens=limits.max_prompt_tokens)
+        app = OpenAIFrontDoor(self.router, self.state, opts).app()
+        http = HttpServer(app, srv_cfg.host, srv_cfg.http_port, ssl_certfile=srv_cfg.tls_cert,
+                          ssl_keyfile=srv_cfg.tls_key, log_level=srv_cfg.log_level)
+        await http.start()
+        self.http = http
+        log.info("serving the OpenAI-compatible API on %s/v1", http.url)
 
     def _router_healthy(self) -> bool:
         try:
@@ -152,6 +191,8 @@ class GenerationServer:
             while self.state.active and time.monotonic() < grace_end:
                 await asyncio.sleep(0.05)
         await self._server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self._poller is not None:
             self._poller.cancel()
         if shutdown_router:
@@ -165,12 +206,17 @@ class GenerationServer:
 
 
 async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
-                on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain."""
+                on_ready: Callable[[str], None] | None = None,
+                on_started: Callable[[GenerationServer], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain.
+
+    `on_ready(address)` / `on_started(server)` run once both front doors listen."""
     server = GenerationServer(router, cfg)
     address = await server.start()
     if on_ready is not None:
         on_ready(address)
+    if on_started is not None:
+        on_started(server)
     loop = asyncio.get_running_loop()
     stopping: list[asyncio.Task] = []
 

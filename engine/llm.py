@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from engine.block_manager import BlockManager
+from engine.chat import render_chat
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache import KVCache
 from engine.loader import load_model_config, load_tokenizer
@@ -190,6 +191,20 @@ class LLM:
             )
             for i, p in enumerate(prompts)
         ]
+
+    def chat(
+        self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+        add_generation_prompt: bool = True, chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {role, content} messages) or to several
+        (a list of such lists), each rendered by the model's chat template; generation
+        stops at the model's EOS tokens (generation_config.json) unless ignore_eos."""
+        several = bool(messages) and not isinstance(messages[0], Mapping)
+        conversations = list(messages) if several else [messages]
+        prompts = [render_chat(self.tokenizer, c, add_generation_prompt=add_generation_prompt,
+                               chat_template=chat_template) for c in conversations]
+        return self.generate(prompts, params)
 
     def _param_list(self, prompts, params) -> list[SamplingParams]:
         if params is None:
