@@ -14,8 +14,8 @@ import torch
 from engine.attention import get_backend
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, slots_for
-from engine.loader import load_weights
-from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from engine.loader import load_model
+from engine.models.llama import AttentionMetadata
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,10 +46,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.backend = get_backend(config.attention_backend, self.device)
-        model = LlamaForCausalLM(config.model)
-        model.load_hf_weights(load_weights(config.model_dir))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.inv_freq = self.model.inv_freq.float()  # rope frequencies stay fp32
+        self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
         self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
 
