@@ -26,7 +26,8 @@ class WorkerBase:
         torch.set_num_threads(max(1, spec.num_threads))
         self.spec = spec
         self.tracer = TraceRecorder(enabled=spec.trace, worker=spec.worker_id)
-        self.cfg, self.num_blocks = engine_config(spec)
+        # Ray makes the actor's GPU(s) visible as cuda:0..; a 'cuda:N' of the spec is moot
+        self.cfg, self.num_blocks = engine_config(spec, ray.get_gpu_ids())
         self.engine: Any = None
         self.loop: WorkerLoop | None = None
 
