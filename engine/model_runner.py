@@ -178,13 +178,12 @@ class ModelRunner:
         """Compile every attention kernel variant serving will launch (prefill, write_kv,
         decode with and without split-K and its reduce) on block 0, then clear block 0:
         the first requests do not wait for the compiler."""
-        n_long = 2 * 512 // self.block_size + 1  # > 2 split-K partitions of context
-        cap = max(1, min(n_long, self.num_blocks))
+        long = (0,) * (2 * 512 // self.block_size + 1)  # > 2 split-K partitions of context
         warm = [
-            [SeqChunk("warm-p", (1, 2), 0, (0,) * cap, sample=True)],
-            [SeqChunk("warm-d", (1,), 1, (0,) * cap, sample=True),
-             SeqChunk("warm-p", (1, 2), 0, (0,) * cap, sample=False)],
-            [SeqChunk("warm-s", (1,), cap * self.block_size - 1, (0,) * cap, sample=True)],
+            [SeqChunk("warm-p", (1, 2), 0, (0,), sample=True)],
+            [SeqChunk("warm-d", (1,), 1, (0,), sample=True),
+             SeqChunk("warm-p", (1, 2), 0, (0,), sample=False)],
+            [SeqChunk("warm-s", (1,), len(long) * self.block_size - 1, long, sample=True)],
         ]
         for batch in warm:
             self.execute(batch)
