@@ -11,11 +11,20 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from engine import memory  # noqa: E402
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.loader import load_model_config  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from tests.unit.test_kv_sizing import cfg_for  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+def cfg_for(model_dir, device: str, **cache) -> EngineConfig:
+    # (tests/unit/test_kv_sizing.py has the same helper, but imports Ray via the launcher)
+    return EngineConfig(str(model_dir), load_model_config(model_dir),
+                        CacheConfig(block_size=16, **cache),
+                        SchedulerConfig(max_model_len=4096, max_num_seqs=64), device=device,
+                        dtype="bfloat16")
 
 
 @pytest.mark.parametrize("share", [1.0, 0.5])
