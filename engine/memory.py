@@ -97,3 +97,17 @@ def num_kv_blocks(cfg: EngineConfig, *, memory: tuple[int, int, int] | None = No
             f"{c.gpu_share:g} of the GPU. Raise cache.gpu_memory_utilization, give the "
             "worker more of the GPU, or lower scheduler.max_num_batched_tokens")
     return int(min(budget // per_block, cap))
+
+
+def check_kv_fits(cfg: EngineConfig, num_blocks: int, *, free: int) -> None:
+    """A clear error, instead of an out-of-memory one, when `num_blocks` blocks (planned
+    before the weights were loaded, or set by hand) no longer fit in the `free` bytes."""
+    per_block = KVCache.bytes_per_block(cfg.model, cfg.cache.block_size,
+                                        torch_dtype(cfg.dtype))
+    need = num_blocks * per_block + MIN_RESERVE_BYTES
+    if need > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"a KV cache of {num_blocks} blocks needs {need / gib:.2f} GiB on {cfg.device} "
+            f"but {free / gib:.2f} GiB are free after loading the weights: lower "
+            "cache.num_blocks or cache.gpu_memory_utilization")

@@ -22,7 +22,7 @@ from engine.config import EngineConfig, torch_dtype
 from engine.device import ThreadBinder, pinned_empty
 from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
-from engine.memory import device_memory, num_kv_blocks
+from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.llama import AttentionMetadata
 
 __all__ = ["ModelRunner", "SeqChunk", "torch_dtype"]
@@ -100,9 +100,11 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
+        memory = device_memory(self.device) if self.device.type == "cuda" else None
         if num_blocks is None:
-            memory = device_memory(self.device) if self.device.type == "cuda" else None
             num_blocks = num_kv_blocks(config, memory=memory)
+        elif memory is not None:
+            check_kv_fits(config, num_blocks, free=memory[0])
         self.num_blocks = num_blocks
         self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
         self._buf = _StepBuffer(self.device)

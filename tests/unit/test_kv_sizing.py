@@ -154,3 +154,11 @@ def test_credit_window_is_raised_to_two_chunks_of_the_model():
     assert credit_window_bytes(off, eight_b) == 64 << 20
     big = cfg.with_values({"transfer.credit_window_mb": 1024})
     assert credit_window_bytes(big, eight_b) == 1024 << 20
+
+
+def test_planned_blocks_that_no_longer_fit_are_a_clear_error(tiny_model):
+    cfg = cfg_for(tiny_model)
+    per_block = KVCache.bytes_per_block(cfg.model, 16, torch.bfloat16)
+    memory.check_kv_fits(cfg, 1000, free=1000 * per_block + memory.MIN_RESERVE_BYTES)
+    with pytest.raises(ValueError, match="a KV cache of 1001 blocks needs .* GiB on cuda:0 but"):
+        memory.check_kv_fits(cfg, 1001, free=1000 * per_block + memory.MIN_RESERVE_BYTES)

@@ -210,6 +210,17 @@ def test_a_generator_on_the_logits_device_is_used_as_it_is():
     assert generator_on(gen, torch.device("cpu")) is gen
 
 
+def test_another_device_gets_one_twin_seeded_like_the_request():
+    # 'cpu:0' is another device to the generator's 'cpu': the twin path, as for a GPU
+    gen = torch.Generator().manual_seed(9)
+    other = torch.device("cpu", 0)
+    twin = generator_on(gen, other)
+    assert twin is not gen and generator_on(gen, other) is twin
+    fresh = torch.Generator().manual_seed(9)
+    assert torch.equal(torch.rand(5, generator=twin), torch.rand(5, generator=fresh))
+    assert torch.equal(torch.rand(5, generator=twin), torch.rand(5, generator=fresh))  # state kept
+
+
 def test_one_host_copy_per_step():
     from torch.overrides import TorchFunctionMode
 
