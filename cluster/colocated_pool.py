@@ -92,13 +92,13 @@ class ColocatedWorker(WorkerBase):
                   max_num_batched_tokens=spec.max_num_batched_tokens,
                   max_prefill_chunk=spec.prefill.get("max_chunk"),
                   enable_chunked_prefill=enable_chunked_prefill,
-                  enable_prefix_caching=spec.enable_prefix_caching, num_blocks=spec.num_blocks,
+                  enable_prefix_caching=spec.enable_prefix_caching, num_blocks=self.num_blocks,
                   device=self.cfg.device, dtype=spec.dtype,
                   attention_backend=spec.attention_backend, max_num_seqs=spec.max_num_seqs,
                   max_model_len=spec.max_model_len,
                   kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
         self.engine = ColocatedEngine(spec.worker_id, llm)
-        self.loop = WorkerLoop(self.engine)
+        self.loop = WorkerLoop(self.engine, thread_init=llm.runner.bind)
 
     def reserve(self, task: DecodeTask) -> bool:
         return True  # the colocated engine admits and preempts on its own

@@ -105,6 +105,10 @@ class CacheSection(Section):
     kv_cache_memory_gb: float = opt(1.0, "KV cache memory per worker in GiB when num_blocks "
                                     "is unset", gt=0)
     enable_prefix_caching: bool = opt(True, "reuse KV of identical prompt prefixes")
+    gpu_memory_utilization: float = opt(
+        0.9, "on GPUs: share of each GPU's memory a worker may use for weights, KV cache and "
+        "activations (split among workers that share a GPU); the KV cache gets what the "
+        "weights leave (kv_cache_memory_gb applies on CPU)", gt=0, le=1)
 
     @property
     def kv_cache_memory_bytes(self) -> int:
@@ -150,6 +154,10 @@ class TransferSection(Section):
                                   gt=0)
     burst_mb: float = opt(4.0, "pacing burst (token-bucket depth) in MiB", gt=0)
     credit_window_mb: float = opt(64.0, "unacknowledged KV bytes per link in MiB", gt=0)
+    credit_window_chunks: float = opt(2.0, "credit window floor, in the KV bytes of one "
+                                      "prefill chunk of the model (max_prefill_chunk tokens "
+                                      "x its KV bytes per token); 0 = credit_window_mb alone",
+                                      ge=0)
     send_queue: str = opt("fcfs", "order of queued KV sends", choices=("fcfs", "wfq"))
     link_gbps: float | None = opt(None, "emulated link bandwidth cap in Gbit/s (studies)", gt=0)
     bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")

@@ -9,16 +9,18 @@ import math
 import os
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import ray
 
 from cluster.config import ServeConfig
-from cluster.placement import PoolPlan, actor_options, plan_pools
+from cluster.placement import PoolPlan, actor_options, plan_colocated, plan_pools
 from cluster.pool import WorkerHandle
 from cluster.router import Router, RouterConfig
-from cluster.worker_spec import WorkerSpec, resolve_device
+from cluster.worker_spec import WorkerSpec
 from decode_worker.worker import RemoteDecodeWorker
+from engine.config import ModelConfig, torch_dtype
+from engine.kv_cache import KVCache
 from engine.loader import load_model_config, load_tokenizer
 from prefill_worker.worker import RemotePrefillWorker
 
@@ -61,9 +63,18 @@ def _init_ray(cfg: ServeConfig, plan_cpus: float) -> bool:
     return True
 
 
-def _transfer_kwargs(cfg: ServeConfig, secret: bytes) -> dict:
+def credit_window_bytes(cfg: ServeConfig, model: ModelConfig) -> int:
+    """`transfer.credit_window_mb`, raised to `credit_window_chunks` of the model's
+    largest prefill chunk: a window smaller than one chunk's KV (an 8B model's 1,000
+    tokens are 125 MiB) would turn every chunk into stop-and-wait frames."""
+    t, s = cfg.transfer, cfg.scheduler
+    chunk_tokens = min(s.max_prefill_chunk, s.max_num_batched_tokens)
+    chunk = chunk_tokens * KVCache.bytes_per_token(model, torch_dtype(cfg.model.dtype))
+    return max(int(t.credit_window_mb * (1 << 20)), math.ceil(t.credit_window_chunks * chunk))
+
+
+def _transfer_kwargs(cfg: ServeConfig, secret: bytes, window: int) -> dict:
     t = cfg.transfer
-    window = int(t.credit_window_mb * (1 << 20))
     return {
         "connector": t.connector,
         "send_policy": t.send_policy,
@@ -86,6 +97,7 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchO
                  tag: str) -> list[WorkerSpec]:
     secret = secrets.token_bytes(32)  # per cluster, never logged (repr=False downstream)
     c, s = cfg.cache, cfg.scheduler
+    window = credit_window_bytes(cfg, load_model_config(model_dir))
     specs = []
     for w in plan.workers:
         block = (c.prefill_block_size if w.role == "prefill" else c.decode_block_size)
@@ -95,6 +107,7 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchO
             attention_backend=cfg.model.attention_backend,
             block_size=block or c.block_size, num_blocks=c.num_blocks,
             kv_cache_memory_bytes=int(c.kv_cache_memory_gb * (1 << 30)),
+            gpu_memory_utilization=c.gpu_memory_utilization, gpu_share=w.gpu_share,
             enable_prefix_caching=c.enable_prefix_caching,
             max_model_len=cfg.model.max_model_len,
             max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
@@ -103,7 +116,7 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchO
                      "chunk_policy": s.chunk_policy, "aging_s": s.aging_s,
                      "tenant_weights": dict(s.tenant_weights or {})},
             decode={"kv_wait_timeout_s": cfg.limits.kv_wait_timeout_s},
-            transfer=_transfer_kwargs(cfg, secret),
+            transfer=_transfer_kwargs(cfg, secret, window),
             actor_name=f"{tag}-{w.worker_id}",
             trace=opts.trace,
             fault_injection=dict(opts.fault_injection or {}),
@@ -127,12 +140,13 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                              gpus_per_worker=0, cpus_per_worker=p.cpus_per_worker,
                              available={})
     started = _init_ray(cfg, provisional.total_cpus)
-    device = resolve_device(cfg.model.device) if cfg.model.device != "auto" else "auto"
-    plan = plan_pools(p.prefill_workers, p.decode_workers, device=device,
+    plan = plan_pools(p.prefill_workers, p.decode_workers, device=cfg.model.device,
                       gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,
-                      available=ray.cluster_resources(),
+                      available=ray.cluster_resources(), nodes=_alive_nodes(),
                       prefill_resources=opts.prefill_resources,
                       decode_resources=opts.decode_resources)
+    if plan.note:
+        log.warning("placement: %s", plan.note)
     tag = f"pdserve-{secrets.token_hex(3)}"
     handles: list[WorkerHandle] = []
     for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
@@ -155,6 +169,10 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
     )
     router.on_shutdown = lambda: _teardown(handles, started)
     return router
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
 def _wait_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
@@ -206,15 +224,16 @@ def build_colocated_pool_router(cfg: ServeConfig, num_engines: int,
     model_dir = resolve_model(cfg.model.path)
     model = load_model_config(model_dir)
     _init_ray(cfg, num_engines * cfg.pools.cpus_per_worker)
-    plan = plan_pools(1, num_engines, device="cpu", gpus_per_worker=0,
-                      cpus_per_worker=cfg.pools.cpus_per_worker, available={})
+    p = cfg.pools
+    plan = plan_colocated(num_engines, device=cfg.model.device,
+                          gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,
+                          available=ray.cluster_resources(), nodes=_alive_nodes())
+    if plan.note:
+        log.warning("placement: %s", plan.note)
     tag = f"pdserve-{secrets.token_hex(3)}"
     handles = []
     for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
                        strict=True):
-        if w.role != "decode":
-            continue
-        spec = replace(spec, worker_id=f"colocated-{len(handles)}")
         actor = RemoteColocatedWorker.options(
             **actor_options(w, spec.actor_name, opts.max_restarts)
         ).remote(spec, enable_chunked_prefill)

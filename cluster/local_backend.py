@@ -83,7 +83,8 @@ class LocalBackend:
                   enable_prefix_caching=c.enable_prefix_caching, num_blocks=c.num_blocks,
                   device=m.resolved_device, dtype=m.dtype, attention_backend=m.attention_backend,
                   max_num_seqs=s.max_num_seqs, max_model_len=m.max_model_len,
-                  kv_cache_memory_bytes=c.kv_cache_memory_bytes)
+                  kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+                  gpu_memory_utilization=c.gpu_memory_utilization)
         return cls(llm, max_queue_len=cfg.limits.max_queue_len)
 
     # ---- RouterAPI: asyncio side ------------------------------------------------------
@@ -170,6 +171,7 @@ class LocalBackend:
     def _run(self) -> None:
         failures = 0
         try:
+            self.llm.runner.bind()  # Triton launches on this thread's current CUDA device
             while True:
                 if not self._handle_commands(block=not self.llm.has_unfinished()):
                     break

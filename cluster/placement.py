@@ -1,22 +1,28 @@
 """Pools from GPUs or CPU slots: how many resources each worker actor asks Ray for.
 
-On a machine or cluster with GPUs each worker gets `gpus_per_worker` GPUs, all workers
-in one placement group (PACK keeps a P/D pair on one node when it fits); on CPU-only
-machines each worker declares `cpus_per_worker` CPUs and uses as many torch threads.
-Every actor declares `num_cpus` explicitly: an actor left at Ray's default can wait
-forever for a CPU on a small machine.
+On a machine or cluster with GPUs each worker asks for `gpus_per_worker` GPUs; when the
+workers outnumber what that allows (1 prefill + 1 decode on one GPU with the default 1.0),
+they share GPUs: the plan gives each worker 1/k of a GPU for the smallest k that places
+every worker (pinned pools only on the nodes that offer their custom resources), and says
+so in `PoolPlan.note`. On CPU-only machines each worker declares `cpus_per_worker` CPUs
+and uses as many torch threads. Every actor declares `num_cpus` explicitly: an actor left
+at Ray's default can wait forever for a CPU on a small machine.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# Ray keeps 4 decimal places of a fractional resource: round shares down to that
+_RAY_PRECISION = 10_000
 
 
 @dataclass(frozen=True)
 class WorkerPlacement:
-    worker_id: str  # "prefill-0", "decode-1", ...
+    worker_id: str  # "prefill-0", "decode-1", "colocated-0", ...
     role: str
     num_cpus: float
     num_gpus: float
@@ -26,11 +32,17 @@ class WorkerPlacement:
     def torch_threads(self) -> int:
         return max(1, math.floor(self.num_cpus))
 
+    @property
+    def gpu_share(self) -> float:
+        """The share of one GPU's memory this worker may use (1.0 with whole GPUs)."""
+        return min(1.0, self.num_gpus) if self.num_gpus > 0 else 1.0
+
 
 @dataclass(frozen=True)
 class PoolPlan:
     workers: tuple[WorkerPlacement, ...]
     use_gpus: bool
+    note: str = ""  # set when workers share GPUs (the launcher logs it)
 
     def role(self, role: str) -> list[WorkerPlacement]:
         return [w for w in self.workers if w.role == role]
@@ -44,6 +56,115 @@ class PoolPlan:
         return sum(w.num_gpus for w in self.workers)
 
 
+Pool = tuple[str, int, Mapping[str, float]]  # (role, workers, custom resources of each)
+
+
+class _Node:
+    """A node's free GPUs (one capacity per GPU: a share below one GPU must fit inside one
+    GPU, as Ray places fractional GPUs) and free custom resources."""
+
+    def __init__(self, resources: Mapping[str, float]):
+        self.gpus = [1.0] * math.floor(resources.get("GPU", 0.0) + 1e-9)
+        self.res = dict(resources)
+
+    def _has_res(self, res: Mapping[str, float]) -> bool:
+        return all(self.res.get(k, 0.0) + 1e-9 >= v for k, v in res.items())
+
+    def fits(self, per_gpu: float, res: Mapping[str, float]) -> bool:
+        if not self._has_res(res):
+            return False
+        if per_gpu < 1:
+            return any(g + 1e-9 >= per_gpu for g in self.gpus)
+        return sum(g > 1 - 1e-9 for g in self.gpus) >= math.ceil(per_gpu)
+
+    def take(self, per_gpu: float, res: Mapping[str, float]) -> None:
+        for k, v in res.items():
+            self.res[k] = self.res.get(k, 0.0) - v
+        if per_gpu < 1:  # best fit: the fullest GPU that still has room
+            i = min((i for i, g in enumerate(self.gpus) if g + 1e-9 >= per_gpu),
+                    key=lambda i: self.gpus[i])
+            self.gpus[i] -= per_gpu
+            return
+        for _ in range(math.ceil(per_gpu)):
+            self.gpus[self.gpus.index(next(g for g in self.gpus if g > 1 - 1e-9))] = 0.0
+
+
+def fits(pools: Sequence[Pool], per_gpu: float, nodes: Sequence[Mapping[str, float]]) -> bool:
+    """Whether every worker finds a node: the pool with the fewest candidate nodes first,
+    each worker on the first candidate with room left (GPUs and custom resources)."""
+    state = [_Node(n) for n in nodes]
+    order = sorted(pools, key=lambda p: sum(n.fits(per_gpu, p[2]) for n in state))
+    for _, count, res in order:
+        for _ in range(count):
+            node = next((n for n in state if n.fits(per_gpu, res)), None)
+            if node is None:
+                return False
+            node.take(per_gpu, res)
+    return True
+
+
+def _gpu_share(pools: Sequence[Pool], gpus_per_worker: float,
+               nodes: Sequence[Mapping[str, float]]) -> tuple[float, str]:
+    """The GPUs each worker of `pools` (placed together on `nodes`) asks for, and a note
+    when that is less than `gpus_per_worker`."""
+    if fits(pools, gpus_per_worker, nodes):
+        return gpus_per_worker, ""
+    workers = sum(n for _, n, _ in pools)
+    gpus = sum(math.floor(n.get("GPU", 0.0) + 1e-9) for n in nodes)
+    roles = " + ".join(f"{n} {role}" for role, n, _ in pools)
+    for k in range(1, workers + 1):
+        share = math.floor(_RAY_PRECISION / k) / _RAY_PRECISION
+        if share < gpus_per_worker and fits(pools, share, nodes):
+            return share, (
+                f"{roles} workers share {gpus} GPU(s): {share:g} GPU each, up to {k} per "
+                f"GPU (pools.gpus_per_worker={gpus_per_worker:g} would need "
+                f"{workers * gpus_per_worker:g}); each sizes its KV cache from its share "
+                "of the GPU's memory")
+    raise ValueError(
+        f"{roles} workers do not fit on {gpus} GPU(s) even when sharing them: a pinned "
+        "pool's nodes (prefill_resources / decode_resources) offer no GPU")
+
+
+def _groups(pools: Sequence[Pool], nodes: Sequence[Mapping[str, float]]
+            ) -> list[tuple[list[Pool], list[Mapping[str, float]]]]:
+    """Pools that can use the same nodes, with those nodes: pools pinned to disjoint
+    nodes are planned apart (a decode pool alone on its node keeps whole GPUs)."""
+    cand = [{i for i, n in enumerate(nodes) if _Node(n).fits(0.0, p[2])} for p in pools]
+    groups: list[tuple[set[int], set[int]]] = []  # (pool indices, node indices)
+    for i, c in enumerate(cand):
+        merged = ({i}, set(c))
+        for g in [g for g in groups if g[1] & c]:
+            groups.remove(g)
+            merged = (merged[0] | g[0], merged[1] | g[1])
+        groups.append(merged)
+    return [([pools[i] for i in sorted(pi)], [nodes[j] for j in sorted(ni)])
+            for pi, ni in groups]
+
+
+def _plan(pools: Sequence[Pool], *, device: str, gpus_per_worker: float,
+          cpus_per_worker: float, available: Mapping[str, float],
+          nodes: Sequence[Mapping[str, float]] | None) -> PoolPlan:
+    gpus = available.get("GPU", 0.0)
+    use_gpus = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    share: dict[str, float] = {role: 0.0 for role, _, _ in pools}
+    notes = []
+    if use_gpus:
+        if gpus_per_worker <= 0:
+            raise ValueError("gpus_per_worker must be > 0 on a GPU cluster")
+        if gpus <= 0:
+            raise ValueError(f"device {device!r} needs GPUs; the cluster has none")
+        for group, group_nodes in _groups(pools, nodes or [available]):
+            per_gpu, note = _gpu_share(group, gpus_per_worker, group_nodes)
+            share.update({role: per_gpu for role, _, _ in group})
+            notes += [note] if note else []
+    workers = [
+        WorkerPlacement(f"{role}-{i}", role, cpus_per_worker, share[role], dict(res or {}))
+        for role, n, res in pools
+        for i in range(n)
+    ]
+    return PoolPlan(tuple(workers), use_gpus, "; ".join(notes))
+
+
 def plan_pools(
     prefill_workers: int,
     decode_workers: int,
@@ -51,32 +172,35 @@ def plan_pools(
     device: str,
     gpus_per_worker: float,
     cpus_per_worker: float,
-    available: dict[str, float],
-    prefill_resources: dict[str, float] | None = None,
-    decode_resources: dict[str, float] | None = None,
+    available: Mapping[str, float],
+    prefill_resources: Mapping[str, float] | None = None,
+    decode_resources: Mapping[str, float] | None = None,
+    nodes: Sequence[Mapping[str, float]] | None = None,
 ) -> PoolPlan:
-    """Split the cluster into the two pools; ValueError names what does not fit."""
+    """Split the cluster into the two pools; ValueError names what does not fit.
+
+    `available`: the cluster's total resources; `nodes`: each alive node's resources
+    (`ray.nodes()`), for placing pinned pools and fractional GPUs per node (default: the
+    whole cluster as one node).
+    """
     if prefill_workers < 1 or decode_workers < 1:
         raise ValueError("need at least one prefill and one decode worker")
-    gpus = available.get("GPU", 0.0)
-    use_gpus = device.startswith("cuda") or (device == "auto" and gpus > 0)
-    per_gpu = gpus_per_worker if use_gpus else 0.0
-    if use_gpus:
-        need = (prefill_workers + decode_workers) * per_gpu
-        if per_gpu <= 0:
-            raise ValueError("gpus_per_worker must be > 0 on a GPU cluster")
-        if need > gpus:
-            raise ValueError(
-                f"{prefill_workers} prefill + {decode_workers} decode workers x "
-                f"{per_gpu:g} GPUs need {need:g} GPUs; the cluster has {gpus:g}"
-            )
-    workers = [
-        WorkerPlacement(f"{role}-{i}", role, cpus_per_worker, per_gpu, dict(res or {}))
-        for role, n, res in (("prefill", prefill_workers, prefill_resources),
-                             ("decode", decode_workers, decode_resources))
-        for i in range(n)
-    ]
-    return PoolPlan(tuple(workers), use_gpus)
+    pools = [("prefill", prefill_workers, dict(prefill_resources or {})),
+             ("decode", decode_workers, dict(decode_resources or {}))]
+    return _plan(pools, device=device, gpus_per_worker=gpus_per_worker,
+                 cpus_per_worker=cpus_per_worker, available=available, nodes=nodes)
+
+
+def plan_colocated(
+    num_engines: int, *, device: str, gpus_per_worker: float, cpus_per_worker: float,
+    available: Mapping[str, float], nodes: Sequence[Mapping[str, float]] | None = None,
+) -> PoolPlan:
+    """The colocated baseline's engines, placed like the P/D pools (GPUs included)."""
+    if num_engines < 1:
+        raise ValueError("need at least one colocated engine")
+    return _plan([("colocated", num_engines, {})], device=device,
+                 gpus_per_worker=gpus_per_worker, cpus_per_worker=cpus_per_worker,
+                 available=available, nodes=nodes)
 
 
 def actor_options(w: WorkerPlacement, name: str, max_restarts: int,

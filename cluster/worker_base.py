@@ -26,14 +26,17 @@ class WorkerBase:
         torch.set_num_threads(max(1, spec.num_threads))
         self.spec = spec
         self.tracer = TraceRecorder(enabled=spec.trace, worker=spec.worker_id)
-        self.cfg, self.num_blocks = engine_config(spec)
+        # Ray makes the actor's GPU(s) visible as cuda:0..; a 'cuda:N' of the spec is moot
+        self.cfg, self.num_blocks = engine_config(spec, ray.get_gpu_ids())
         self.engine: Any = None
         self.loop: WorkerLoop | None = None
 
     def ready(self) -> dict[str, Any]:
         return {"worker_id": self.spec.worker_id, "role": self.spec.role,
                 "num_blocks": self.num_blocks, "pid": os.getpid(),
-                "endpoint": self.endpoint(), "node_id": ray.get_runtime_context().get_node_id()}
+                "endpoint": self.endpoint(), "node_id": ray.get_runtime_context().get_node_id(),
+                "device": self.cfg.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def endpoint(self) -> str:
         return ""

@@ -28,8 +28,12 @@ class SteppableEngine(Protocol):
 
 
 class WorkerLoop:
-    def __init__(self, engine: SteppableEngine, idle_wait_s: float = 0.002):
+    def __init__(self, engine: SteppableEngine, idle_wait_s: float = 0.002,
+                 thread_init: Callable[[], None] | None = None):
+        """`thread_init` runs first on the loop thread (e.g. binding its CUDA device; the
+        engine's ModelRunner also binds every thread that calls it)."""
         self.engine = engine
+        self._thread_init = thread_init
         self.idle_wait_s = idle_wait_s
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._outbox: list[WorkerEvent] = []
@@ -77,6 +81,12 @@ class WorkerLoop:
                 return
 
     def _run(self) -> None:
+        if self._thread_init is not None:
+            try:
+                self._thread_init()
+            except Exception as e:  # reported like a failed step; the loop still serves
+                log.exception("worker loop thread init failed")
+                self.error = f"{type(e).__name__}: {e}"
         while not self._stop.is_set():
             try:
                 events = self.engine.step()

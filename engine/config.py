@@ -14,6 +14,15 @@ SUPPORTED_ARCHS = (
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a DTYPES name (torch imported lazily: configs stay light)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts read from an HF `config.json` (see engine.loader)."""
@@ -62,9 +71,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks: int | None = None  # None: sized by engine.memory.num_kv_blocks
+    kv_cache_memory_bytes: int = 1 << 30  # on CPU devices (GPUs size from their memory)
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # of a GPU's memory: weights + KV + activations
+    gpu_share: float = 1.0  # this engine's share of its GPU (< 1 when workers share one)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -73,6 +84,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.gpu_share <= 1:
+            raise ValueError(f"gpu_share must be in (0, 1], got {self.gpu_share}")
 
 
 @dataclass(frozen=True)

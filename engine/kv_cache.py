@@ -1,17 +1,59 @@
-"""Paged KV tensors, slot arithmetic, and export/import of token ranges for kv_transfer."""
+"""Paged KV tensors, slot arithmetic, and export/import of token ranges for kv_transfer.
+
+All layers live in one tensor `[L, 2 (K,V), num_blocks, block_size, KVH, D]`; the
+attention backends get per-layer views `k[l]`, `v[l]` (`[num_blocks, block_size, KVH, D]`,
+contiguous). Seen as `[L, 2, slots, KVH, D]`, a token range of every layer is one
+`index_select` along the slot dim, already in the wire layout `[L, 2, T, KVH, D]`.
+
+On CUDA, export and import run on a side stream: the gather (one kernel) and a
+non-blocking copy into pinned host memory (from torch's caching host allocator, so the
+buffers are reused), gated by events, so the engine's stream never waits for PCIe. An
+import's copy and scatter are ordered after the steps already queued (its blocks may just
+have been freed by one of them), and a later step waits, on the GPU, only for imports
+into the blocks it reads. On CPU both are one plain tensor op.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import ModelConfig
+from engine.device import ThreadBinder, pinned_empty
 
 
 def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of global token indices [start, end): `block[i // bs] * bs + i % bs`."""
-    return [block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)]
+    """Slots of global token indices [start, end): `block[i // bs] * bs + i % bs`.
+
+    Built per block, not per token: a run of slots inside one block is one range."""
+    out: list[int] = []
+    i = start
+    while i < end:
+        off = i % block_size
+        n = min(block_size - off, end - i)
+        base = block_ids[i // block_size] * block_size
+        out.extend(range(base + off, base + off + n))
+        i += n
+    return out
+
+
+@dataclass
+class PendingExport:
+    """An export whose device-to-host copy may still be in flight: `payload` is a CPU
+    tensor that holds the KV once `wait()` returns (at once on CPU)."""
+
+    payload: torch.Tensor
+    event: torch.cuda.Event | None = None
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.payload
 
 
 class KVCache:
@@ -25,47 +67,102 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.num_layers = model.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        self.bind = ThreadBinder(self.device)
+        self.bind()
+        kvh, d = model.num_kv_heads, model.head_dim
+        self.data = torch.zeros((model.num_layers, 2, num_blocks, block_size, kvh, d),
+                                dtype=dtype, device=self.device)
+        self.k = [self.data[layer, 0] for layer in range(model.num_layers)]
+        self.v = [self.data[layer, 1] for layer in range(model.num_layers)]
+        self._slots = self.data.view(model.num_layers, 2, num_blocks * block_size, kvh, d)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._imports: list[tuple[torch.cuda.Event, frozenset[int]]] = []
+
+    @staticmethod
+    def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+        """K+V bytes of one token over all layers (one token of a KV transfer)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return model.num_layers * 2 * model.num_kv_heads * model.head_dim * elem
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * elem
+        return KVCache.bytes_per_token(model, dtype) * block_size
 
     def _slot_index(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        slots = slots_for(block_ids, start, end, self.block_size)
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        idx = torch.tensor(slots_for(block_ids, start, end, self.block_size), dtype=torch.long)
+        if not self._cuda:
+            return idx
+        return pinned_empty(idx.shape, idx.dtype).copy_(idx).to(self.device, non_blocking=True)
+
+    # ---- export (prefill side) -----------------------------------------------------------
+    def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:
+        """Start copying the KV of tokens [start, end) to a CPU tensor `[L, 2, T, KVH, D]`."""
+        self.bind()
+        idx = self._slot_index(block_ids, start, end)
+        if not self._cuda:
+            return PendingExport(self._slots.index_select(2, idx))
+        shape = (self.num_layers, 2, end - start) + tuple(self._slots.shape[3:])
+        host = pinned_empty(shape, self.dtype)
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # this step's KV writes
+        with torch.cuda.stream(side):
+            idx.record_stream(side)
+            staged = self._slots.index_select(2, idx)  # one gather over every layer
+            host.copy_(staged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return PendingExport(host, event)
 
     def export_tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """KV of tokens [start, end) as one contiguous CPU tensor `[L, 2, T, KVH, D]`."""
-        idx = self._slot_index(block_ids, start, end)
-        out = torch.empty(
-            (self.num_layers, 2, end - start) + tuple(self.k[0].shape[2:]), dtype=self.dtype
-        )
-        for layer in range(self.num_layers):
-            flat_k = self.k[layer].view(-1, *self.k[layer].shape[2:])
-            flat_v = self.v[layer].view(-1, *self.v[layer].shape[2:])
-            out[layer, 0] = flat_k.index_select(0, idx).cpu()
-            out[layer, 1] = flat_v.index_select(0, idx).cpu()
-        return out
+        return self.export_async(block_ids, start, end).wait()
 
+    # ---- import (decode side) ------------------------------------------------------------
     def import_tokens(
         self, block_ids: Sequence[int], start: int, data: torch.Tensor, layer_start: int = 0
     ) -> None:
         """Write `data` `[L', 2, T, KVH, D]` as the KV of global tokens [start, start + T)
-        for layers [layer_start, layer_start + L')."""
+        for layers [layer_start, layer_start + L'). `data` is read before this returns (it
+        may be released at once); on CUDA the device copy completes asynchronously."""
         num_tokens = data.shape[2]
-        assert data.shape[1] == 2 and layer_start + data.shape[0] <= self.num_layers, data.shape
+        layers = slice(layer_start, layer_start + data.shape[0])
+        assert data.shape[1] == 2 and layers.stop <= self.num_layers, data.shape
+        self.bind()
         idx = self._slot_index(block_ids, start, start + num_tokens)
-        data = data.to(device=self.device, dtype=self.dtype)
-        for i in range(data.shape[0]):
-            layer = layer_start + i
-            self.k[layer].view(-1, *self.k[layer].shape[2:]).index_copy_(0, idx, data[i, 0])
-            self.v[layer].view(-1, *self.v[layer].shape[2:]).index_copy_(0, idx, data[i, 1])
+        if not self._cuda:
+            self._slots[layers].index_copy_(2, idx, data.to(self.dtype))
+            return
+        staging = pinned_empty(data.shape, self.dtype).copy_(data)  # host memcpy (+ cast)
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # blocks freed by queued steps
+        with torch.cuda.stream(side):
+            idx.record_stream(side)
+            dev = staging.to(self.device, non_blocking=True)
+            self._slots[layers].index_copy_(2, idx, dev)
+            event = torch.cuda.Event()
+            event.record(side)
+        first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
+        self._imports.append((event, frozenset(block_ids[first:last + 1])))
+
+    def wait_imports(self, block_ids: Iterable[int]) -> None:
+        """Make the current stream wait (on the GPU; the host goes on) for imports into
+        any of `block_ids`; forget imports that have completed."""
+        if not self._imports:
+            return
+        wanted = set(block_ids)
+        stream = torch.cuda.current_stream(self.device)
+        pending = []
+        for event, blocks in self._imports:
+            if event.query():
+                continue
+            if blocks & wanted:
+                stream.wait_event(event)
+            else:
+                pending.append((event, blocks))
+        self._imports = pending

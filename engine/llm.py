@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 from engine.block_manager import BlockManager
 from engine.chat import render_chat
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_cache import KVCache
+from engine.device import local_device
 from engine.loader import load_model_config, load_tokenizer
-from engine.model_runner import ModelRunner, torch_dtype
+from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import Scheduler
@@ -39,13 +39,6 @@ class StreamDelta:
     finish_reason: FinishReason | None
 
 
-def default_num_blocks(cfg: EngineConfig) -> int:
-    per_block = KVCache.bytes_per_block(cfg.model, cfg.cache.block_size, torch_dtype(cfg.dtype))
-    by_memory = max(1, cfg.cache.kv_cache_memory_bytes // per_block)
-    per_seq = -(-cfg.scheduler.max_model_len // cfg.cache.block_size)
-    return int(min(by_memory, per_seq * cfg.scheduler.max_num_seqs))
-
-
 class LLM:
     def __init__(
         self,
@@ -62,19 +55,26 @@ class LLM:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         kv_cache_memory_bytes: int = 1 << 30,
+        gpu_memory_utilization: float = 0.9,
+        gpu_share: float = 1.0,
     ):
+        """`device`: 'cpu', 'cuda', 'cuda:N' or 'auto'. The KV cache holds `num_blocks`
+        blocks, by default `kv_cache_memory_bytes` on CPU and, on a GPU, what the loaded
+        weights leave of `gpu_memory_utilization x gpu_share` of its memory."""
         model = load_model_config(model_dir)
         self.config = EngineConfig(
             model_dir=str(model_dir),
             model=model,
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
+                              gpu_memory_utilization, gpu_share),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens, max_num_seqs, max_prefill_chunk, enable_chunked_prefill,
                 max_model_len or model.max_position_embeddings,
             ),
-            device=device, dtype=dtype, attention_backend=attention_backend,
+            device=str(local_device(device)), dtype=dtype, attention_backend=attention_backend,
         )
-        n_blocks = num_blocks or default_num_blocks(self.config)
+        self.runner = ModelRunner(self.config, num_blocks)
+        n_blocks = self.runner.num_blocks
         capacity = n_blocks * block_size
         if self.config.scheduler.max_model_len > capacity:
             # A sequence longer than the whole KV pool could never be scheduled (it would
@@ -87,8 +87,8 @@ class LLM:
             self.config = replace(
                 self.config, scheduler=replace(self.config.scheduler, max_model_len=capacity)
             )
+            self.runner.config = self.config
         self.tokenizer = load_tokenizer(model_dir)
-        self.runner = ModelRunner(self.config, n_blocks)
         self.block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self._ids = itertools.count()

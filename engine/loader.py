@@ -7,12 +7,14 @@ Config through `transformers.AutoConfig`, weights through `safetensors`, tokeniz
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engine.config import SUPPORTED_ARCHS, ModelConfig
+from engine.models.llama import LlamaForCausalLM
 
 
 class ModelLoadError(ValueError):
@@ -108,12 +110,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     )
 
 
-def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors` or of a sharded `model.safetensors.index.json`."""
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """`model.safetensors`, or the shards named by `model.safetensors.index.json`."""
     model_dir = Path(model_dir)
     single = model_dir / "model.safetensors"
     if single.exists():
-        return load_file(single)
+        return [single]
     index = model_dir / "model.safetensors.index.json"
     if not index.exists():
         raise ModelLoadError(
@@ -121,10 +123,43 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
             "model.safetensors.index.json"
         )
     weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        tensors.update(load_file(_require(model_dir / shard, "weight shard")))
-    return tensors
+    return [_require(model_dir / shard, "weight shard") for shard in sorted(set(weight_map.values()))]
+
+
+def iter_weights(
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, one at a time, converted to `device` and
+    `dtype` as it is read: at most one tensor in the checkpoint's dtype is alive at once,
+    so an fp32 checkpoint never exists as a whole in memory on the way to bf16."""
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                t = f.get_tensor(name)
+                if t.is_floating_point() and dtype is not None:
+                    t = t.to(device=device, dtype=dtype)
+                else:
+                    t = t.to(device=device)
+                yield name, t
+
+
+def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint as they are stored (CPU, the checkpoint's dtype)."""
+    return dict(iter_weights(model_dir))
+
+
+def load_model(
+    config: ModelConfig, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    """Build the model on the `meta` device (no memory, no random init) and install the
+    checkpoint's tensors, converted one by one, as its parameters on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_hf_weights(dict(iter_weights(model_dir, device, dtype)))
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if on_meta:  # not reachable through load_hf_weights' check; a clear error all the same
+        raise ModelLoadError(f"{model_dir}: no weights for {on_meta[:5]}")
+    return model.eval()
 
 
 def load_tokenizer(model_dir: str | Path):

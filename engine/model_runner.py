@@ -3,21 +3,30 @@
 The only place that builds tensors. Request-agnostic: a batch is a list of `SeqChunk`s
 (tokens to feed, their global start index, the sequence's block table), so colocated
 engines, prefill workers and decode workers all drive the same runner.
+
+Per step, every integer the forward needs (token ids, positions, slots, block tables,
+sequence lengths, query starts, sampled rows) is packed into one int32 host buffer and
+reaches the device in one copy (non-blocking from pinned memory on CUDA); the tensors
+the model sees are views of it.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import get_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, torch_dtype
+from engine.device import ThreadBinder, pinned_empty
 from engine.kv_cache import KVCache, slots_for
-from engine.loader import load_weights
-from engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from engine.loader import load_model
+from engine.memory import check_kv_fits, device_memory, num_kv_blocks
+from engine.models.llama import AttentionMetadata
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+__all__ = ["ModelRunner", "SeqChunk", "torch_dtype"]
+_ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
 
 
 @dataclass(frozen=True)
@@ -35,37 +44,89 @@ class SeqChunk:
         return self.start + len(self.token_ids)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
+class _StepBuffer:
+    """One int32 host buffer per step, one copy to the device. On CUDA the host side is
+    pinned and reused: before it is rewritten, the previous step's copy out of it must
+    have finished (an event, normally long done)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.values = array("i")
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def add(self, values) -> tuple[int, int]:
+        """Append a segment; returns its (offset, length)."""
+        pad = -len(self.values) % _ALIGN
+        self.values.extend([0] * pad)
+        off = len(self.values)
+        self.values.extend(values)
+        return off, len(self.values) - off
+
+    def upload(self) -> torch.Tensor:
+        n = len(self.values)
+        src = torch.frombuffer(self.values, dtype=torch.int32) if n else torch.empty(0, dtype=torch.int32)
+        self.values = array("i")
+        if not self.cuda:
+            return src
+        if self._host is None or self._host.numel() < n:
+            cap = max(1024, 1 << (n - 1).bit_length())
+            self._host = pinned_empty((cap,), torch.int32)
+            self._dev = torch.empty(cap, dtype=torch.int32, device=self.device)
+        elif self._copied is not None:
+            self._copied.synchronize()
+        self._host[:n].copy_(src)
+        self._dev[:n].copy_(self._host[:n], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self._dev
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None):
+        """`num_blocks=None`: size the KV cache once the weights are loaded (on a GPU,
+        from the memory they leave; see engine.memory)."""
         self.config = config
-        self.device = torch.device(config.device)
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.bind = ThreadBinder(device)
+        self.bind()
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.backend = get_backend(config.attention_backend, self.device)
-        model = LlamaForCausalLM(config.model)
-        model.load_hf_weights(load_weights(config.model_dir))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.inv_freq = self.model.inv_freq.float()  # rope frequencies stay fp32
+        self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
+        memory = device_memory(self.device) if self.device.type == "cuda" else None
+        if num_blocks is None:
+            num_blocks = num_kv_blocks(config, memory=memory)
+        elif memory is not None:
+            check_kv_fits(config, num_blocks, free=memory[0])
+        self.num_blocks = num_blocks
         self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
+        self._buf = _StepBuffer(self.device)
+        if self.backend.name == "triton" and self.device.type == "cuda":
+            self.warmup()
 
-    def _table(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def _table(self, chunks: list[SeqChunk]) -> tuple[int, int, int]:
+        """Block tables of `chunks` padded with block 0: (offset, rows, width)."""
         width = max((len(c.block_ids) for c in chunks), default=0)
-        rows = [list(c.block_ids) + [0] * (width - len(c.block_ids)) for c in chunks]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(chunks), width)
-
-    def _i32(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=self.device)
+        flat: list[int] = []
+        for c in chunks:
+            flat.extend(c.block_ids)
+            flat.extend([0] * (width - len(c.block_ids)))
+        off, _ = self._buf.add(flat)
+        return off, len(chunks), width
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> tuple[list[str], torch.Tensor]:
         """Run one flat batch; returns (request ids of sampled rows, fp32 logits [N, V])."""
         if not chunks:
             return [], torch.empty(0, self.config.model.vocab_size)
+        self.bind()
         decodes = [c for c in chunks if len(c.token_ids) == 1]
         prefills = [c for c in chunks if len(c.token_ids) > 1]
         ordered = decodes + prefills  # decode kernel takes the leading single-token rows
@@ -85,20 +146,49 @@ class ModelRunner:
         q_starts = [0]
         for c in prefills:
             q_starts.append(q_starts[-1] + len(c.token_ids))
+        b = self._buf
+        seg = {"ids": b.add(ids), "pos": b.add(pos), "slots": b.add(slots),
+               "rows": b.add(sample_rows), "dlens": b.add([c.end for c in decodes]),
+               "qsl": b.add(q_starts), "plens": b.add([c.end for c in prefills])}
+        dtab, ptab = self._table(decodes), self._table(prefills)
+        dev = b.upload()
+
+        def view(name: str) -> torch.Tensor:
+            off, n = seg[name]
+            return dev[off:off + n]
+
+        def table(t: tuple[int, int, int]) -> torch.Tensor:
+            off, rows, width = t
+            return dev[off:off + rows * width].view(rows, width)
+
+        # decode side: the GPU waits for KV still arriving into blocks this step reads
+        self.kv.wait_imports(b for c in ordered for b in c.block_ids)
         meta = AttentionMetadata(
             backend=self.backend,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=view("slots"),
             num_decode_tokens=len(decodes),
-            decode_block_tables=self._table(decodes),
-            decode_seq_lens=self._i32([c.end for c in decodes]),
-            prefill_block_tables=self._table(prefills),
-            prefill_query_start_loc=self._i32(q_starts),
-            prefill_seq_lens=self._i32([c.end for c in prefills]),
+            decode_block_tables=table(dtab),
+            decode_seq_lens=view("dlens"),
+            prefill_block_tables=table(ptab),
+            prefill_query_start_loc=view("qsl"),
+            prefill_seq_lens=view("plens"),
         )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(pos, dtype=torch.long, device=self.device),
-            self.kv.k, self.kv.v, meta,
-        )
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return sample_ids, self.model.compute_logits(hidden.index_select(0, rows))
+        hidden = self.model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
+        return sample_ids, self.model.compute_logits(hidden.index_select(0, view("rows")))
+
+    def warmup(self) -> None:
+        """Compile every attention kernel variant serving will launch (prefill, write_kv,
+        decode with and without split-K and its reduce) on block 0, then clear block 0:
+        the first requests do not wait for the compiler."""
+        long = (0,) * (2 * 512 // self.block_size + 1)  # > 2 split-K partitions of context
+        warm = [
+            [SeqChunk("warm-p", (1, 2), 0, (0,), sample=True)],
+            [SeqChunk("warm-d", (1,), 1, (0,), sample=True),
+             SeqChunk("warm-p", (1, 2), 0, (0,), sample=False)],
+            [SeqChunk("warm-s", (1,), len(long) * self.block_size - 1, long, sample=True)],
+        ]
+        for batch in warm:
+            self.execute(batch)
+        self.kv.data[:, :, 0].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

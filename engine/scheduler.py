@@ -32,7 +32,10 @@ class ScheduledItem:
 
     def to_chunk(self) -> SeqChunk:
         r = self.request
-        tokens = r.all_token_ids[self.start : self.start + self.num_tokens]
+        end, n = self.start + self.num_tokens, len(r.prompt_token_ids)
+        # slice prompt and outputs apart: no copy of the whole token list per step
+        tokens = r.prompt_token_ids[self.start : end] if end <= n else (
+            r.prompt_token_ids[self.start :] + r.output_token_ids[max(0, self.start - n) : end - n])
         return SeqChunk(r.request_id, tuple(tokens), self.start, tuple(r.block_ids),
                         sample=not self.is_prefill or self.completes_prefill)
 
@@ -178,7 +181,8 @@ class Scheduler:
             r.num_cached_tokens = item.start + item.num_tokens
             if item.is_prefill:
                 r.num_computed_tokens = r.num_cached_tokens
-            self.bm.cache_full_blocks(r, r.all_token_ids[: r.num_cached_tokens])
+            if r.num_cached_tokens // self.bm.block_size > item.start // self.bm.block_size:
+                self.bm.cache_full_blocks(r, r.all_token_ids[: r.num_cached_tokens])  # new full
             if item.is_prefill and not item.completes_prefill:
                 r.status = RequestStatus.PREFILLING
                 continue

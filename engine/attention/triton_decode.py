@@ -79,8 +79,16 @@ def check_paged_inputs(
 
 # ----------------------------------------------------------------------------- kernels
 
+# Integer arguments that change from step to step. Triton specialises an int argument on
+# "== 1" and "% 16 == 0" and compiles a variant per combination (~25 per shape, seconds
+# each: stalls in the first minutes of serving); these are passed as plain runtime ints.
+# Pointers stay specialised on 16-byte alignment: the runner's metadata segments are
+# aligned, so each kernel compiles once per constexpr set (see ModelRunner.warmup).
+DECODE_RUNTIME_INTS = ("partition_size", "num_splits", "stride_bts")
+REDUCE_RUNTIME_INTS = ("partition_size", "num_splits")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=DECODE_RUNTIME_INTS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -158,7 +166,7 @@ def _decode_kernel(
                  mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_INTS)
 def _decode_reduce_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, out_ptr,
     partition_size, num_splits, stride_os, stride_oh,
@@ -280,6 +288,6 @@ def paged_decode(
             part_acc, part_m, part_l, seq_lens, out,
             partition, num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            SPLITS_PAD=next_pow2(num_splits, 2), num_warps=4,
+            SPLITS_PAD=MAX_SPLITS, num_warps=4,  # one variant whatever the split count
         )
     return out

@@ -26,8 +26,10 @@ import triton.language as tl
 
 from engine.attention.triton_decode import LOG2E, check_paged_inputs, dot_precision, next_pow2
 
+PREFILL_RUNTIME_INTS = ("num_seqs", "stride_bts")  # vary per step: see triton_decode
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PREFILL_RUNTIME_INTS)
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale, num_seqs,

@@ -192,20 +192,24 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer(
-            "inv_freq", torch.tensor(cfg.rope_inv_freq, dtype=torch.float32), persistent=False
-        )
+        # Rotary frequencies are not a buffer: `.to(dtype=bf16)` would round them (0.4%
+        # error, radians of angle by position 4k). fp32 copies per device, made on demand.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Install checkpoint tensors as the parameters themselves (`assign=True`: no copy
+        into pre-allocated ones, so a model built on the `meta` device is materialised
+        straight from the checkpoint, in the tensors' dtype and on their device)."""
         tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        missing, unexpected = self.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:
             raise ValueError(f"weights do not match the model: missing={missing[:5]} "
                              f"unexpected={unexpected[:5]}")
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.requires_grad_(False)
 
     def fuse(self) -> None:
         """Fuse q/k/v and gate/up projections into single GEMMs and store every
@@ -219,8 +223,17 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head.weight is not self.model.embed_tokens.weight:
             _fuse_params((self.lm_head,), "weight")  # (a tied one serves embedding rows)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """`[head_dim / 2]` fp32 rotary inverse frequencies on `device`, whatever the
+        model's dtype (transformers keeps them fp32 too)."""
+        t = self._inv_freq.get(device)
+        if t is None:
+            t = torch.tensor(self.cfg.rope_inv_freq, dtype=torch.float32, device=device)
+            self._inv_freq[device] = t
+        return t
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim / 2]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = self.cfg.rope_attention_scaling
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

@@ -159,3 +159,88 @@ def test_corrupt_config_json_is_named(tiny_model, tmp_path):
     (d / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"config\.json: not valid JSON"):
         LLM(str(d))
+
+
+# ---- start-up: meta-device build, weights straight to their dtype ------------------------
+def _reference_model(model_dir: Path, dtype: torch.dtype):
+    """The old start-up: an fp32 model with random init, the checkpoint copied in, `.to()`."""
+    from engine.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(load_model_config(model_dir))
+    model.load_hf_weights(load_weights(model_dir))
+    return model.to(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied embeddings
+def test_meta_build_loads_the_same_parameters_in_the_target_dtype(model_dirs, arch, dtype,
+                                                                  monkeypatch):
+    from engine import loader
+
+    d = model_dirs[arch]
+    init_devices: list[str] = []
+    real_init = torch.nn.init.kaiming_uniform_
+
+    def spy_init(*a, **kw):  # nn.Linear's random init: must only ever see meta tensors
+        init_devices.append((kw["tensor"] if "tensor" in kw else a[0]).device.type)
+        return real_init(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", spy_init)
+    model = loader.load_model(load_model_config(d), d, "cpu", dtype)
+    assert init_devices and set(init_devices) == {"meta"}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert all(p.dtype == dtype and p.device.type == "cpu" for p in params.values())
+    monkeypatch.undo()
+    ref = dict(_reference_model(d, dtype).named_parameters(remove_duplicate=False))
+    assert params.keys() == ref.keys()
+    assert all(torch.equal(params[k], ref[k]) for k in params)
+    if arch == "qwen2":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_an_fp32_checkpoint_is_converted_tensor_by_tensor(tiny_model, monkeypatch):
+    """Loading bf16 from fp32 safetensors keeps at most one fp32 tensor alive at a time."""
+    import weakref
+
+    from engine import loader
+
+    sources: list[weakref.ref] = []
+    real_open = loader.safe_open
+
+    class Spy:
+        def __init__(self, *a, **kw):
+            self.f = real_open(*a, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            alive = [r for r in sources if r() is not None]
+            assert not alive, f"{len(alive)} fp32 checkpoint tensors still alive"
+            t = self.f.get_tensor(name)
+            assert t.dtype == torch.float32
+            sources.append(weakref.ref(t))
+            return t
+
+    n_tensors = len(load_weights(tiny_model))
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    model = loader.load_model(load_model_config(tiny_model), tiny_model, "cpu", torch.bfloat16)
+    assert len(sources) == n_tensors
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_rotary_frequencies_stay_fp32_in_a_bf16_runner(tiny_model):
+    llm = LLM(str(tiny_model), dtype="bfloat16", num_blocks=8)
+    model = llm.runner.model
+    inv = model.inv_freq(torch.device("cpu"))
+    assert inv.dtype == torch.float32
+    assert inv.tolist() == list(llm.config.model.rope_inv_freq)  # not rounded to bf16
+    model.to(dtype=torch.bfloat16)  # a later cast must not round them either
+    assert model.inv_freq(torch.device("cpu")).tolist() == list(llm.config.model.rope_inv_freq)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import sample
+from engine.sampler import generator_on, sample, sample_batch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -113,6 +113,134 @@ def test_greedy_and_sampled_rows_mix_in_one_batch():
     out = sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)],
                  [None, torch.Generator().manual_seed(0)])
     assert out == [1, 2]
+
+
+# ---- the batched sampler: distributions, exact probabilities, seeds, one host copy ----
+# chi-square critical values at alpha = 1e-4 by degrees of freedom
+CHI2_CRIT = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}
+
+
+def chi_square(counts: torch.Tensor, probs: list[float]) -> float:
+    n = counts.sum().item()
+    keep = [i for i, p in enumerate(probs) if p > 0]
+    assert all(counts[i] == 0 for i in range(len(probs)) if probs[i] == 0), counts
+    return sum((counts[i].item() - n * probs[i]) ** 2 / (n * probs[i]) for i in keep)
+
+
+def log0(ps: list[float]) -> list[float]:
+    return [math.log(p) if p > 0 else float("-inf") for p in ps]
+
+
+# (model probabilities, params, the distribution the row must be sampled from)
+ROW_KINDS = [
+    ([0.1, 0.2, 0.3, 0.4, 0.0], dict(temperature=1.0), [0.1, 0.2, 0.3, 0.4, 0.0]),
+    ([0.1, 0.2, 0.3, 0.4, 0.0], dict(temperature=0.5),  # p^2, renormalised
+     [0.01 / 0.3, 0.04 / 0.3, 0.09 / 0.3, 0.16 / 0.3, 0.0]),
+    ([0.4, 0.3, 0.2, 0.1, 0.0], dict(top_k=2), [4 / 7, 3 / 7, 0, 0, 0]),
+    ([0.5, 0.3, 0.15, 0.05, 0.0], dict(top_p=0.8), [0.625, 0.375, 0, 0, 0]),
+    # the top 3 renormalised (4/9, 3/9, 2/9) reach 0.7 after two tokens
+    ([0.4, 0.3, 0.2, 0.1, 0.0], dict(top_k=3, top_p=0.7), [4 / 7, 3 / 7, 0, 0, 0]),
+]
+
+
+def _kind_batch(reps: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    logits = torch.tensor([log0(p) for p, _, _ in ROW_KINDS for _ in range(reps)])
+    return logits, [SamplingParams(**sp) for _, sp, _ in ROW_KINDS for _ in range(reps)]
+
+
+def test_every_row_of_a_mixed_batch_follows_its_own_distribution():
+    reps = 3000
+    logits, params = _kind_batch(reps)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        ids = torch.tensor(sample(logits, params, [None] * len(params)))
+    for k, (_, _, probs) in enumerate(ROW_KINDS):
+        counts = torch.bincount(ids[k * reps:(k + 1) * reps], minlength=5)
+        df = sum(p > 0 for p in probs) - 1
+        stat = chi_square(counts, probs)
+        assert stat < CHI2_CRIT[df], (k, counts.tolist(), stat)
+
+
+def test_the_distribution_sampled_from_is_exact():
+    logits, params = _kind_batch(1)
+    out = sample_batch(logits, params, [None] * len(params), with_logprobs=True)
+    want = torch.tensor([p for _, _, p in ROW_KINDS])
+    torch.testing.assert_close(out.logprobs.exp(), want, atol=1e-6, rtol=1e-5)
+    # greedy rows report the model's own distribution
+    greedy = sample_batch(torch.tensor([[1.0, 2.0, 3.0]]), [SamplingParams(temperature=0)],
+                          [None], with_logprobs=True)
+    assert greedy.token_ids == [2]
+    torch.testing.assert_close(greedy.logprobs, torch.log_softmax(torch.tensor([[1.0, 2.0, 3.0]]), -1))
+
+
+def test_seeded_rows_draw_the_same_tokens_whatever_the_batch():
+    v = 50
+    row = torch.randn(v, generator=torch.Generator().manual_seed(3))
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=11)
+
+    def run(batch: int, at: int, steps: int = 20) -> list[int]:
+        gen = torch.Generator().manual_seed(11)
+        out = []
+        for _ in range(steps):
+            logits = torch.randn(batch, v)
+            logits[at] = row
+            params = [SamplingParams(temperature=0.7)] * batch
+            params[at] = sp
+            gens = [None] * batch
+            gens[at] = gen
+            out.append(sample(logits, params, gens)[at])
+        return out
+
+    alone = run(1, 0)
+    assert run(7, 3) == alone and run(32, 31) == alone
+    assert len(set(alone)) > 3  # really sampled
+
+
+def test_greedy_rows_do_not_advance_their_generator():
+    gen = torch.Generator().manual_seed(5)
+    before = gen.get_state()
+    assert sample(torch.tensor([[0.0, 1.0], [1.0, 0.0]]),
+                  [SamplingParams(temperature=0, seed=5), SamplingParams(temperature=1.0)],
+                  [gen, None])[0] == 1
+    assert torch.equal(gen.get_state(), before)
+
+
+def test_a_generator_on_the_logits_device_is_used_as_it_is():
+    gen = torch.Generator().manual_seed(9)
+    assert generator_on(gen, torch.device("cpu")) is gen
+
+
+def test_another_device_gets_one_twin_seeded_like_the_request():
+    # 'cpu:0' is another device to the generator's 'cpu': the twin path, as for a GPU
+    gen = torch.Generator().manual_seed(9)
+    other = torch.device("cpu", 0)
+    twin = generator_on(gen, other)
+    assert twin is not gen and generator_on(gen, other) is twin
+    fresh = torch.Generator().manual_seed(9)
+    assert torch.equal(torch.rand(5, generator=twin), torch.rand(5, generator=fresh))
+    assert torch.equal(torch.rand(5, generator=twin), torch.rand(5, generator=fresh))  # state kept
+
+
+def test_one_host_copy_per_step():
+    from torch.overrides import TorchFunctionMode
+
+    class CountHostCopies(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__"):
+                self.calls.append(name)
+            return func(*args, **(kwargs or {}))
+
+    logits, params = _kind_batch(4)
+    gens = [torch.Generator().manual_seed(i) if i % 3 == 0 else None for i in range(len(params))]
+    for ps in (params, [SamplingParams(temperature=0)] * len(params)):
+        with CountHostCopies() as mode:
+            ids = sample(logits, ps, gens)
+        assert mode.calls == ["tolist"] and len(ids) == len(params)
 
 
 # ---- seeds through the engine ------------------------------------------------------

@@ -352,7 +352,8 @@ def build(name, fn, ptrs, consts, warps, stages):
             sig[arg] = "constexpr"
             continue
         sig[arg] = ptrs.get(arg, "fp32" if arg == "qk_scale" else "i32")
-        if sig[arg].startswith("*") or (arg.startswith(DIV16) and arg != "stride_bts"):
+        runtime = fn.params[i].do_not_specialize  # never specialised by a launch
+        if sig[arg].startswith("*") or (arg.startswith(DIV16) and not runtime):
             attrs[(i,)] = [["tt.divisibility", 16]]  # what a real launch specialises on
     try:
         src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
@@ -404,3 +405,81 @@ def test_kernels_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("smem") == 6, proc.stdout
+
+
+# ---------------------------------------------------------------------------- recompiles
+
+_NO_SPECIALIZE_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from engine.attention import triton_decode as D, triton_prefill as P
+for fn, names in [(D._decode_kernel, D.DECODE_RUNTIME_INTS),
+                  (D._decode_reduce_kernel, D.REDUCE_RUNTIME_INTS),
+                  (P._prefill_kernel, P.PREFILL_RUNTIME_INTS)]:
+    flags = {p.name: p.do_not_specialize for p in fn.params}
+    assert all(flags[n] for n in names), (fn.fn.__name__, flags)
+    print(fn.fn.__name__, sorted(n for n, f in flags.items() if f))
+"""
+
+
+def test_per_step_ints_are_not_specialised_by_compiled_kernels():
+    # compiled (not interpreted) kernels, where specialisation happens: a subprocess
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _NO_SPECIALIZE_SCRIPT, root], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "_decode_kernel ['num_splits', 'partition_size', 'stride_bts']" in r.stdout
+    assert "_prefill_kernel ['num_seqs', 'stride_bts']" in r.stdout
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16])
+@pytest.mark.parametrize("extra_cols", [0, 15])  # table widths 1/16 and 16/31 blocks
+def test_decode_with_values_a_launch_would_specialise_on(num_seqs, extra_cols):
+    lens_list = [16 * (1 + (i % 2) * 15) if extra_cols == 0 else 1 + 37 * i
+                 for i in range(num_seqs)]
+    k_cache, v_cache, table = paged_cache(lens_list, 16, 2, 64, extra_cols=extra_cols,
+                                          seed=num_seqs)
+    lens = torch.tensor(lens_list, dtype=torch.int32)
+    q = rand(num_seqs, 8, 64, seed=3)
+    ref = torch_ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125)
+    for num_splits in (1, 2, 16):
+        out = triton_decode.paged_decode(q, k_cache, v_cache, table, lens, 0.125,
+                                         num_splits=num_splits, block_n=16)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("batch", [[(0, 16)], [(16, 16)] * 16, [(0, 1)]], ids=["1seq", "16seq", "1tok"])
+def test_prefill_with_values_a_launch_would_specialise_on(batch):
+    args = prefill_inputs(batch, 16, 8, 2, 64, seed=len(batch))
+    out = triton_ops.paged_prefill_attention(*args, 0.125)
+    ref = torch_ref.paged_prefill_attention(*args, 0.125)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_warmup_runs_every_kernel_variant_and_leaves_the_cache_clear(tiny_model, monkeypatch):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model), attention_backend="triton", block_size=8, num_blocks=80)
+    splits: list[int] = []
+    real = triton_decode.paged_decode
+
+    def spy(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw):
+        n, _ = triton_decode.plan_splits(
+            q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+            triton_decode.decode_config(q.dtype, q.shape[2], q.device)["block_n"], q.device)
+        splits.append(n)
+        return real(q, k_cache, v_cache, block_tables, seq_lens, scale, **kw)
+
+    monkeypatch.setattr(triton_ops, "paged_decode", spy)
+    llm.runner.warmup()
+    assert 1 in splits and max(splits) > 1  # single-partition and split-K (+ reduce)
+    assert llm.runner.kv.data.abs().sum() == 0  # block 0 cleared, nothing else written
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = LLM(str(tiny_model), block_size=8, num_blocks=80)
+    prompt = list(range(3, 30))
+    assert llm.generate([prompt], params)[0].token_ids == ref.generate([prompt], params)[0].token_ids

@@ -1,0 +1,79 @@
+"""bench/gpu_check on a machine without CUDA: it says so, skips the GPU steps, runs its
+CPU-safe parts (placement plan, KV host path, engine and in-process 1P+1D service on the
+tiny model) and writes its JSON; and the attention benchmark's L2 rotation and summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import attention_bw
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_check_skips_cleanly_and_runs_its_cpu_parts(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--quick"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "no CUDA device: the GPU steps are skipped" in r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["cuda"] is False and "no CUDA device" in doc["skipped_reason"]
+    steps = doc["steps"]
+    for name in ("pytest", "kernels_bf16", "attention_bw"):
+        assert steps[name] == {"status": "skipped", "reason": "no CUDA device"}
+    for name in ("env", "kv_export", "engine", "service"):
+        assert steps[name]["status"] == "ok", (name, steps[name])
+    assert steps["env"]["result"]["plan_1p1d_on_one_gpu"]["gpus"] == [0.5, 0.5]
+    kv = steps["kv_export"]["result"]["results"][0]
+    assert kv["bytes"] == kv["tokens"] * 32 * 2 * 8 * 128 * 2 and kv["export_ms"] > 0
+    eng = steps["engine"]["result"]
+    assert eng["greedy"]["output_tokens"] == eng["sampled"]["output_tokens"] > 0
+    assert eng["kv_blocks_used_at_end"] == 0
+    svc = steps["service"]["result"]
+    same, total = svc["greedy_outputs_equal"].split("/")
+    assert same == total  # fp32 on CPU: P/D gives the colocated engine's tokens
+    assert svc["pd"]["failures"] == [] and svc["pd"]["kv_blocks_used_at_end"]["decode"] == 0
+    assert (tmp_path / "gpu.log").exists()
+
+
+def test_a_bad_model_is_named(tmp_path):
+    from bench.gpu_check import prepare_model
+
+    with pytest.raises(SystemExit, match="neither a preset"):
+        prepare_model(str(tmp_path / "nowhere"), cuda=True)
+
+
+def test_unknown_steps_are_rejected(capsys):
+    from bench.gpu_check import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x.json", "--steps", "env,warp"])
+    assert "unknown steps ['warp']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_bytes", [2 << 20, 8 << 20, 64 << 20, 4 << 30])
+def test_rotation_defeats_the_l2(kv_bytes):
+    l2 = 60 << 20  # H200
+    n = attention_bw.rotating_sets(kv_bytes, l2)
+    assert n * kv_bytes >= 4 * l2 or n == attention_bw.MAX_ROTATING_SETS
+    assert n == 1 or (n - 1) * kv_bytes < 4 * l2
+
+
+def test_summary_judges_against_the_read_bandwidth():
+    rows = [{"context": 4096, "triton_ms": 1.0, "kv_bytes": 1 << 30, "fraction_of_copy_bw": 0.9,
+             "fraction_of_read_bw": 0.6, "ratio_vs_torch": 3.0},
+            {"context": 512, "triton_ms": 1.0, "kv_bytes": 1 << 20, "fraction_of_copy_bw": 0.2,
+             "fraction_of_read_bw": 0.1}]
+    s = attention_bw.summarize(rows)
+    assert s["min_fraction_of_read_bw"] == 0.6 and s["contexts_ge_4k"] == 1
+    assert s["goal_fraction_ge_0.70"] is False and s["goal_ratio_ge_2x"] is True
