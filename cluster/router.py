@@ -3,20 +3,27 @@
 generate(): bounded admission queue -> decode worker first (its `reserve` counts the
 prompt + headroom as a promise; least KV usage wins) -> prefill worker (least
 outstanding prefill tokens, prefix affinity) -> stream tokens from worker events.
-Each dispatch is a *leg* (`<request_id>#<n>`): a decode preemption, a dead worker or a
-failed transfer starts a new leg that recomputes prompt + tokens so far on a healthy
-pair, so the client's stream simply continues.
+Each dispatch is a *leg*: a decode preemption, a dead worker or a failed transfer starts
+a new leg that recomputes prompt + tokens so far on a healthy pair, so the client's
+stream simply continues. Leg ids (`<request_id>#<router tag><dispatch no.>#<leg no.>`)
+are unique per dispatch and stay internal, so a client may reuse its request_id the
+moment its request ended: nothing a worker still holds about an old leg (a tombstone, a
+late event, a late reservation) can touch the new request. A request's id is released
+as soon as it ends with any status, before its last delta or error is delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from cluster.admission import AdmissionQueue
 from cluster.pool import WorkerHandle
 from cluster.router_events import EventPump
 from cluster.types import (
@@ -30,17 +37,24 @@ from cluster.types import (
 )
 from engine.block_manager import block_hashes
 from engine.messages import DecodeTask, PrefillTask
+from engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
+ADMISSION_RETRY_S = 0.25  # the head of the queue re-asks even when no event said "freed"
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     max_queue_len: int = 256  # requests waiting for decode admission
     request_timeout_s: float = 600.0
-    admission_timeout_s: float = 60.0
+    # None: a queued request waits (in arrival order) until its deadline; a number caps
+    # that wait, after which it ends RESOURCE_EXHAUSTED
+    admission_timeout_s: float | None = None
     unavailable_grace_s: float = 15.0  # how long to wait for a dead pool's restart
-    max_legs: int = 4  # dispatch attempts per request (preemption / failure recovery)
+    # failed legs per request before UNAVAILABLE (dead worker, failed transfer, KV timeout,
+    # a preemption before the leg produced a token). Preemptions after progress are not
+    # failures and are not counted: each such leg adds >= 1 token, so max_tokens bounds them.
+    max_legs: int = 4
     prefix_affinity: bool = True
     affinity_block_size: int = 16
     affinity_slack_tokens: int = 2048
@@ -51,7 +65,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
             raise ValueError("max_queue_len and max_legs must be >= 1")
-        if min(self.request_timeout_s, self.admission_timeout_s, self.unavailable_grace_s) <= 0:
+        timeouts = (self.request_timeout_s, self.unavailable_grace_s,
+                    self.admission_timeout_s if self.admission_timeout_s is not None else 1.0)
+        if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
 
 
@@ -62,6 +78,8 @@ class Flight:
     arrival: float
     leg: int = 0
     leg_id: str = ""
+    failures: int = 0  # legs lost to failures (bounded by max_legs)
+    preemptions: int = 0  # legs preempted after producing tokens (not failures)
     prefill: WorkerHandle | None = None
     decode: WorkerHandle | None = None
     leg_prompt_len: int = 0
@@ -73,7 +91,7 @@ class Flight:
     admitted: bool = False
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
     leg_first_seen: bool = False  # the current leg's first token was streamed
-    held_tokens: list = field(default_factory=list)  # decode events that overtook it
+    held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
 
 
 class Router:
@@ -95,12 +113,14 @@ class Router:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, Flight] = {}  # live requests only: an ended id is free
         self.legs: dict[str, Flight] = {}
-        self.waiting_admission = 0
+        self.admission = AdmissionQueue()
         self.serving = True
-        self._capacity = asyncio.Event()
         self._affinity: dict[bytes, str] = {}
+        self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
+        self._dispatches = itertools.count(1)
+        self._background: set[asyncio.Task] = set()
         self.pump = EventPump(self)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
         self._started = False
@@ -120,6 +140,10 @@ class Router:
             seen.setdefault(id(w), w)
         return list(seen.values())
 
+    @property
+    def waiting_admission(self) -> int:
+        return len(self.admission)
+
     def healthy(self) -> bool:
         return self.serving and any(w.alive for w in self.prefill) and any(
             w.alive for w in self.decode)
@@ -131,23 +155,24 @@ class Router:
             self.pump.start()
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
+        await self.start()
         if not self.serving:
             raise RouterError(ErrorCode.UNAVAILABLE, "server is shutting down")
         if spec.request_id in self.flights:
             raise RouterError(ErrorCode.ALREADY_EXISTS,
                               f"request_id {spec.request_id!r} is already active")
-        if self.waiting_admission >= self.config.max_queue_len:
+        if len(self.admission) >= self.config.max_queue_len:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
-        await self.start()
+        self._check_fits(len(spec.prompt_token_ids))
         flight = Flight(spec, asyncio.Queue(), time.monotonic())
         self.flights[spec.request_id] = flight
         # The deadline posts an error into the stream; no wait_for around queue.get(),
         # whose cancellation can be lost when an item lands at the same moment.
         timer = asyncio.get_running_loop().call_later(
-            self.config.request_timeout_s, lambda: asyncio.ensure_future(self.fail(
-                flight, RouterError(ErrorCode.DEADLINE_EXCEEDED,
-                                    f"request exceeded {self.config.request_timeout_s:g}s"))))
+            self.config.request_timeout_s, lambda: self.fail(flight, RouterError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"request exceeded {self.config.request_timeout_s:g}s")))
         try:
             await self.dispatch(flight)
             while True:
@@ -159,20 +184,20 @@ class Router:
                     return
         finally:
             timer.cancel()
-            await self._close_flight(flight)
+            self._close_flight(flight)
 
     async def abort(self, request_id: str) -> bool:
         flight = self.flights.get(request_id)
         if flight is None:
             return False
-        await self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
+        self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
         return True
 
     async def stats(self) -> ClusterStats:
         await self.start()
         workers = await self.pump.collect_stats()
         return ClusterStats(
-            tuple(workers), router_queue_depth=self.waiting_admission,
+            tuple(workers), router_queue_depth=len(self.admission),
             num_inflight=len(self.flights), serving=self.healthy(),
         )
 
@@ -193,21 +218,70 @@ class Router:
         while self.flights and time.monotonic() < end:
             await asyncio.sleep(0.05)
         for flight in list(self.flights.values()):
-            await self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
+            self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
         await self.pump.stop()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self.on_shutdown is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.on_shutdown)
             self.on_shutdown = None
 
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` in the background (kept referenced; cancelled by shutdown)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     # ---- dispatch ---------------------------------------------------------------------
     async def dispatch(self, flight: Flight) -> None:
-        """Start a new leg: reserve on a decode worker, then queue on a prefill worker."""
+        """Start a new leg: reserve on a decode worker, then queue on a prefill worker.
+
+        Returns once a leg is queued on a live pair or the request has ended (its error is
+        then in its queue); raises RouterError when it cannot be served."""
         spec = flight.spec
-        if flight.leg >= self.config.max_legs:
-            raise RouterError(ErrorCode.UNAVAILABLE,
-                              f"gave up after {flight.leg} attempts (workers failing)")
+        while not flight.done:
+            if flight.failures >= self.config.max_legs:
+                raise RouterError(ErrorCode.UNAVAILABLE,
+                                  f"gave up after {flight.failures} attempts (workers failing)")
+            leg_id, prompt, sampling = self._new_leg(flight)
+            decode = await self._admit(flight, DecodeTask(
+                leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
+            if decode is None:
+                return  # the request ended while it waited
+            flight.decode = decode
+            decode.legs.add(leg_id)
+            try:
+                prefill = self._pick_prefill(prompt)
+            except RouterError:  # the prefill pool died while we reserved: a new leg
+                self._end_leg(flight)  # waits (grace) for its restart
+                flight.failures += 1
+                continue
+            flight.prefill = prefill
+            prefill.legs.add(leg_id)
+            prefill.outstanding_tokens += len(prompt)
+            deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
+            task = PrefillTask(leg_id, prompt, sampling, decode.endpoint, self.eos_token_ids,
+                               spec.tenant, spec.priority, deadline_s)
+            try:
+                await prefill.actor.add.remote(task)
+            except ValueError as e:
+                raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
+            except Exception as e:  # the prefill actor died under us: next leg
+                log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
+                if flight.leg_id != leg_id or flight.done:
+                    return  # already re-dispatched (its decode died) or ended meanwhile
+                self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
+                flight.failures += 1
+                self.pump.mark_dead(prefill)
+                continue
+            return
+
+    def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
+        spec = flight.spec
         flight.leg += 1
-        leg_id = f"{spec.request_id}#{flight.leg}"
+        leg_id = f"{spec.request_id}#{self._tag}{next(self._dispatches):x}#{flight.leg}"
         prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
         sampling = replace(spec.sampling,
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
@@ -216,76 +290,71 @@ class Router:
         flight.leg_first_seen = False
         flight.held_tokens = []
         self.legs[leg_id] = flight
-        decode = await self._admit(flight, DecodeTask(
-            leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
-        flight.decode = decode
-        decode.legs.add(leg_id)
-        try:
-            prefill = self._pick_prefill(prompt)
-        except RouterError:
-            await self._end_leg(flight)
-            if flight.done:
-                raise
-            # the prefill pool died while we reserved: a new leg waits (grace) for it
-            await self.dispatch(flight)
-            return
-        flight.prefill = prefill
-        prefill.legs.add(leg_id)
-        prefill.outstanding_tokens += len(prompt)
-        deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
-        task = PrefillTask(leg_id, prompt, sampling, decode.endpoint, self.eos_token_ids,
-                           spec.tenant, spec.priority, deadline_s)
-        try:
-            await prefill.actor.add.remote(task)
-        except ValueError as e:
-            raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
-        except Exception as e:  # the prefill actor died under us: next leg
-            log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
-            if flight.leg_id != leg_id or flight.done:
-                return  # already re-dispatched (its decode died) or ended meanwhile
-            await self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
-            self.pump.mark_dead(prefill)
-            await self.dispatch(flight)
+        return leg_id, prompt, sampling
 
-    async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle:
-        now = time.monotonic()
-        end = now + self.config.admission_timeout_s
-        grace_end = now + self.config.unavailable_grace_s
-        self.waiting_admission += 1
+    def _check_fits(self, prompt_len: int) -> None:
+        """A prompt no decode worker's whole KV cache can hold is refused at once."""
+        caps = [w.capacity_tokens for w in self.decode if w.role == "decode"]
+        if caps and None not in caps and prompt_len + 1 > max(caps):
+            raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
+                              f"prompt of {prompt_len} tokens cannot fit any decode worker's "
+                              f"KV cache ({max(caps)} tokens)")
+
+    async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle | None:
+        """Wait in the admission queue until a decode worker reserves room for the leg;
+        None when the request ended meanwhile (abort, deadline, drain)."""
+        start = time.monotonic()
+        grace_end = start + self.config.unavailable_grace_s
+        limit = self.config.admission_timeout_s
+        waiter = self.admission.enqueue(flight, flight.arrival)
         try:
             while True:
-                alive = sorted((w for w in self.decode if w.alive), key=lambda w: w.kv_usage)
-                if not alive or not any(w.alive for w in self.prefill):
-                    if time.monotonic() > grace_end:  # no restart came back in time
-                        pool = "decode" if not alive else "prefill"
-                        raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
-                    alive = []
-                for w in alive:
-                    try:
-                        if await w.actor.reserve.remote(task):
-                            flight.admitted = True
-                            return w
-                    except asyncio.CancelledError:  # the client left mid-reserve
-                        w.actor.abort.remote(task.request_id)
-                        raise
-                    except ValueError as e:  # can never fit: say so now, not after a wait
-                        raise RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from e
-                    except Exception as e:  # dead worker: skip it
-                        log.warning("decode %s failed on reserve: %s", w.worker_id, e)
-                        self.pump.mark_dead(w)
-                if flight.done:
-                    raise RouterError(ErrorCode.CANCELLED, "aborted while queued")
-                if time.monotonic() > end:
+                waiter.event.clear()  # before the checks: a wake-up from here on is kept
+                if flight.done or flight.leg_id != task.request_id:
+                    return None
+                if self.admission.is_head(waiter):
+                    w = await self._reserve(flight, task, grace_end)
+                    if w is not None:
+                        return w
+                if limit is not None and time.monotonic() > start + limit:
                     raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
-                                      "no decode worker could admit the request in time")
-                self._capacity.clear()
-                waiter = asyncio.ensure_future(self._capacity.wait())
-                try:
-                    await asyncio.wait({waiter}, timeout=0.25)
-                finally:
-                    waiter.cancel()
+                                      "no decode worker could admit the request in time "
+                                      f"(admission_timeout_s={limit:g})")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.event.wait(), ADMISSION_RETRY_S)
         finally:
-            self.waiting_admission -= 1
+            self.admission.remove(waiter)
+
+    async def _reserve(self, flight: Flight, task: DecodeTask,
+                       grace_end: float) -> WorkerHandle | None:
+        """One round over the live decode workers (least KV usage first)."""
+        alive = sorted((w for w in self.decode if w.alive), key=lambda w: w.kv_usage)
+        if not alive or not any(w.alive for w in self.prefill):
+            if time.monotonic() > grace_end:  # no restart came back in time
+                pool = "decode" if not alive else "prefill"
+                raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
+            return None
+        for w in alive:
+            try:
+                ok = await w.actor.reserve.remote(task)
+            except asyncio.CancelledError:  # the client left mid-reserve
+                self.abort_on(w, task.request_id)
+                raise
+            except ValueError as e:  # can never fit: say so now, not after a wait
+                raise RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from e
+            except Exception as e:  # dead worker: skip it (a reserve that landed is undone)
+                log.warning("decode %s failed on reserve: %s", w.worker_id, e)
+                self.abort_on(w, task.request_id)
+                self.pump.mark_dead(w)
+                continue
+            if not ok:
+                continue
+            if flight.done or flight.leg_id != task.request_id:
+                self.abort_on(w, task.request_id)  # ended while the reserve was in flight
+                return None
+            flight.admitted = True
+            return w
+        return None
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
         alive = [w for w in self.prefill if w.alive]
@@ -304,8 +373,23 @@ class Router:
         return best
 
     # ---- leg / flight endings ---------------------------------------------------------
-    async def _end_leg(self, flight: Flight) -> None:
-        """Forget the current leg on both workers (aborting whatever is left of it)."""
+    def abort_on(self, w: WorkerHandle, leg_id: str) -> None:
+        """Abort `leg_id` on `w`; the admission queue's head retries once it is done."""
+        try:
+            ref = w.actor.abort.remote(leg_id)
+        except Exception:
+            return
+
+        async def then_wake() -> None:
+            with contextlib.suppress(Exception):
+                await ref
+            self.admission.wake_head()
+
+        self.spawn(then_wake())
+
+    def _end_leg(self, flight: Flight, ended: tuple[WorkerHandle | None, ...] = ()) -> None:
+        """Forget the current leg on both workers, aborting it on each one except those in
+        `ended`, whose part of the leg finished by itself (nothing is left there)."""
         leg_id = flight.leg_id
         self.legs.pop(leg_id, None)
         p = flight.prefill
@@ -313,27 +397,32 @@ class Router:
             p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
         for w in {id(w): w for w in (p, flight.decode) if w is not None}.values():
             w.legs.discard(leg_id)
-            if w.alive:  # abort of a finished leg is a no-op on the worker
-                with contextlib.suppress(Exception):
-                    w.actor.abort.remote(leg_id)
+            if w.alive and not any(w is e for e in ended):
+                self.abort_on(w, leg_id)
         flight.prefill = flight.decode = None
-        self._capacity.set()
+        self.admission.wake_head()
 
-    async def fail(self, flight: Flight, err: RouterError) -> None:
+    def release(self, flight: Flight) -> None:
+        """The request ended: its id is free from now on (before its last item is read)."""
+        flight.done = True
+        rid = flight.spec.request_id
+        if self.flights.get(rid) is flight:
+            del self.flights[rid]
+            if self.metrics is not None:
+                self.metrics.forget(rid)
+        self.admission.wake(flight)
+
+    def fail(self, flight: Flight, err: RouterError) -> None:
         if flight.done:
             return
-        flight.done = True
-        await self._end_leg(flight)
+        self.release(flight)
+        self._end_leg(flight)
         flight.queue.put_nowait(err)
 
-    async def _close_flight(self, flight: Flight) -> None:
+    def _close_flight(self, flight: Flight) -> None:
         if not flight.done:  # client went away or an error escaped: abort everywhere
-            flight.done = True
-            await self._end_leg(flight)
-        self.flights.pop(flight.spec.request_id, None)
-        if self.metrics is not None:
-            self.metrics.forget(flight.spec.request_id)
-        self._capacity.set()
+            self.release(flight)
+            self._end_leg(flight)
 
     def usage(self, flight: Flight) -> Usage:
         now = time.monotonic()
