@@ -31,6 +31,8 @@ class FakeActor:
     def __init__(self, worker_id: str, slots: int | None = None, block_size: int = 0):
         self.worker_id = worker_id
         self.slots = slots  # decode: reservations it can hold (None: unlimited)
+        self.budget: int | None = None  # decode: prompt tokens it can hold (None: unlimited)
+        self.sizes: dict[str, int] = {}
         self.block_size = block_size
         self.events: asyncio.Queue = asyncio.Queue()
         self.calls: list[tuple[str, object]] = []
@@ -58,12 +60,19 @@ class FakeActor:
         self.calls.append(("reserve", task.request_id))
         if self.on_reserve:
             await self.on_reserve(task)
+        if self.block_size and task.prompt_len + 1 > 100 * self.block_size:
+            raise ValueError(f"prompt of {task.prompt_len} tokens cannot fit this decode "
+                             "worker's KV cache")
         if task.request_id in self.tombstones:
             self.tombstones.discard(task.request_id)
             return False
         if self.slots is not None and len(self.held) >= self.slots:
             return False
+        used = sum(self.sizes.get(leg, 0) for leg in self.held)
+        if self.budget is not None and used + task.prompt_len > self.budget:
+            return False
         self.held.add(task.request_id)
+        self.sizes[task.request_id] = task.prompt_len
         return True
 
     async def _add(self, task):
