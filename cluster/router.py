@@ -21,9 +21,10 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from cluster.admission import AdmissionQueue
+from cluster.admission import DecodeAdmission
+from cluster.flight import Flight, RouterConfig
 from cluster.pool import WorkerHandle
 from cluster.router_events import EventPump
 from cluster.types import (
@@ -39,59 +40,8 @@ from engine.block_manager import block_hashes
 from engine.messages import DecodeTask, PrefillTask
 from engine.request import SamplingParams
 
+__all__ = ["Flight", "Router", "RouterConfig"]
 log = logging.getLogger(__name__)
-ADMISSION_RETRY_S = 0.25  # the head of the queue re-asks even when no event said "freed"
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    max_queue_len: int = 256  # requests waiting for decode admission
-    request_timeout_s: float = 600.0
-    # None: a queued request waits (in arrival order) until its deadline; a number caps
-    # that wait, after which it ends RESOURCE_EXHAUSTED
-    admission_timeout_s: float | None = None
-    unavailable_grace_s: float = 15.0  # how long to wait for a dead pool's restart
-    # failed legs per request before UNAVAILABLE (dead worker, failed transfer, KV timeout,
-    # a preemption before the leg produced a token). Preemptions after progress are not
-    # failures and are not counted: each such leg adds >= 1 token, so max_tokens bounds them.
-    max_legs: int = 4
-    prefix_affinity: bool = True
-    affinity_block_size: int = 16
-    affinity_slack_tokens: int = 2048
-    adaptive_chunks: bool = False  # feed decode pressure to the prefill chunk policy
-    itl_target_s: float = 0.1
-    kv_keepalive_s: float = 1.0  # how often decode hears that a leg's prefill is still on
-
-    def __post_init__(self) -> None:
-        if self.max_queue_len < 1 or self.max_legs < 1:
-            raise ValueError("max_queue_len and max_legs must be >= 1")
-        timeouts = (self.request_timeout_s, self.unavailable_grace_s,
-                    self.admission_timeout_s if self.admission_timeout_s is not None else 1.0)
-        if min(timeouts) <= 0:
-            raise ValueError("timeouts must be > 0")
-
-
-@dataclass
-class Flight:
-    spec: GenerateSpec
-    queue: asyncio.Queue
-    arrival: float
-    leg: int = 0
-    leg_id: str = ""
-    failures: int = 0  # legs lost to failures (bounded by max_legs)
-    preemptions: int = 0  # legs preempted after producing tokens (not failures)
-    prefill: WorkerHandle | None = None
-    decode: WorkerHandle | None = None
-    leg_prompt_len: int = 0
-    generated: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    timing: dict[str, float] = field(default_factory=dict)
-    done: bool = False
-    admitted: bool = False
-    prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
-    leg_first_seen: bool = False  # the current leg's first token was streamed
-    held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
 
 
 class Router:
@@ -115,7 +65,7 @@ class Router:
         self.metrics = metrics
         self.flights: dict[str, Flight] = {}  # live requests only: an ended id is free
         self.legs: dict[str, Flight] = {}
-        self.admission = AdmissionQueue()
+        self.admission = DecodeAdmission(self)
         self.serving = True
         self._affinity: dict[bytes, str] = {}
         self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
@@ -164,7 +114,7 @@ class Router:
         if len(self.admission) >= self.config.max_queue_len:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
-        self._check_fits(len(spec.prompt_token_ids))
+        self.admission.check_fits(len(spec.prompt_token_ids))
         flight = Flight(spec, asyncio.Queue(), time.monotonic())
         self.flights[spec.request_id] = flight
         # The deadline posts an error into the stream; no wait_for around queue.get(),
@@ -246,7 +196,7 @@ class Router:
                 raise RouterError(ErrorCode.UNAVAILABLE,
                                   f"gave up after {flight.failures} attempts (workers failing)")
             leg_id, prompt, sampling = self._new_leg(flight)
-            decode = await self._admit(flight, DecodeTask(
+            decode = await self.admission.admit(flight, DecodeTask(
                 leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
             if decode is None:
                 return  # the request ended while it waited
@@ -291,70 +241,6 @@ class Router:
         flight.held_tokens = []
         self.legs[leg_id] = flight
         return leg_id, prompt, sampling
-
-    def _check_fits(self, prompt_len: int) -> None:
-        """A prompt no decode worker's whole KV cache can hold is refused at once."""
-        caps = [w.capacity_tokens for w in self.decode if w.role == "decode"]
-        if caps and None not in caps and prompt_len + 1 > max(caps):
-            raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
-                              f"prompt of {prompt_len} tokens cannot fit any decode worker's "
-                              f"KV cache ({max(caps)} tokens)")
-
-    async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle | None:
-        """Wait in the admission queue until a decode worker reserves room for the leg;
-        None when the request ended meanwhile (abort, deadline, drain)."""
-        start = time.monotonic()
-        grace_end = start + self.config.unavailable_grace_s
-        limit = self.config.admission_timeout_s
-        waiter = self.admission.enqueue(flight, flight.arrival)
-        try:
-            while True:
-                waiter.event.clear()  # before the checks: a wake-up from here on is kept
-                if flight.done or flight.leg_id != task.request_id:
-                    return None
-                if self.admission.is_head(waiter):
-                    w = await self._reserve(flight, task, grace_end)
-                    if w is not None:
-                        return w
-                if limit is not None and time.monotonic() > start + limit:
-                    raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
-                                      "no decode worker could admit the request in time "
-                                      f"(admission_timeout_s={limit:g})")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter.event.wait(), ADMISSION_RETRY_S)
-        finally:
-            self.admission.remove(waiter)
-
-    async def _reserve(self, flight: Flight, task: DecodeTask,
-                       grace_end: float) -> WorkerHandle | None:
-        """One round over the live decode workers (least KV usage first)."""
-        alive = sorted((w for w in self.decode if w.alive), key=lambda w: w.kv_usage)
-        if not alive or not any(w.alive for w in self.prefill):
-            if time.monotonic() > grace_end:  # no restart came back in time
-                pool = "decode" if not alive else "prefill"
-                raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
-            return None
-        for w in alive:
-            try:
-                ok = await w.actor.reserve.remote(task)
-            except asyncio.CancelledError:  # the client left mid-reserve
-                self.abort_on(w, task.request_id)
-                raise
-            except ValueError as e:  # can never fit: say so now, not after a wait
-                raise RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from e
-            except Exception as e:  # dead worker: skip it (a reserve that landed is undone)
-                log.warning("decode %s failed on reserve: %s", w.worker_id, e)
-                self.abort_on(w, task.request_id)
-                self.pump.mark_dead(w)
-                continue
-            if not ok:
-                continue
-            if flight.done or flight.leg_id != task.request_id:
-                self.abort_on(w, task.request_id)  # ended while the reserve was in flight
-                return None
-            flight.admitted = True
-            return w
-        return None
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
         alive = [w for w in self.prefill if w.alive]
