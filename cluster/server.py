@@ -75,7 +75,8 @@ class GenerationServer:
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         servicer = GenerationServicer(self.router, self.state,
                                       request_timeout_s=limits.request_timeout_s,
-                                      max_prompt_tokens=limits.max_prompt_tokens)
+                                      max_prompt_tokens=limits.max_prompt_tokens,
+                                      max_prompt_bytes=limits.max_prompt_bytes)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -146,7 +147,7 @@ class GenerationServer:
         if self.state.active:
             log.warning("drain timeout: aborting %d request(s)", len(self.state.active))
             for rid in list(self.state.active):
-                self.state.aborted.add(rid)  # their streams end with finish_reason ABORT
+                self.state.mark_aborted(rid)  # their streams end with finish_reason ABORT
                 await self.router.abort(rid)
             grace_end = time.monotonic() + 2.0
             while self.state.active and time.monotonic() < grace_end:
