@@ -145,6 +145,36 @@ def test_duplicate_active_request_id_is_already_exists(served):
     assert wait_idle(client).workers[0].kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("ending", ["finished", "abort-rpc", "client-cancel", "invalid"])
+def test_a_request_id_is_free_the_moment_its_request_ended(served, reference, ending):
+    """The same id again right after the end (Abort: before the old stream is even read
+    to its end); served exactly, nothing leaked."""
+    _, client = served
+    rid = f"again-{ending}"
+    if ending == "finished":
+        assert client.complete("Sparse", request_id=rid, max_tokens=2).finish_reason
+    elif ending == "invalid":
+        with pytest.raises(grpc.RpcError):
+            list(client.generate("hi", request_id=rid, top_k=0))
+    else:
+        stream = client.generate("Readability counts.", request_id=rid, max_tokens=3000,
+                                 ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        if ending == "abort-rpc":
+            assert client.abort(rid) is True
+        else:
+            stream.cancel()
+    want = reference.generate(["Special cases"], SamplingParams(temperature=0.0,
+                                                                max_tokens=5))[0]
+    again = client.complete("Special cases", request_id=rid, max_tokens=5, **GREEDY)
+    assert list(again.token_ids) == want.token_ids
+    if ending == "abort-rpc":
+        assert list(it)[-1].finish_reason == "abort"
+    s = wait_idle(client)
+    assert (s.workers[0].kv_blocks_used, s.num_inflight) == (0, 0)
+
+
 def test_client_cancel_aborts_the_request_and_frees_everything(served):
     _, client = served
     stream = client.generate("Although never is often better than right now.",
@@ -182,8 +212,11 @@ def test_full_queue_answers_resource_exhausted(tiny_model):
 def test_request_timeout_is_deadline_exceeded(tiny_model):
     with serving(tiny_model, {"limits.request_timeout_s": 0.5}) as (_, client):
         with pytest.raises(grpc.RpcError) as e:
-            list(client.generate("In the face of ambiguity", max_tokens=4000, ignore_eos=True))
+            list(client.generate("In the face of ambiguity", request_id="late",
+                                 max_tokens=4000, ignore_eos=True))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # the id is free again at once
+        assert client.complete("hi", request_id="late", max_tokens=1).finish_reason
         assert wait_idle(client).workers[0].kv_blocks_used == 0
 
 
