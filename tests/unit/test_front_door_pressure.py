@@ -182,3 +182,15 @@ def test_stop_token_ids_are_bounded(door):
     assert "stop_token_ids" in e.value.details()
     ok = client.complete("hi", stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
     assert ok.finish_reason == "stop" and router.specs[-1].sampling.stop_token_ids[0] == 1
+
+
+def test_the_proto_documents_the_limits_the_door_enforces():
+    from pathlib import Path
+
+    from cluster.servicer import DEFAULT_MAX_PROMPT_BYTES
+
+    proto = (Path(__file__).parents[2] / "proto/pdserve/v1/pdserve.proto").read_text()
+    stop = proto[proto.index("repeated int32 stop_token_ids"):]
+    assert f"at most {MAX_STOP_TOKEN_IDS}" in stop[:200]
+    assert DEFAULT_MAX_PROMPT_BYTES == 1 << 20 and "(default 1 MiB)" in proto
+    assert "free again at once" in proto  # the request-id contract
