@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.config import LimitsSection
 from cluster.convert import (
     FINISH_TO_PROTO,
     check_request,
@@ -35,7 +36,7 @@ from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 STATUS_OF = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
-DEFAULT_MAX_PROMPT_BYTES = 1 << 20
+DEFAULT_MAX_PROMPT_BYTES = LimitsSection().max_prompt_bytes
 REAP_WAIT_S = 5.0  # how long a reused id waits for its cancelled call to be freed
 
 
