@@ -4,9 +4,13 @@ every test ends with a leak check (zero used blocks, empty queues on every worke
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+
 import pytest
 import torch
 
+from cluster.launcher import LaunchOptions
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import LLM, SamplingParams
 
@@ -85,3 +89,53 @@ def test_full_queue_and_oversized_prompt_are_resource_exhausted(start_router):
     assert "cannot fit" in err.message
     assert_quiescent(runner)
     runner.close()
+
+
+def test_abort_and_deadline_while_queued_for_admission_free_everything(start_router,
+                                                                       reference):
+    """A decode pool that admits nothing (every reserve of these ids refused, as if
+    full): an Abort and a deadline reach the queued requests at once, nothing starts on
+    the prefill pool, the queue is empty after, and the service goes on serving exactly."""
+    plan = {"seed": 1, "faults": [{"kind": "refuse_admission", "request_filter": r"^full-"}]}
+    runner = start_router({"transfer": {"connector": "tcp"}},
+                          LaunchOptions(fault_injection=plan))
+    router = runner.router
+    spec = GenerateSpec("full-abort", tuple(range(1, 40)), GREEDY)
+
+    async def aborted_while_queued():
+        task = asyncio.ensure_future(_outcome(router.generate(spec)))
+        while router.waiting_admission == 0:
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        assert await router.abort("full-abort")
+        return await asyncio.wait_for(task, 30)
+
+    toks, err = runner.run(aborted_while_queued())
+    assert toks == [] and isinstance(err, RouterError) and err.code == ErrorCode.CANCELLED
+    config = router.config
+    router.config = replace(config, request_timeout_s=0.5)
+    try:
+        toks, err = runner.generate(GenerateSpec("full-deadline", tuple(range(1, 40)), GREEDY))
+    finally:
+        router.config = config
+    assert toks == [] and isinstance(err, RouterError)
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED, err
+    assert router.waiting_admission == 0 and not router.legs
+    assert all(w.outstanding_tokens == 0 and not w.legs for w in router.workers)
+    ps = prompts(3, seed=5)
+    results = runner.generate_many([GenerateSpec(f"ok-{i}", tuple(p), GREEDY)
+                                    for i, p in enumerate(ps)])
+    assert [toks for toks, _ in results] == reference(ps)
+    assert_quiescent(runner)
+    runner.close()
+
+
+async def _outcome(agen) -> tuple[list[int], object]:
+    toks, last = [], None
+    try:
+        async for d in agen:
+            toks.extend(d.token_ids)
+            last = d
+    except RouterError as e:
+        return toks, e
+    return toks, last
