@@ -189,44 +189,46 @@ class Router:
         """Start a new leg: reserve on a decode worker, then queue on a prefill worker.
 
         Returns once a leg is queued on a live pair or the request has ended (its error is
-        then in its queue); raises RouterError when it cannot be served."""
+        then in its queue); raises RouterError when it cannot be served. A leg lost here
+        (a prefill worker died) is a failure, so the retries are bounded by max_legs."""
         spec = flight.spec
-        while not flight.done:
-            if flight.failures >= self.config.max_legs:
-                raise RouterError(ErrorCode.UNAVAILABLE,
-                                  f"gave up after {flight.failures} attempts (workers failing)")
-            leg_id, prompt, sampling = self._new_leg(flight)
-            decode = await self.admission.admit(flight, DecodeTask(
-                leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
-            if decode is None:
-                return  # the request ended while it waited
-            flight.decode = decode
-            decode.legs.add(leg_id)
-            try:
-                prefill = self._pick_prefill(prompt)
-            except RouterError:  # the prefill pool died while we reserved: a new leg
-                self._end_leg(flight)  # waits (grace) for its restart
-                flight.failures += 1
-                continue
-            flight.prefill = prefill
-            prefill.legs.add(leg_id)
-            prefill.outstanding_tokens += len(prompt)
-            deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
-            task = PrefillTask(leg_id, prompt, sampling, decode.endpoint, self.eos_token_ids,
-                               spec.tenant, spec.priority, deadline_s)
-            try:
-                await prefill.actor.add.remote(task)
-            except ValueError as e:
-                raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
-            except Exception as e:  # the prefill actor died under us: next leg
-                log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
-                if flight.leg_id != leg_id or flight.done:
-                    return  # already re-dispatched (its decode died) or ended meanwhile
-                self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
-                flight.failures += 1
-                self.pump.mark_dead(prefill)
-                continue
+        if flight.done:
             return
+        if flight.failures >= self.config.max_legs:
+            raise RouterError(ErrorCode.UNAVAILABLE,
+                              f"gave up after {flight.failures} attempts (workers failing)")
+        leg_id, prompt, sampling = self._new_leg(flight)
+        decode = await self.admission.admit(flight, DecodeTask(
+            leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
+        if decode is None:
+            return  # the request ended while it waited
+        flight.decode = decode
+        decode.legs.add(leg_id)
+        try:
+            prefill = self._pick_prefill(prompt)
+        except RouterError:  # the prefill pool died while we reserved: a new leg waits
+            self._end_leg(flight)  # (grace) for its restart
+            flight.failures += 1
+            await self.dispatch(flight)
+            return
+        flight.prefill = prefill
+        prefill.legs.add(leg_id)
+        prefill.outstanding_tokens += len(prompt)
+        deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
+        task = PrefillTask(leg_id, prompt, sampling, decode.endpoint, self.eos_token_ids,
+                           spec.tenant, spec.priority, deadline_s)
+        try:
+            await prefill.actor.add.remote(task)
+        except ValueError as e:
+            raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
+        except Exception as e:  # the prefill actor died under us: next leg
+            log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
+            if flight.leg_id != leg_id or flight.done:
+                return  # already re-dispatched (its decode died) or ended meanwhile
+            self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
+            flight.failures += 1
+            self.pump.mark_dead(prefill)
+            await self.dispatch(flight)
 
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
         spec = flight.spec
