@@ -139,3 +139,21 @@ async def _outcome(agen) -> tuple[list[int], object]:
     except RouterError as e:
         return toks, e
     return toks, last
+
+
+def test_a_decode_pool_that_fits_two_requests_serves_twelve_in_order_exactly(start_router,
+                                                                             reference):
+    """Far below max_queue_len, nobody is turned away: queued requests wait their turn
+    (however long) and every one of them gets the exact tokens."""
+    runner = start_router({"cache": {"num_blocks": 6, "block_size": 16},
+                           "scheduler": {"max_prefill_chunk": 16}})
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(1, 2000, (int(n),), generator=g).tolist()
+          for n in torch.randint(20, 41, (12,), generator=g)]
+    results = runner.generate_many([GenerateSpec(f"tight-{i}", tuple(p), GREEDY)
+                                    for i, p in enumerate(ps)])
+    for (toks, last), ref in zip(results, reference(ps), strict=True):
+        assert not isinstance(last, RouterError), last
+        assert toks == ref
+    assert_quiescent(runner)
+    runner.close()
