@@ -1,8 +1,10 @@
 """Router: the request lifecycle across the two pools (runs in the server process).
 
-generate(): bounded admission queue -> decode worker first (its `reserve` counts the
-prompt + headroom as a promise; least KV usage wins) -> prefill worker (least
-outstanding prefill tokens, prefix affinity) -> stream tokens from worker events.
+generate(): bounded admission queue (cluster/admission.py: arrival order, a request
+waits until its deadline; a full queue is RESOURCE_EXHAUSTED at once) -> decode worker
+first (its `reserve` counts the prompt + headroom as a promise; least KV usage wins) ->
+prefill worker (least outstanding prefill tokens, prefix affinity) -> stream tokens from
+worker events.
 Each dispatch is a *leg*: a decode preemption, a dead worker or a failed transfer starts
 a new leg that recomputes prompt + tokens so far on a healthy pair, so the client's
 stream simply continues. Leg ids (`<request_id>#<router tag><dispatch no.>#<leg no.>`)
