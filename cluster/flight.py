@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from cluster.pool import WorkerHandle
-from cluster.types import GenerateSpec
+from cluster.types import GenerateSpec, Usage
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,17 @@ class Flight:
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
     leg_first_seen: bool = False  # the current leg's first token was streamed
     held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
+
+    def usage(self) -> Usage:
+        """The request's usage so far (intervals on this process's monotonic clock)."""
+        now = time.monotonic()
+        t = self.timing
+        return Usage(
+            prompt_tokens=len(self.spec.prompt_token_ids),
+            completion_tokens=len(self.generated),
+            cached_prompt_tokens=int(t.get("cached_tokens", 0)),
+            ttft_s=(self.first_token_at or now) - self.arrival,
+            queue_s=t.get("queue_s", 0.0), prefill_s=t.get("prefill_s", 0.0),
+            transfer_s=t.get("transfer_s", 0.0), decode_s=t.get("decode_s", 0.0),
+            e2e_s=now - self.arrival,
+        )

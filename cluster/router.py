@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
 from cluster.flight import Flight, RouterConfig
-from cluster.pool import WorkerHandle
+from cluster.pool import PrefixAffinity, WorkerHandle
 from cluster.router_events import EventPump
 from cluster.types import (
     ClusterStats,
@@ -35,10 +35,7 @@ from cluster.types import (
     GenerateSpec,
     RouterError,
     TokenDelta,
-    Usage,
-    WorkerStats,
 )
-from engine.block_manager import block_hashes
 from engine.messages import DecodeTask, PrefillTask
 from engine.request import SamplingParams
 
@@ -69,7 +66,8 @@ class Router:
         self.legs: dict[str, Flight] = {}
         self.admission = DecodeAdmission(self)
         self.serving = True
-        self._affinity: dict[bytes, str] = {}
+        self._affinity = PrefixAffinity(config.affinity_block_size,
+                                        config.affinity_slack_tokens)
         self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
@@ -155,14 +153,7 @@ class Router:
 
     async def drain_traces(self) -> list[dict]:
         """Trace events recorded by every live worker since the last call (plain dicts)."""
-        async def one(w: WorkerHandle) -> list[dict]:
-            try:
-                return await w.actor.drain_trace.remote()
-            except Exception:
-                return []
-
-        batches = await asyncio.gather(*(one(w) for w in self.workers if w.alive))
-        return [e for batch in batches for e in batch]
+        return await self.pump.collect_traces()
 
     async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
         self.serving = False
@@ -250,17 +241,9 @@ class Router:
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
-        best = min(alive, key=lambda w: w.outstanding_tokens)
-        if not self.config.prefix_affinity or len(prompt) <= self.config.affinity_block_size:
-            return best
-        key = block_hashes(prompt[: self.config.affinity_block_size],
-                           self.config.affinity_block_size)[0]
-        sticky = next((w for w in alive if w.worker_id == self._affinity.get(key)), None)
-        if sticky and sticky.outstanding_tokens <= (
-                best.outstanding_tokens + self.config.affinity_slack_tokens):
-            best = sticky
-        self._affinity[key] = best.worker_id
-        return best
+        if not self.config.prefix_affinity:
+            return min(alive, key=lambda w: w.outstanding_tokens)
+        return self._affinity.pick(alive, prompt)
 
     # ---- leg / flight endings ---------------------------------------------------------
     def abort_on(self, w: WorkerHandle, leg_id: str) -> None:
@@ -313,27 +296,3 @@ class Router:
         if not flight.done:  # client went away or an error escaped: abort everywhere
             self.release(flight)
             self._end_leg(flight)
-
-    def usage(self, flight: Flight) -> Usage:
-        now = time.monotonic()
-        t = flight.timing
-        return Usage(
-            prompt_tokens=len(flight.spec.prompt_token_ids),
-            completion_tokens=len(flight.generated),
-            cached_prompt_tokens=int(t.get("cached_tokens", 0)),
-            ttft_s=(flight.first_token_at or now) - flight.arrival,
-            queue_s=t.get("queue_s", 0.0), prefill_s=t.get("prefill_s", 0.0),
-            transfer_s=t.get("transfer_s", 0.0), decode_s=t.get("decode_s", 0.0),
-            e2e_s=now - flight.arrival,
-        )
-
-    def worker_stats(self, w: WorkerHandle) -> WorkerStats:
-        s = w.stats
-        return WorkerStats(
-            w.worker_id, w.role, w.alive, int(s.get("num_running", 0)),
-            int(s.get("num_waiting", 0)), int(s.get("kv_blocks_used", 0)),
-            int(s.get("kv_blocks_free", 0)), int(s.get("jobs", s.get("num_waiting", 0))),
-            int(s.get("send_queue_depth", 0)),
-            {k: float(v) for k, v in s.items() if isinstance(v, int | float)
-             and not isinstance(v, bool)},
-        )

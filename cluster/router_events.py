@@ -198,7 +198,7 @@ class EventPump:
             # decode reservation left by a request that ended at its first token is aborted.
             ended = (w,) if ev.kind == FIRST_TOKEN else (w, flight.prefill)
             self.router._end_leg(flight, ended=ended)
-            usage = self.router.usage(flight)
+            usage = flight.usage()
             if self.router.metrics:
                 self.router.metrics.observe_finish(usage)
         flight.queue.put_nowait(TokenDelta(
@@ -230,10 +230,20 @@ class EventPump:
                     w.stats = await asyncio.wait_for(w.actor.stats.remote(), timeout=5)
                 except Exception:
                     w.stats = {}
-            return self.router.worker_stats(w)
+            return w.to_stats()
 
         return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
 
+
+    async def collect_traces(self) -> list[dict]:
+        async def one(w: WorkerHandle) -> list[dict]:
+            try:
+                return await w.actor.drain_trace.remote()
+            except Exception:
+                return []
+
+        batches = await asyncio.gather(*(one(w) for w in self.router.workers if w.alive))
+        return [e for batch in batches for e in batch]
 
 def _holds(w: WorkerHandle, flight: Flight, kind: str) -> bool:
     """Does `w` hold the flight's current leg in the role that reports `kind`?"""

@@ -301,3 +301,17 @@ def test_preemptions_that_make_no_progress_count_as_failures():
     err, router, prefill, decode = asyncio.run(go())
     assert err.code == ErrorCode.UNAVAILABLE and "gave up after 3 attempts" in err.message
     assert_router_clean(router, prefill, [decode])
+
+
+def test_prefix_affinity_remembers_a_bounded_number_of_first_blocks():
+    from cluster.pool import PrefixAffinity, WorkerHandle
+
+    a, b = WorkerHandle("p0", "prefill", None), WorkerHandle("p1", "prefill", None)
+    aff = PrefixAffinity(block_size=2, slack_tokens=10, capacity=3)
+    assert aff.pick([a, b], (1, 2, 3)) is a
+    a.outstanding_tokens = 5  # busier, within the slack: the same first block sticks
+    assert aff.pick([a, b], (1, 2, 9)) is a
+    for i in range(10):  # clients' prompts cannot grow the map past its capacity
+        aff.pick([a, b], (100 + i, 7, 7))
+    assert len(aff) == 3
+    assert aff.pick([a, b], (1, 2, 3)) is b  # forgotten: the least loaded wins
