@@ -261,17 +261,19 @@ class Router:
         self.spawn(then_wake())
 
     def _end_leg(self, flight: Flight, ended: tuple[WorkerHandle | None, ...] = ()) -> None:
-        """Forget the current leg on both workers, aborting it on each one except those in
-        `ended`, whose part of the leg finished by itself (nothing is left there)."""
+        """Forget the current leg on both workers. It is aborted on each live worker that
+        still holds it, except those in `ended`, which ended their part of it themselves
+        (finished, failed or preempted it): a worker is never sent an abort for a leg it
+        has no more, which would only leave a tombstone behind."""
         leg_id = flight.leg_id
         self.legs.pop(leg_id, None)
         p = flight.prefill
         if p is not None and leg_id in p.legs and not flight.prefill_done:
             p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
         for w in {id(w): w for w in (p, flight.decode) if w is not None}.values():
-            w.legs.discard(leg_id)
-            if w.alive and not any(w is e for e in ended):
+            if leg_id in w.legs and w.alive and not any(w is e for e in ended):
                 self.abort_on(w, leg_id)
+            w.legs.discard(leg_id)
         flight.prefill = flight.decode = None
         self.admission.wake_head()
 

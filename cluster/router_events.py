@@ -179,7 +179,7 @@ class EventPump:
             # a preempted leg that streamed its first token made progress: not a failure
             progressed = ev.kind == PREEMPTED and flight.leg_first_seen
             self.redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}",
-                            failed=not progressed)
+                            failed=not progressed, ended=(w,))  # w let go of it itself
 
     def _emit(self, w: WorkerHandle, flight: Flight, ev: WorkerEvent) -> None:
         flight.generated.extend(ev.token_ids)
@@ -204,13 +204,14 @@ class EventPump:
         flight.queue.put_nowait(TokenDelta(
             flight.spec.request_id, tuple(ev.token_ids), finished, ev.finish_reason, usage))
 
-    def redispatch(self, flight: Flight, why: str, *, failed: bool) -> None:
+    def redispatch(self, flight: Flight, why: str, *, failed: bool,
+                   ended: tuple[WorkerHandle, ...] = ()) -> None:
         """End the flight's leg now and start the next one in its own task."""
         if failed:
             flight.failures += 1
         else:
             flight.preemptions += 1
-        self.router._end_leg(flight)
+        self.router._end_leg(flight, ended=ended)
         self.router.spawn(self._redispatch(flight, why))
 
     async def _redispatch(self, flight: Flight, why: str) -> None:

@@ -282,6 +282,8 @@ def test_a_request_preempted_more_often_than_max_legs_is_still_served():
     toks, router, prefill, decode = asyncio.run(go())
     assert toks == [7] * 6 + [8]
     assert len(decode.actor.calls_of("reserve")) == 6
+    assert decode.actor.calls_of("abort") == []  # it let go of each preempted leg itself
+    assert not decode.actor.tombstones
     assert_router_clean(router, prefill, [decode])
 
 
