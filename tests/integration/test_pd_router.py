@@ -157,3 +157,25 @@ def test_a_decode_pool_that_fits_two_requests_serves_twelve_in_order_exactly(sta
         assert toks == ref
     assert_quiescent(runner)
     runner.close()
+
+
+def test_an_id_is_served_again_right_after_its_request_timed_out(start_router, reference):
+    """The first request's KV (1199 tokens x 512 bytes) crawls over an emulated 4 Mbit/s
+    link with a 10 KiB burst, >= 1.2 s whatever the machine, past a 0.5 s deadline; the
+    same id right after is served exactly."""
+    runner = start_router({"transfer": {"connector": "tcp", "send_policy": "at_end",
+                                        "link_gbps": 0.004, "burst_mb": 0.01},
+                           "limits": {"kv_wait_timeout_s": 120}})
+    router, config = runner.router, runner.router.config
+    router.config = replace(config, request_timeout_s=0.5)
+    try:
+        toks, err = runner.generate(GenerateSpec("retry-me", tuple(range(1, 1200)), GREEDY))
+    finally:
+        router.config = config
+    assert isinstance(err, RouterError) and err.code == ErrorCode.DEADLINE_EXCEEDED, err
+    ps = prompts(1, seed=8)
+    toks, last = runner.generate(GenerateSpec("retry-me", tuple(ps[0]), GREEDY))
+    assert not isinstance(last, RouterError), last
+    assert toks == reference(ps)[0]
+    assert_quiescent(runner)
+    runner.close()
