@@ -159,23 +159,34 @@ def test_a_decode_pool_that_fits_two_requests_serves_twelve_in_order_exactly(sta
     runner.close()
 
 
-def test_an_id_is_served_again_right_after_its_request_timed_out(start_router, reference):
-    """The first request's KV (1199 tokens x 512 bytes) crawls over an emulated 4 Mbit/s
-    link with a 10 KiB burst, >= 1.2 s whatever the machine, past a 0.5 s deadline; the
-    same id right after is served exactly."""
+def test_an_id_is_served_again_right_after_its_request_failed_or_timed_out(start_router,
+                                                                             reference):
+    """Failed: the router's first dispatch (leg ids are `<id>#<tag><dispatch>#<leg>`)
+    loses its KV (dropped frames), decode times out, and with max_legs=1 the request
+    ends UNAVAILABLE. Timed out: the KV (1199 tokens x 512 bytes) crawls over an emulated
+    4 Mbit/s link with a 10 KiB burst, >= 1.2 s whatever the machine, past a 0.5 s
+    deadline. Either way the same id, sent right after, is served exactly."""
+    plan = {"seed": 1, "faults": [{"kind": "drop", "request_filter": r"^failme#[0-9a-f]{6}1#1$"}]}
     runner = start_router({"transfer": {"connector": "tcp", "send_policy": "at_end",
                                         "link_gbps": 0.004, "burst_mb": 0.01},
-                           "limits": {"kv_wait_timeout_s": 120}})
+                           "limits": {"kv_wait_timeout_s": 3}},
+                          LaunchOptions(fault_injection=plan))
     router, config = runner.router, runner.router.config
-    router.config = replace(config, request_timeout_s=0.5)
-    try:
-        toks, err = runner.generate(GenerateSpec("retry-me", tuple(range(1, 1200)), GREEDY))
-    finally:
-        router.config = config
-    assert isinstance(err, RouterError) and err.code == ErrorCode.DEADLINE_EXCEEDED, err
-    ps = prompts(1, seed=8)
-    toks, last = runner.generate(GenerateSpec("retry-me", tuple(ps[0]), GREEDY))
-    assert not isinstance(last, RouterError), last
-    assert toks == reference(ps)[0]
+    ps = prompts(2, seed=8)
+    outcomes = []
+    for rid, first, limits in (("failme", ps[0], {"max_legs": 1}),
+                               ("retry-me", range(1, 1200), {"request_timeout_s": 0.5})):
+        router.config = replace(config, **limits)
+        try:
+            outcomes.append(runner.generate(GenerateSpec(rid, tuple(first), GREEDY))[1])
+        finally:
+            router.config = config
+    codes = [getattr(e, "code", e) for e in outcomes]
+    assert codes == [ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED], outcomes
+    results = [runner.generate(GenerateSpec(rid, tuple(p), GREEDY))
+               for rid, p in zip(("failme", "retry-me"), ps, strict=True)]
+    for (toks, last), ref in zip(results, reference(ps), strict=True):
+        assert not isinstance(last, RouterError), last
+        assert toks == ref
     assert_quiescent(runner)
     runner.close()
