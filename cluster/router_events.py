@@ -235,7 +235,6 @@ class EventPump:
 
         return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
 
-
     async def collect_traces(self) -> list[dict]:
         async def one(w: WorkerHandle) -> list[dict]:
             try:
