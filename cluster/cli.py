@@ -97,19 +97,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         router = await build_router(served)
         refresher = None
         if cfg.server.metrics_port is not None:
-            from cluster.auth import read_token
-            from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
+            from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics_for
 
             metrics = ServiceMetrics()
             if hasattr(router, "metrics"):
                 router.metrics = metrics  # latency histograms observed as tokens stream
-            token_file = cfg.server.auth_token_file
-            token = read_token(token_file) if token_file else None
-            port = serve_metrics(metrics, cfg.server.metrics_port, cfg.server.host, token=token)
+            url = serve_metrics_for(cfg.server, metrics)  # TLS and token as gRPC's
             refresher = asyncio.ensure_future(refresh_loop(router, metrics))
-            auth = " (bearer token required: server.auth_token_file)" if token else ""
-            print(f"pdserve: metrics on http://{cfg.server.host}:{port}/metrics{auth}",
-                  flush=True)
+            auth = " (bearer token required: server.auth_token_file)" \
+                if cfg.server.auth_token_file else ""
+            print(f"pdserve: metrics on {url}{auth}", flush=True)
         def ready(server) -> None:
             print(f"pdserve: serving pdserve.v1.Generation on {server.address} ({mode} "
                   "backend); Ctrl-C drains and stops", flush=True)

@@ -185,6 +185,8 @@ class LimitsSection(Section):
                                  "Ray to restart a worker before UNAVAILABLE", gt=0)
     max_prompt_tokens: int | None = opt(None, "reject longer prompts (default: "
                                         "max_model_len - 1)", ge=1)
+    max_prompt_bytes: int = opt(1 << 20, "reject a text prompt larger than this many bytes "
+                                "of UTF-8 before tokenizing it", ge=1)
 
 
 @dataclass(frozen=True)

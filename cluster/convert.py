@@ -1,7 +1,10 @@
 """Conversions between the wire messages (proto.pdserve.v1) and cluster.types dataclasses.
 
-`spec_from_request` is the door's validation: every bad field raises ValueError whose
-message starts with the field's name, which the server returns as INVALID_ARGUMENT.
+The door's validation comes in two steps, both raising ValueError whose message starts
+with the field's name (the server returns it as INVALID_ARGUMENT): `check_request` does
+the checks that cost nothing (ids, the prompt's byte size and token count, list sizes)
+*before* the server tokenizes a text prompt (off its event loop), then
+`spec_from_request` checks the tokens and the sampling fields and builds the spec.
 Unset optional sampling fields take SamplingParams' defaults (temperature 1.0,
 top_p 1.0, top_k -1, max_tokens 16, unseeded); an explicit 0 is a value.
 """
@@ -9,10 +12,11 @@ top_p 1.0, top_k -1, max_tokens 16, unseeded); an explicit 0 is a value.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from cluster.types import ClusterStats, GenerateSpec, Usage, WorkerStats
 from engine.request import SamplingParams
+from engine.validation import validate_stop_token_ids
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 MAX_ID_LEN = 256  # request_id / tenant
@@ -37,36 +41,48 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def _prompt_ids(req: pb.GenerateRequest, tokenize: Callable[[str], list[int]]) -> list[int]:
+def check_request(req: pb.GenerateRequest, *, request_id: str, max_model_len: int,
+                  max_prompt_bytes: int | None = None) -> None:
+    """The checks that need no tokenizer; run them before tokenizing (sizes first)."""
+    if len(request_id) > MAX_ID_LEN:
+        raise ValueError(f"request_id is longer than {MAX_ID_LEN} characters")
+    if len(req.tenant) > MAX_ID_LEN:
+        raise ValueError(f"tenant is longer than {MAX_ID_LEN} characters")
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise ValueError("prompt is not set: set prompt.text or prompt.token_ids")
     if kind == "text":
         if not req.text:
             raise ValueError("prompt.text is empty")
-        ids = list(tokenize(req.text))
-        if not ids:
-            raise ValueError("prompt.text tokenizes to no tokens")
-        return ids
-    if not req.token_ids.ids:
-        raise ValueError("prompt.token_ids is empty")
-    return list(req.token_ids.ids)
+        # characters bound the UTF-8 size from below: no need to encode a huge text
+        if max_prompt_bytes is not None and (len(req.text) > max_prompt_bytes or len(
+                req.text.encode()) > max_prompt_bytes):
+            raise ValueError(f"prompt.text is larger than the server's limits.max_prompt_bytes "
+                             f"({max_prompt_bytes} bytes of UTF-8)")
+    else:
+        _check_prompt_len(len(req.token_ids.ids), max_model_len, "prompt.token_ids")
+    validate_stop_token_ids(req.stop_token_ids, vocab_size=None)  # the count; ids later
+
+
+def _check_prompt_len(n: int, max_model_len: int, name: str) -> None:
+    if n == 0:
+        raise ValueError(f"{name} is empty")
+    if n >= max_model_len:
+        raise ValueError(
+            f"prompt has {n} tokens; max_model_len is {max_model_len} "
+            "(the prompt must leave room for at least one generated token)")
 
 
 def spec_from_request(
-    req: pb.GenerateRequest, *, request_id: str, tokenize: Callable[[str], list[int]],
+    req: pb.GenerateRequest, *, request_id: str, prompt_ids: Sequence[int],
     vocab_size: int, max_model_len: int, max_prompt_tokens: int | None = None,
 ) -> GenerateSpec:
-    """Validate a GenerateRequest; ValueError messages name the offending field."""
-    if len(request_id) > MAX_ID_LEN:
-        raise ValueError(f"request_id is longer than {MAX_ID_LEN} characters")
-    if len(req.tenant) > MAX_ID_LEN:
-        raise ValueError(f"tenant is longer than {MAX_ID_LEN} characters")
-    ids = _prompt_ids(req, tokenize)
-    if len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} "
-            "(the prompt must leave room for at least one generated token)")
+    """Validate a GenerateRequest that passed `check_request`, whose prompt is
+    `prompt_ids` (the token_ids, or the tokenized text); messages name the field."""
+    ids = list(prompt_ids)
+    if req.WhichOneof("prompt") == "text" and not ids:
+        raise ValueError("prompt.text tokenizes to no tokens")
+    _check_prompt_len(len(ids), max_model_len, "prompt")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise ValueError(f"prompt has {len(ids)} tokens; the server's limits.max_prompt_tokens "
                          f"is {max_prompt_tokens}")
@@ -74,10 +90,7 @@ def spec_from_request(
         if not 0 <= t < vocab_size:
             raise ValueError(f"prompt.token_ids[{i}] = {t} is outside the vocabulary "
                              f"[0, {vocab_size})")
-    for i, t in enumerate(req.stop_token_ids):
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"stop_token_ids[{i}] = {t} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+    validate_stop_token_ids(req.stop_token_ids, vocab_size)
     kw: dict = {}
     if req.HasField("temperature"):
         kw["temperature"] = _finite("temperature", req.temperature)

@@ -44,6 +44,7 @@ class _Stream:
     request: Request | None = None  # engine thread only, from here down
     started: float | None = None  # first scheduled
     sent: int = 0  # output tokens already delivered
+    closed: bool = False  # its last item was sent
 
 
 class LocalBackend:
@@ -109,7 +110,7 @@ class LocalBackend:
                     return
         finally:
             if not done:  # consumer went away (cancel, close): free the request's blocks
-                self._cmds.put(("abort", spec.request_id))
+                self._detach(stream)
 
     def _submit(self, spec: GenerateSpec) -> _Stream:
         stream = _Stream(spec, asyncio.get_running_loop())
@@ -132,10 +133,23 @@ class LocalBackend:
 
     async def abort(self, request_id: str) -> bool:
         with self._lock:
-            known = request_id in self._active
-        if known:
-            self._cmds.put(("abort", request_id))
-        return known
+            stream = self._active.get(request_id)
+        if stream is not None:
+            self._detach(stream)
+        return stream is not None
+
+    def _detach(self, stream: _Stream) -> None:
+        """The request ended for its client: its id is free at once; the engine thread
+        aborts it (commands run in order: before any later request with the same id)."""
+        self._forget(stream)
+        self._cmds.put(("abort", stream))
+
+    def _forget(self, stream: _Stream) -> None:
+        rid = stream.spec.request_id
+        with self._lock:
+            if self._active.get(rid) is stream:  # not a newer request with the same id
+                del self._active[rid]
+                self._queued.discard(rid)
 
     async def stats(self) -> ClusterStats:
         snap = self._snapshot  # replaced atomically by the engine thread
@@ -194,6 +208,7 @@ class LocalBackend:
             log.exception("engine loop died")
         finally:
             self._fail_all(ErrorCode.UNAVAILABLE, "backend shut down", finish="abort")
+            self._end_detached()
             self._snapshot = dict(self.llm.stats())
 
     def _handle_commands(self, block: bool) -> bool:
@@ -223,11 +238,10 @@ class LocalBackend:
         req.tenant = spec.tenant
         stream.request = req
 
-    def _abort(self, rid: str) -> None:
-        stream = self._active.get(rid)
-        if stream is None or stream.request is None or stream.request.is_finished:
+    def _abort(self, stream: _Stream) -> None:
+        if stream.request is None or stream.request.is_finished or stream.closed:
             return
-        self.llm.abort(rid)
+        self.llm.abort(stream.spec.request_id)
         self._close(stream, self._delta(stream, "abort"))
 
     def _publish(self, touched: list[Request], step_start: float) -> None:
@@ -247,7 +261,7 @@ class LocalBackend:
                 self._close(stream, self._delta(stream, r.finish_reason.value))
             elif len(r.output_token_ids) > stream.sent:
                 if not self._send(stream, self._delta(stream, None)):
-                    self._abort(r.request_id)  # nobody is listening any more
+                    self._abort(stream)  # nobody is listening any more
 
     def _delta(self, stream: _Stream, finish: str | None) -> TokenDelta:
         r = stream.request
@@ -267,9 +281,8 @@ class LocalBackend:
 
     def _close(self, stream: _Stream, item) -> None:
         """Deliver the last item of a stream and forget it."""
-        with self._lock:
-            self._active.pop(stream.spec.request_id, None)
-            self._queued.discard(stream.spec.request_id)
+        self._forget(stream)
+        stream.closed = True
         self._send(stream, item)
 
     def _fail_all(self, code: ErrorCode, message: str, finish: str | None = None) -> None:
@@ -284,6 +297,17 @@ class LocalBackend:
                     log.exception("abort of %s failed", rid)
             item = self._delta(stream, finish) if finish else RouterError(code, message)
             self._close(stream, item)
+
+
+    def _end_detached(self) -> None:
+        """After the loop: a detached stream whose abort never ran still gets its end."""
+        while True:
+            try:
+                kind, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort" and not arg.closed:
+                self._close(arg, self._delta(arg, "abort"))
 
 
 def _usage(r: Request, arrival: float, started: float | None, now: float) -> Usage:

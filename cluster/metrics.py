@@ -3,13 +3,19 @@
 Latency histograms are observed by the router as tokens stream (monotonic time in the
 server process); pool gauges and KV-transfer counters are refreshed from every worker's
 stats on each scrape, so one endpoint shows the whole cluster.
+
+The endpoint follows the gRPC server's security: with `server.auth_token_file` it needs
+the same bearer token, and with `server.tls_cert` it serves HTTPS with the same
+certificate, so the token never travels in the clear where gRPC would not send it so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -140,8 +146,29 @@ async def refresh_loop(router, metrics: ServiceMetrics, interval_s: float = 1.0)
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # request threads: never joined (no leak), never block exit
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self):
+        sock, addr = super().get_request()
+        if self.tls is None:
+            return sock, addr
+        sock.settimeout(TLS_HANDSHAKE_TIMEOUT_S)  # a silent client cannot hold a thread
+        # the handshake itself runs on the request's thread (finish_request), never here
+        return self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+
+    def finish_request(self, request, client_address) -> None:
+        if self.tls is not None:
+            try:
+                request.do_handshake()
+            except (ssl.SSLError, OSError) as e:  # e.g. plain HTTP on the TLS port
+                log.debug("metrics TLS handshake with %s failed: %s", client_address, e)
+                return
+        super().finish_request(request, client_address)
 
 
 class _SilentHandler(WSGIRequestHandler):
@@ -165,15 +192,28 @@ def _require_bearer(app: WSGIApp, token: str) -> WSGIApp:
     return guarded
 
 
-def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1",
-                  token: str | None = None) -> int:
-    """Start the /metrics HTTP endpoint on a daemon thread; returns the bound port.
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """Server-side TLS (1.2 or later) with the gRPC server's certificate and key."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    return ctx
 
-    With `token` (server.auth_token_file) every request must carry the bearer token.
+
+def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1",
+                  token: str | None = None, tls_cert: str | None = None,
+                  tls_key: str | None = None) -> int:
+    """Start the /metrics endpoint on a daemon thread; returns the bound port.
+
+    With `token` (server.auth_token_file) every request must carry the bearer token; with
+    `tls_cert` / `tls_key` (server.tls_cert / tls_key) it is served over HTTPS only.
     """
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
     app: WSGIApp = make_wsgi_app(metrics.registry)
     if token is not None:
         app = _require_bearer(app, token)
+    tls = tls_context(tls_cert, tls_key) if tls_cert is not None else None
     # like prometheus_client.start_http_server: pick the family of `host` (IPv6 works)
     family, _, _, _, sockaddr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -181,6 +221,31 @@ def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1",
     class Server(_ThreadingWSGIServer):
         address_family = family
 
+    Server.tls = tls
     httpd = make_server(sockaddr[0], port, app, Server, handler_class=_SilentHandler)
     threading.Thread(target=httpd.serve_forever, name="pdserve-metrics", daemon=True).start()
     return httpd.server_port
+
+
+def serve_metrics_for(server_cfg, metrics: ServiceMetrics) -> str:
+    """The endpoint for a ServeConfig's `server` section (port, host, token, TLS);
+    returns its URL. A bearer token over plain HTTP off the loopback is warned about."""
+    from cluster.auth import read_token
+
+    token = read_token(server_cfg.auth_token_file) if server_cfg.auth_token_file else None
+    port = serve_metrics(metrics, server_cfg.metrics_port, server_cfg.host, token=token,
+                         tls_cert=server_cfg.tls_cert, tls_key=server_cfg.tls_key)
+    scheme = "https" if server_cfg.tls_cert else "http"
+    if token is not None and scheme == "http" and not _loopback(server_cfg.host):
+        log.warning("/metrics on %s sends its bearer token in the clear: set server.tls_cert "
+                    "and server.tls_key to serve it (and gRPC) over TLS", server_cfg.host)
+    host = server_cfg.host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{scheme}://{host}:{port}/metrics"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"

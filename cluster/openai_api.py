@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cluster.auth import BearerToken
+from cluster.intake import PromptIntake
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,8 +67,10 @@ class ClientGone(Exception):
 
 
 class OpenAIFrontDoor:
-    def __init__(self, router: RouterAPI, state: ServingState, opts: FrontDoorOptions):
+    def __init__(self, router: RouterAPI, state: ServingState, opts: FrontDoorOptions,
+                 intake: PromptIntake | None = None):
         self.router, self.state, self.opts = router, state, opts
+        self.intake = intake or PromptIntake(router, max_prompt_tokens=opts.max_prompt_tokens)
         self.bearer = BearerToken(opts.token) if opts.token else None
         self.created = int(time.time())
 
@@ -125,7 +129,7 @@ class OpenAIFrontDoor:
             body = await self._json(request)
             req = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
-            spec = self._spec(req, request, chat)
+            spec = await self._spec(req, request, chat)
         except OpenAIError as e:
             return self._error(e)
         run = OpenAIRun(self.router, self.state, spec, stops=req.stop_strings,
@@ -183,7 +187,7 @@ class OpenAIFrontDoor:
             await pieces.aclose()
         yield DONE
 
-    def _spec(self, req, request: Request, chat: bool):
+    async def _spec(self, req, request: Request, chat: bool):
         rid = request.headers.get(REQUEST_ID_HEADER) or \
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if rid in self.state.active:
@@ -196,9 +200,10 @@ class OpenAIFrontDoor:
                 raise OpenAIError(400, "messages: this backend exposes no tokenizer for "
                                   "chat templates; use /v1/completions", "messages")
             try:
-                prompt = render_chat(tokenizer, req.messages,
-                                     add_generation_prompt=req.add_generation_prompt,
-                                     chat_template=req.chat_template)
+                prompt = await self.intake.run_off_loop(functools.partial(
+                    render_chat, tokenizer, req.messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    chat_template=req.chat_template))
             except ValueError as e:
                 raise OpenAIError(400, str(e), "messages") from e
             # like vLLM: without max_tokens, a reply may fill the rest of the context
@@ -206,11 +211,12 @@ class OpenAIFrontDoor:
         else:
             prompt = req.single_prompt()
         tenant = request.headers.get(TENANT_HEADER) or req.user or ""
-        return req.to_spec(prompt, request_id=rid, tenant=tenant,
-                           tokenize=self.router.tokenize, vocab_size=self.router.vocab_size,
-                           max_model_len=self.router.max_model_len,
-                           max_prompt_tokens=self.opts.max_prompt_tokens,
-                           default_max_tokens=default_max)
+        grpc_req = req.to_request(prompt, request_id=rid, tenant=tenant,
+                                  default_max_tokens=default_max)
+        try:
+            return await self.intake.spec(grpc_req, rid)
+        except ValueError as e:
+            raise req.invalid(e) from e
 
     def _authorize(self, request: Request) -> None:
         if self.bearer is not None and not self.bearer.matches(

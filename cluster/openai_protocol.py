@@ -11,13 +11,12 @@ strings, the model name, the fields not supported yet) is checked here. Every er
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.convert import build_request, spec_from_request
-from cluster.types import GenerateSpec
+from cluster.convert import build_request
+from proto.pdserve.v1 import pdserve_pb2 as pb
 
 INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -129,26 +128,23 @@ class _Common(BaseModel):
     ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "prompt",
                                          "request_id": "x-request-id"}
 
-    def to_spec(self, prompt: str | list[int], *, request_id: str, tenant: str,
-                tokenize: Callable[[str], list[int]], vocab_size: int, max_model_len: int,
-                max_prompt_tokens: int | None = None,
-                default_max_tokens: int | None = None) -> GenerateSpec:
-        """The GenerateSpec, validated by the gRPC door's own spec_from_request."""
+    def to_request(self, prompt: str | list[int], *, request_id: str, tenant: str,
+                   default_max_tokens: int | None = None) -> pb.GenerateRequest:
+        """The gRPC door's GenerateRequest for this body: both doors validate it alike
+        (cluster.intake.PromptIntake)."""
         max_tokens = self.requested_max_tokens()
         if max_tokens is None:
             max_tokens = default_max_tokens
-        req = build_request(
+        return build_request(
             prompt, request_id=request_id, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, max_tokens=max_tokens, seed=self.seed,
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
             tenant=tenant, priority=self.priority, ttft_deadline_ms=self.ttft_deadline_ms)
-        try:
-            return spec_from_request(req, request_id=request_id, tokenize=tokenize,
-                                     vocab_size=vocab_size, max_model_len=max_model_len,
-                                     max_prompt_tokens=max_prompt_tokens)
-        except ValueError as e:
-            msg = str(e)
-            raise OpenAIError(400, msg, self.param_of(msg)) from e
+
+    def invalid(self, error: ValueError) -> OpenAIError:
+        """A 400 naming the client's field for a validation message."""
+        msg = str(error)
+        return OpenAIError(400, msg, self.param_of(msg))
 
     def param_of(self, message: str) -> str:
         """The client's name of the field a spec_from_request message starts with."""

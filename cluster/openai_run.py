@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cluster.detokenize import IncrementalDetokenizer
 from cluster.openai_protocol import OpenAIError
-from cluster.servicer import ServingState
+from cluster.servicer import Call, ServingState
 from cluster.stop_strings import StopStrings
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError, Usage
 
@@ -59,7 +59,8 @@ class OpenAIRun:
         self._closed = False
         self._stream = None
         self._tasks: set[asyncio.Task] = set()
-        state.active[self.rid] = asyncio.current_task()
+        self.call = Call(self.rid)  # holds the request id like a gRPC stream
+        state.active[self.rid] = self.call
         self._timer = asyncio.get_running_loop().call_later(request_timeout_s, self._expire)
         self._timeout_s = request_timeout_s
 
@@ -82,7 +83,7 @@ class OpenAIRun:
                 if delta.finished:
                     self._router_done = True
                     self.router_usage = delta.usage
-                    if self.rid in self.state.expired:
+                    if self.call.expired:
                         raise self._expired_error()
                     yield self._end(Piece(text, ids, delta.finish_reason,
                                           self._stop_token(delta.finish_reason)))
@@ -90,9 +91,9 @@ class OpenAIRun:
                 yield Piece(text, ids)
         except RouterError as e:
             self._router_done = True
-            if self.rid in self.state.expired:
+            if self.call.expired:
                 raise self._expired_error() from e
-            if e.code == ErrorCode.CANCELLED and self.rid in self.state.aborted:
+            if e.code == ErrorCode.CANCELLED and self.call.aborted:
                 # drain / shutdown: end like a backend reporting finish_reason "abort"
                 yield self._end(Piece(self.stops.push(self.detok.push((), final=True),
                                                       final=True), (), "abort"))
@@ -126,8 +127,8 @@ class OpenAIRun:
         return body
 
     def _expire(self) -> None:
-        if self.rid in self.state.active and not self._closed:
-            self.state.expired.add(self.rid)
+        if not self._closed:
+            self.call.expired = True
             self._spawn(self._abort())
 
     def _spawn(self, coro) -> None:
@@ -149,11 +150,12 @@ class OpenAIRun:
             return
         self._closed = True
         self._timer.cancel()
-        self.state.active.pop(self.rid, None)
-        self.state.expired.discard(self.rid)
-        self.state.aborted.discard(self.rid)
-        if not self._router_done:  # stop string, client gone or error: free its KV
-            await self._abort()
+        try:
+            if not self._router_done:  # stop string, client gone or error: free its KV
+                await self._abort()
+        finally:
+            self.state.release(self.call)  # the id is free once the router let go of it
+            self.call.closed.set()
         if self._stream is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self._stream.aclose()

@@ -1,23 +1,33 @@
 """Router: the request lifecycle across the two pools (runs in the server process).
 
-generate(): bounded admission queue -> decode worker first (its `reserve` counts the
-prompt + headroom as a promise; least KV usage wins) -> prefill worker (least
-outstanding prefill tokens, prefix affinity) -> stream tokens from worker events.
-Each dispatch is a *leg* (`<request_id>#<n>`): a decode preemption, a dead worker or a
-failed transfer starts a new leg that recomputes prompt + tokens so far on a healthy
-pair, so the client's stream simply continues.
+generate(): bounded admission queue (cluster/admission.py: arrival order, a request
+waits until its deadline; a full queue is RESOURCE_EXHAUSTED at once) -> decode worker
+first (its `reserve` counts the prompt + headroom as a promise; least KV usage wins) ->
+prefill worker (least outstanding prefill tokens, prefix affinity) -> stream tokens from
+worker events.
+Each dispatch is a *leg*: a decode preemption, a dead worker or a failed transfer starts
+a new leg that recomputes prompt + tokens so far on a healthy pair, so the client's
+stream simply continues. Leg ids (`<request_id>#<router tag><dispatch no.>#<leg no.>`)
+are unique per dispatch and stay internal, so a client may reuse its request_id the
+moment its request ended: nothing a worker still holds about an old leg (a tombstone, a
+late event, a late reservation) can touch the new request. A request's id is released
+as soon as it ends with any status, before its last delta or error is delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from cluster.pool import WorkerHandle
+from cluster.admission import DecodeAdmission
+from cluster.flight import Flight, RouterConfig
+from cluster.pool import PrefixAffinity, WorkerHandle
 from cluster.router_events import EventPump
 from cluster.types import (
     ClusterStats,
@@ -25,55 +35,12 @@ from cluster.types import (
     GenerateSpec,
     RouterError,
     TokenDelta,
-    Usage,
-    WorkerStats,
 )
-from engine.block_manager import block_hashes
 from engine.messages import DecodeTask, PrefillTask
+from engine.request import SamplingParams
 
+__all__ = ["Flight", "Router", "RouterConfig"]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    max_queue_len: int = 256  # requests waiting for decode admission
-    request_timeout_s: float = 600.0
-    admission_timeout_s: float = 60.0
-    unavailable_grace_s: float = 15.0  # how long to wait for a dead pool's restart
-    max_legs: int = 4  # dispatch attempts per request (preemption / failure recovery)
-    prefix_affinity: bool = True
-    affinity_block_size: int = 16
-    affinity_slack_tokens: int = 2048
-    adaptive_chunks: bool = False  # feed decode pressure to the prefill chunk policy
-    itl_target_s: float = 0.1
-    kv_keepalive_s: float = 1.0  # how often decode hears that a leg's prefill is still on
-
-    def __post_init__(self) -> None:
-        if self.max_queue_len < 1 or self.max_legs < 1:
-            raise ValueError("max_queue_len and max_legs must be >= 1")
-        if min(self.request_timeout_s, self.admission_timeout_s, self.unavailable_grace_s) <= 0:
-            raise ValueError("timeouts must be > 0")
-
-
-@dataclass
-class Flight:
-    spec: GenerateSpec
-    queue: asyncio.Queue
-    arrival: float
-    leg: int = 0
-    leg_id: str = ""
-    prefill: WorkerHandle | None = None
-    decode: WorkerHandle | None = None
-    leg_prompt_len: int = 0
-    generated: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    timing: dict[str, float] = field(default_factory=dict)
-    done: bool = False
-    admitted: bool = False
-    prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
-    leg_first_seen: bool = False  # the current leg's first token was streamed
-    held_tokens: list = field(default_factory=list)  # decode events that overtook it
 
 
 class Router:
@@ -95,12 +62,15 @@ class Router:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, Flight] = {}  # live requests only: an ended id is free
         self.legs: dict[str, Flight] = {}
-        self.waiting_admission = 0
+        self.admission = DecodeAdmission(self)
         self.serving = True
-        self._capacity = asyncio.Event()
-        self._affinity: dict[bytes, str] = {}
+        self._affinity = PrefixAffinity(config.affinity_block_size,
+                                        config.affinity_slack_tokens)
+        self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
+        self._dispatches = itertools.count(1)
+        self._background: set[asyncio.Task] = set()
         self.pump = EventPump(self)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
         self._started = False
@@ -120,6 +90,10 @@ class Router:
             seen.setdefault(id(w), w)
         return list(seen.values())
 
+    @property
+    def waiting_admission(self) -> int:
+        return len(self.admission)
+
     def healthy(self) -> bool:
         return self.serving and any(w.alive for w in self.prefill) and any(
             w.alive for w in self.decode)
@@ -131,23 +105,24 @@ class Router:
             self.pump.start()
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
+        await self.start()
         if not self.serving:
             raise RouterError(ErrorCode.UNAVAILABLE, "server is shutting down")
         if spec.request_id in self.flights:
             raise RouterError(ErrorCode.ALREADY_EXISTS,
                               f"request_id {spec.request_id!r} is already active")
-        if self.waiting_admission >= self.config.max_queue_len:
+        if len(self.admission) >= self.config.max_queue_len:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
-        await self.start()
+        self.admission.check_fits(len(spec.prompt_token_ids))
         flight = Flight(spec, asyncio.Queue(), time.monotonic())
         self.flights[spec.request_id] = flight
         # The deadline posts an error into the stream; no wait_for around queue.get(),
         # whose cancellation can be lost when an item lands at the same moment.
         timer = asyncio.get_running_loop().call_later(
-            self.config.request_timeout_s, lambda: asyncio.ensure_future(self.fail(
-                flight, RouterError(ErrorCode.DEADLINE_EXCEEDED,
-                                    f"request exceeded {self.config.request_timeout_s:g}s"))))
+            self.config.request_timeout_s, lambda: self.fail(flight, RouterError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"request exceeded {self.config.request_timeout_s:g}s")))
         try:
             await self.dispatch(flight)
             while True:
@@ -159,33 +134,26 @@ class Router:
                     return
         finally:
             timer.cancel()
-            await self._close_flight(flight)
+            self._close_flight(flight)
 
     async def abort(self, request_id: str) -> bool:
         flight = self.flights.get(request_id)
         if flight is None:
             return False
-        await self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
+        self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
         return True
 
     async def stats(self) -> ClusterStats:
         await self.start()
         workers = await self.pump.collect_stats()
         return ClusterStats(
-            tuple(workers), router_queue_depth=self.waiting_admission,
+            tuple(workers), router_queue_depth=len(self.admission),
             num_inflight=len(self.flights), serving=self.healthy(),
         )
 
     async def drain_traces(self) -> list[dict]:
         """Trace events recorded by every live worker since the last call (plain dicts)."""
-        async def one(w: WorkerHandle) -> list[dict]:
-            try:
-                return await w.actor.drain_trace.remote()
-            except Exception:
-                return []
-
-        batches = await asyncio.gather(*(one(w) for w in self.workers if w.alive))
-        return [e for batch in batches for e in batch]
+        return await self.pump.collect_traces()
 
     async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
         self.serving = False
@@ -193,40 +161,47 @@ class Router:
         while self.flights and time.monotonic() < end:
             await asyncio.sleep(0.05)
         for flight in list(self.flights.values()):
-            await self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
+            self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
         await self.pump.stop()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self.on_shutdown is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.on_shutdown)
             self.on_shutdown = None
 
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` in the background (kept referenced; cancelled by shutdown)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     # ---- dispatch ---------------------------------------------------------------------
     async def dispatch(self, flight: Flight) -> None:
-        """Start a new leg: reserve on a decode worker, then queue on a prefill worker."""
+        """Start a new leg: reserve on a decode worker, then queue on a prefill worker.
+
+        Returns once a leg is queued on a live pair or the request has ended (its error is
+        then in its queue); raises RouterError when it cannot be served. A leg lost here
+        (a prefill worker died) is a failure, so the retries are bounded by max_legs."""
         spec = flight.spec
-        if flight.leg >= self.config.max_legs:
+        if flight.done:
+            return
+        if flight.failures >= self.config.max_legs:
             raise RouterError(ErrorCode.UNAVAILABLE,
-                              f"gave up after {flight.leg} attempts (workers failing)")
-        flight.leg += 1
-        leg_id = f"{spec.request_id}#{flight.leg}"
-        prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
-        sampling = replace(spec.sampling,
-                           max_tokens=spec.sampling.max_tokens - len(flight.generated))
-        flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
-        flight.prefill_done = False
-        flight.leg_first_seen = False
-        flight.held_tokens = []
-        self.legs[leg_id] = flight
-        decode = await self._admit(flight, DecodeTask(
+                              f"gave up after {flight.failures} attempts (workers failing)")
+        leg_id, prompt, sampling = self._new_leg(flight)
+        decode = await self.admission.admit(flight, DecodeTask(
             leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
+        if decode is None:
+            return  # the request ended while it waited
         flight.decode = decode
         decode.legs.add(leg_id)
         try:
             prefill = self._pick_prefill(prompt)
-        except RouterError:
-            await self._end_leg(flight)
-            if flight.done:
-                raise
-            # the prefill pool died while we reserved: a new leg waits (grace) for it
+        except RouterError:  # the prefill pool died while we reserved: a new leg waits
+            self._end_leg(flight)  # (grace) for its restart
+            flight.failures += 1
             await self.dispatch(flight)
             return
         flight.prefill = prefill
@@ -243,118 +218,83 @@ class Router:
             log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
             if flight.leg_id != leg_id or flight.done:
                 return  # already re-dispatched (its decode died) or ended meanwhile
-            await self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
+            self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
+            flight.failures += 1
             self.pump.mark_dead(prefill)
             await self.dispatch(flight)
 
-    async def _admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle:
-        now = time.monotonic()
-        end = now + self.config.admission_timeout_s
-        grace_end = now + self.config.unavailable_grace_s
-        self.waiting_admission += 1
-        try:
-            while True:
-                alive = sorted((w for w in self.decode if w.alive), key=lambda w: w.kv_usage)
-                if not alive or not any(w.alive for w in self.prefill):
-                    if time.monotonic() > grace_end:  # no restart came back in time
-                        pool = "decode" if not alive else "prefill"
-                        raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
-                    alive = []
-                for w in alive:
-                    try:
-                        if await w.actor.reserve.remote(task):
-                            flight.admitted = True
-                            return w
-                    except asyncio.CancelledError:  # the client left mid-reserve
-                        w.actor.abort.remote(task.request_id)
-                        raise
-                    except ValueError as e:  # can never fit: say so now, not after a wait
-                        raise RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from e
-                    except Exception as e:  # dead worker: skip it
-                        log.warning("decode %s failed on reserve: %s", w.worker_id, e)
-                        self.pump.mark_dead(w)
-                if flight.done:
-                    raise RouterError(ErrorCode.CANCELLED, "aborted while queued")
-                if time.monotonic() > end:
-                    raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
-                                      "no decode worker could admit the request in time")
-                self._capacity.clear()
-                waiter = asyncio.ensure_future(self._capacity.wait())
-                try:
-                    await asyncio.wait({waiter}, timeout=0.25)
-                finally:
-                    waiter.cancel()
-        finally:
-            self.waiting_admission -= 1
+    def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
+        spec = flight.spec
+        flight.leg += 1
+        leg_id = f"{spec.request_id}#{self._tag}{next(self._dispatches):x}#{flight.leg}"
+        prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
+        sampling = replace(spec.sampling,
+                           max_tokens=spec.sampling.max_tokens - len(flight.generated))
+        flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
+        flight.prefill_done = False
+        flight.leg_first_seen = False
+        flight.held_tokens = []
+        self.legs[leg_id] = flight
+        return leg_id, prompt, sampling
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
-        best = min(alive, key=lambda w: w.outstanding_tokens)
-        if not self.config.prefix_affinity or len(prompt) <= self.config.affinity_block_size:
-            return best
-        key = block_hashes(prompt[: self.config.affinity_block_size],
-                           self.config.affinity_block_size)[0]
-        sticky = next((w for w in alive if w.worker_id == self._affinity.get(key)), None)
-        if sticky and sticky.outstanding_tokens <= (
-                best.outstanding_tokens + self.config.affinity_slack_tokens):
-            best = sticky
-        self._affinity[key] = best.worker_id
-        return best
+        if not self.config.prefix_affinity:
+            return min(alive, key=lambda w: w.outstanding_tokens)
+        return self._affinity.pick(alive, prompt)
 
     # ---- leg / flight endings ---------------------------------------------------------
-    async def _end_leg(self, flight: Flight) -> None:
-        """Forget the current leg on both workers (aborting whatever is left of it)."""
+    def abort_on(self, w: WorkerHandle, leg_id: str) -> None:
+        """Abort `leg_id` on `w`; the admission queue's head retries once it is done."""
+        try:
+            ref = w.actor.abort.remote(leg_id)
+        except Exception:
+            return
+
+        async def then_wake() -> None:
+            with contextlib.suppress(Exception):
+                await ref
+            self.admission.wake_head()
+
+        self.spawn(then_wake())
+
+    def _end_leg(self, flight: Flight, ended: tuple[WorkerHandle | None, ...] = ()) -> None:
+        """Forget the current leg on both workers. It is aborted on each live worker that
+        still holds it, except those in `ended`, which ended their part of it themselves
+        (finished, failed or preempted it): a worker is never sent an abort for a leg it
+        has no more, which would only leave a tombstone behind."""
         leg_id = flight.leg_id
         self.legs.pop(leg_id, None)
         p = flight.prefill
         if p is not None and leg_id in p.legs and not flight.prefill_done:
             p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
         for w in {id(w): w for w in (p, flight.decode) if w is not None}.values():
+            if leg_id in w.legs and w.alive and not any(w is e for e in ended):
+                self.abort_on(w, leg_id)
             w.legs.discard(leg_id)
-            if w.alive:  # abort of a finished leg is a no-op on the worker
-                with contextlib.suppress(Exception):
-                    w.actor.abort.remote(leg_id)
         flight.prefill = flight.decode = None
-        self._capacity.set()
+        self.admission.wake_head()
 
-    async def fail(self, flight: Flight, err: RouterError) -> None:
+    def release(self, flight: Flight) -> None:
+        """The request ended: its id is free from now on (before its last item is read)."""
+        flight.done = True
+        rid = flight.spec.request_id
+        if self.flights.get(rid) is flight:
+            del self.flights[rid]
+            if self.metrics is not None:
+                self.metrics.forget(rid)
+        self.admission.wake(flight)
+
+    def fail(self, flight: Flight, err: RouterError) -> None:
         if flight.done:
             return
-        flight.done = True
-        await self._end_leg(flight)
+        self.release(flight)
+        self._end_leg(flight)
         flight.queue.put_nowait(err)
 
-    async def _close_flight(self, flight: Flight) -> None:
+    def _close_flight(self, flight: Flight) -> None:
         if not flight.done:  # client went away or an error escaped: abort everywhere
-            flight.done = True
-            await self._end_leg(flight)
-        self.flights.pop(flight.spec.request_id, None)
-        if self.metrics is not None:
-            self.metrics.forget(flight.spec.request_id)
-        self._capacity.set()
-
-    def usage(self, flight: Flight) -> Usage:
-        now = time.monotonic()
-        t = flight.timing
-        return Usage(
-            prompt_tokens=len(flight.spec.prompt_token_ids),
-            completion_tokens=len(flight.generated),
-            cached_prompt_tokens=int(t.get("cached_tokens", 0)),
-            ttft_s=(flight.first_token_at or now) - flight.arrival,
-            queue_s=t.get("queue_s", 0.0), prefill_s=t.get("prefill_s", 0.0),
-            transfer_s=t.get("transfer_s", 0.0), decode_s=t.get("decode_s", 0.0),
-            e2e_s=now - flight.arrival,
-        )
-
-    def worker_stats(self, w: WorkerHandle) -> WorkerStats:
-        s = w.stats
-        return WorkerStats(
-            w.worker_id, w.role, w.alive, int(s.get("num_running", 0)),
-            int(s.get("num_waiting", 0)), int(s.get("kv_blocks_used", 0)),
-            int(s.get("kv_blocks_free", 0)), int(s.get("jobs", s.get("num_waiting", 0))),
-            int(s.get("send_queue_depth", 0)),
-            {k: float(v) for k, v in s.items() if isinstance(v, int | float)
-             and not isinstance(v, bool)},
-        )
+            self.release(flight)
+            self._end_leg(flight)

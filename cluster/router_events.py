@@ -1,5 +1,10 @@
 """EventPump: long-polls every worker, applies its events to the router's flights, and
-watches liveness (a dead actor's legs are re-dispatched; a restarted one is re-adopted)."""
+watches liveness (a dead actor's legs are re-dispatched; a restarted one is re-adopted).
+
+A worker's pump never waits on another request: a re-dispatch (which may queue for
+decode admission) runs as its own task, so one preemption cannot delay the tokens of
+every other stream of that worker. An event counts only when it comes from the worker
+that holds the leg in that role (a late reservation elsewhere cannot touch it)."""
 
 from __future__ import annotations
 
@@ -94,8 +99,8 @@ class EventPump:
         for leg_id in list(w.legs):
             flight = self.router.legs.get(leg_id)
             w.legs.discard(leg_id)
-            if flight is not None and not flight.done:
-                asyncio.ensure_future(self._redispatch(flight, f"worker {w.worker_id} died"))
+            if flight is not None and not flight.done and flight.leg_id == leg_id:
+                self.redispatch(flight, f"worker {w.worker_id} died", failed=True)
 
     async def _revive(self, w: WorkerHandle) -> None:
         """Wait until Ray restarts the actor (max_restarts), then adopt it again."""
@@ -110,7 +115,7 @@ class EventPump:
             w.stats = {}
             w.alive = True
             log.warning("worker %s is back (restart %d)", w.worker_id, w.restarts)
-            self.router._capacity.set()
+            self.router.admission.wake_head()
             return
 
     async def _pump(self, w: WorkerHandle) -> None:
@@ -137,6 +142,10 @@ class EventPump:
         flight = self.router.legs.get(ev.request_id)
         if flight is None or flight.done or flight.leg_id != ev.request_id:
             return  # a leg that already ended
+        if not _holds(w, flight, ev.kind):
+            log.info("ignored %s of %s from %s: the leg is not on it", ev.kind, ev.request_id,
+                     w.worker_id)
+            return
         if ev.kind == FIRST_TOKEN:
             flight.timing.update(ev.timing)
             if flight.first_token_at is None:
@@ -144,13 +153,13 @@ class EventPump:
                 if self.router.metrics:
                     self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
             flight.leg_first_seen = True
-            await self._emit(flight, ev)
+            self._emit(w, flight, ev)
             # decode tokens that overtook the first token (they come from another worker's
             # pump) follow it now, in order
             held, flight.held_tokens = flight.held_tokens, []
-            for later in held:
+            for src, later in held:
                 if not flight.done:
-                    await self._apply(w, later)
+                    await self._apply(src, later)
         elif ev.kind == PREFILL_DONE:
             flight.timing["transfer_s"] = flight.timing.get("transfer_s", 0.0) + ev.timing.get(
                 "transfer_s", 0.0)
@@ -161,15 +170,18 @@ class EventPump:
                 if p is not flight.decode:  # a colocated engine keeps the leg until it ends
                     p.legs.discard(ev.request_id)
         elif ev.kind == TOKENS and not flight.leg_first_seen:
-            flight.held_tokens.append(ev)  # the prefill's first token has not arrived yet
+            flight.held_tokens.append((w, ev))  # the prefill's first token has not arrived
         elif ev.kind == TOKENS:
             flight.timing["decode_s"] = flight.timing.get("decode_s", 0.0) + ev.timing.get(
                 "decode_s", 0.0)
-            await self._emit(flight, ev)
+            self._emit(w, flight, ev)
         elif ev.kind in (PREEMPTED, FAILED):
-            await self._redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}")
+            # a preempted leg that streamed its first token made progress: not a failure
+            progressed = ev.kind == PREEMPTED and flight.leg_first_seen
+            self.redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}",
+                            failed=not progressed, ended=(w,))  # w let go of it itself
 
-    async def _emit(self, flight: Flight, ev: WorkerEvent) -> None:
+    def _emit(self, w: WorkerHandle, flight: Flight, ev: WorkerEvent) -> None:
         flight.generated.extend(ev.token_ids)
         now = time.monotonic()
         if ev.kind == TOKENS and flight.last_token_at is not None:
@@ -180,23 +192,36 @@ class EventPump:
         finished = ev.finish_reason is not None
         usage = None
         if finished:
-            flight.done = True
-            await self.router._end_leg(flight)  # e.g. EOS at the first token: free decode
-            usage = self.router.usage(flight)
+            self.router.release(flight)
+            # The worker that finished the request ended its part itself, and so did the
+            # prefill of a leg that decode finished (decode ran on all of its KV): only a
+            # decode reservation left by a request that ended at its first token is aborted.
+            ended = (w,) if ev.kind == FIRST_TOKEN else (w, flight.prefill)
+            self.router._end_leg(flight, ended=ended)
+            usage = flight.usage()
             if self.router.metrics:
                 self.router.metrics.observe_finish(usage)
         flight.queue.put_nowait(TokenDelta(
             flight.spec.request_id, tuple(ev.token_ids), finished, ev.finish_reason, usage))
 
+    def redispatch(self, flight: Flight, why: str, *, failed: bool,
+                   ended: tuple[WorkerHandle, ...] = ()) -> None:
+        """End the flight's leg now and start the next one in its own task."""
+        if failed:
+            flight.failures += 1
+        else:
+            flight.preemptions += 1
+        self.router._end_leg(flight, ended=ended)
+        self.router.spawn(self._redispatch(flight, why))
+
     async def _redispatch(self, flight: Flight, why: str) -> None:
         log.info("re-dispatching %s: %s", flight.spec.request_id, why)
-        await self.router._end_leg(flight)
         try:
             await self.router.dispatch(flight)
         except RouterError as e:
-            await self.router.fail(flight, RouterError(e.code, f"{e.message} (after: {why})"))
+            self.router.fail(flight, RouterError(e.code, f"{e.message} (after: {why})"))
         except Exception as e:
-            await self.router.fail(flight, RouterError(ErrorCode.UNAVAILABLE, f"{why}: {e}"))
+            self.router.fail(flight, RouterError(ErrorCode.UNAVAILABLE, f"{why}: {e}"))
 
     # ---- stats ------------------------------------------------------------------------
     async def collect_stats(self) -> list[WorkerStats]:
@@ -206,6 +231,24 @@ class EventPump:
                     w.stats = await asyncio.wait_for(w.actor.stats.remote(), timeout=5)
                 except Exception:
                     w.stats = {}
-            return self.router.worker_stats(w)
+            return w.to_stats()
 
         return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
+
+    async def collect_traces(self) -> list[dict]:
+        async def one(w: WorkerHandle) -> list[dict]:
+            try:
+                return await w.actor.drain_trace.remote()
+            except Exception:
+                return []
+
+        batches = await asyncio.gather(*(one(w) for w in self.router.workers if w.alive))
+        return [e for batch in batches for e in batch]
+
+def _holds(w: WorkerHandle, flight: Flight, kind: str) -> bool:
+    """Does `w` hold the flight's current leg in the role that reports `kind`?"""
+    if kind in (FIRST_TOKEN, PREFILL_DONE):
+        return w is flight.prefill
+    if kind in (TOKENS, PREEMPTED):
+        return w is flight.decode
+    return w is flight.prefill or w is flight.decode

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from cluster.auth import BearerTokenInterceptor, read_token, server_credentials
 from cluster.config import ServeConfig
 from cluster.http_server import BindError, HttpServer
+from cluster.intake import PromptIntake
 from cluster.servicer import GenerationServicer, ServingState
 from cluster.types import RouterAPI
 from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -80,9 +81,12 @@ class GenerationServer:
         if srv_cfg.auth_token_file:
             interceptors.append(BearerTokenInterceptor(read_token(srv_cfg.auth_token_file)))
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        # one intake (size checks, the tokenizer thread) serves both front doors
+        self.intake = PromptIntake(self.router, max_prompt_tokens=limits.max_prompt_tokens,
+                                   max_prompt_bytes=limits.max_prompt_bytes)
         servicer = GenerationServicer(self.router, self.state,
                                       request_timeout_s=limits.request_timeout_s,
-                                      max_prompt_tokens=limits.max_prompt_tokens)
+                                      intake=self.intake)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -134,7 +138,7 @@ class GenerationServer:
             token=read_token(srv_cfg.auth_token_file) if srv_cfg.auth_token_file else None,
             request_timeout_s=limits.request_timeout_s,
             max_prompt_tokens=limits.max_prompt_tokens)
-        app = OpenAIFrontDoor(self.router, self.state, opts).app()
+        app = OpenAIFrontDoor(self.router, self.state, opts, self.intake).app()
         http = HttpServer(app, srv_cfg.host, srv_cfg.http_port, ssl_certfile=srv_cfg.tls_cert,
                           ssl_keyfile=srv_cfg.tls_key, log_level=srv_cfg.log_level)
         await http.start()
@@ -185,7 +189,7 @@ class GenerationServer:
         if self.state.active:
             log.warning("drain timeout: aborting %d request(s)", len(self.state.active))
             for rid in list(self.state.active):
-                self.state.aborted.add(rid)  # their streams end with finish_reason ABORT
+                self.state.mark_aborted(rid)  # their streams end with finish_reason ABORT
                 await self.router.abort(rid)
             grace_end = time.monotonic() + 2.0
             while self.state.active and time.monotonic() < grace_end:

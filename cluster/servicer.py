@@ -1,9 +1,12 @@
 """The `pdserve.v1.Generation` servicer: validation at the door, streaming, cancellation.
 
-It talks only to a `RouterAPI`. Every request that passes validation is in `active`
-until its stream ends; whatever way it ends (finished, client cancel, deadline, error),
-the `finally` aborts it in the router unless the router already finished it, so a
-vanished client never leaves work or KV blocks behind.
+It talks only to a `RouterAPI`. Every request that passes validation holds its id in
+`ServingState.active` (as a `Call`) until it ends; the id is released *before* the client
+can see the end (the last response, or the error status), so a client may reuse it at
+once. Whatever way a request ends (finished, client cancel, deadline, error), the
+`finally` aborts it in the router unless the router already ended it, so a vanished
+client never leaves work or KV blocks behind. Text prompts are size-checked first and
+tokenized off the event loop.
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.convert import FINISH_TO_PROTO, spec_from_request, stats_to_proto, usage_to_proto
+from cluster.convert import (
+    FINISH_TO_PROTO,
+    stats_to_proto,
+    usage_to_proto,
+)
 from cluster.detokenize import IncrementalDetokenizer
+from cluster.intake import DEFAULT_MAX_PROMPT_BYTES, PromptIntake
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -25,6 +33,19 @@ from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 STATUS_OF = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
+REAP_WAIT_S = 5.0  # how long a reused id waits for its cancelled call to be freed
+
+
+@dataclass(eq=False)
+class Call:
+    """One Generate call holding its request id."""
+
+    rid: str
+    context: grpc.aio.ServicerContext | None = None
+    aborted: bool = False  # by Abort RPC or drain: ends as finish_reason "abort"
+    expired: bool = False  # past request_timeout_s
+    ended: bool = False  # the router is done with it (nothing to abort there)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # its handler finished
 
 
 @dataclass
@@ -32,39 +53,54 @@ class ServingState:
     """Shared by the servicer and the server's lifecycle (drain, health)."""
 
     draining: bool = False
-    active: dict[str, asyncio.Task | None] = field(default_factory=dict)
-    aborted: set[str] = field(default_factory=set)  # by Abort RPC or drain: end as "abort"
-    expired: set[str] = field(default_factory=set)  # past request_timeout_s
+    active: dict[str, Call] = field(default_factory=dict)
+
+    def release(self, call: Call) -> None:
+        """Free `call`'s request id (a no-op once another call holds it)."""
+        if self.active.get(call.rid) is call:
+            del self.active[call.rid]
+
+    def mark_aborted(self, rid: str) -> Call | None:
+        """Abort RPC / drain: the call ends with finish_reason "abort"."""
+        call = self.active.get(rid)
+        if call is not None:
+            call.aborted = True
+        return call
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, router: RouterAPI, state: ServingState, *,
-                 request_timeout_s: float = 600.0, max_prompt_tokens: int | None = None):
+                 request_timeout_s: float = 600.0, max_prompt_tokens: int | None = None,
+                 max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
+                 intake: PromptIntake | None = None):
         self.router = router
         self.state = state
         self.request_timeout_s = request_timeout_s
-        self.max_prompt_tokens = max_prompt_tokens
+        self.intake = intake or PromptIntake(router, max_prompt_tokens=max_prompt_tokens,
+                                             max_prompt_bytes=max_prompt_bytes)
         self._tasks: set[asyncio.Task] = set()
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        spec = await self._admit(request, context)
-        rid = spec.request_id
-        state = self.state
-        state.active[rid] = asyncio.current_task()
+        call, spec = await self._admit(request, context)
+        rid = call.rid
         # The deadline aborts the request in the router, whose stream then ends (final
         # "abort" delta or RouterError); no wait_for around the stream, whose cancellation
         # can be swallowed when a token lands at the same moment.
-        timer = asyncio.get_running_loop().call_later(self.request_timeout_s, self._expire, rid)
-        finished = False
+        timer = asyncio.get_running_loop().call_later(self.request_timeout_s, self._expire,
+                                                      call)
+        status: tuple[grpc.StatusCode, str] | None = None  # the error to end with
         stream = None
         detok = IncrementalDetokenizer(self.router.detokenize)
         try:
             stream = self.router.generate(spec)
             async for delta in stream:
-                finished = delta.finished
-                if rid in state.expired:
+                if call.expired:
                     break
+                finished = delta.finished
+                if finished:
+                    call.ended = True
+                    self.state.release(call)  # free before the client sees the end
                 yield pb.GenerateResponse(
                     request_id=rid, token_ids=delta.token_ids,
                     text=detok.push(delta.token_ids, final=finished),
@@ -72,62 +108,79 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     usage=usage_to_proto(delta.usage) if finished and delta.usage else None)
                 if finished:
                     return
-            if rid in state.expired:
-                raise RouterError(ErrorCode.DEADLINE_EXCEEDED, "")
-            log.error("router ended request %s without a final delta", rid)
-            await context.abort(grpc.StatusCode.INTERNAL, "backend ended the stream early")
+            if not call.expired:
+                log.error("router ended request %s without a final delta", rid)
+            status = self._expired_status(call) or (
+                grpc.StatusCode.INTERNAL, "backend ended the stream early")
         except RouterError as e:
-            finished = True  # the router is done with it
-            if rid in state.expired:
-                log.info("request %s exceeded request_timeout_s=%g", rid, self.request_timeout_s)
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    "request exceeded the server's request_timeout_s "
-                                    f"({self.request_timeout_s:g} s)")
-            if e.code == ErrorCode.CANCELLED and rid in state.aborted:
+            call.ended = True  # the router is done with it
+            if e.code == ErrorCode.CANCELLED and call.aborted and not call.expired:
                 # Abort RPC / drain: end like a backend that reports finish_reason "abort".
+                self.state.release(call)
                 yield pb.GenerateResponse(request_id=rid, text=detok.push((), final=True),
                                           finish_reason=pb.FINISH_REASON_ABORT)
                 return
-            log.info("request %s failed: %s", rid, e)
-            await context.abort(STATUS_OF[e.code], e.message)
+            status = self._expired_status(call)
+            if status is None:
+                log.info("request %s failed: %s", rid, e)
+                status = (STATUS_OF[e.code], e.message)
         except Exception:  # a backend bug must not take the server down
             log.exception("request %s failed in the backend", rid)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the backend")
+            status = (grpc.StatusCode.INTERNAL, "internal error in the backend")
         finally:
             timer.cancel()
-            state.active.pop(rid, None)
-            state.expired.discard(rid)
-            state.aborted.discard(rid)
-            if not finished:  # client cancel or error: free the request in the backend
-                await self._abort_quietly(rid)
+            if not call.ended and not call.aborted:  # client cancel or error: free it in
+                await self._abort_quietly(rid)  # the backend (Abort RPC / drain already did)
+            self.state.release(call)
             if stream is not None:
                 await _aclose(stream)
+            call.closed.set()
+        # Outside the try: context.abort raises, and nothing may catch that and abort twice.
+        await context.abort(*status)
+
+    def _expired_status(self, call: Call) -> tuple[grpc.StatusCode, str] | None:
+        if not call.expired:
+            return None
+        log.info("request %s exceeded request_timeout_s=%g", call.rid, self.request_timeout_s)
+        return (grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request exceeded the server's request_timeout_s ({self.request_timeout_s:g} s)")
 
     async def _admit(self, request: pb.GenerateRequest,
-                     context: grpc.aio.ServicerContext) -> GenerateSpec:
-        """Validate at the door: UNAVAILABLE / INVALID_ARGUMENT / ALREADY_EXISTS."""
+                     context: grpc.aio.ServicerContext) -> tuple[Call, GenerateSpec]:
+        """Validate at the door (UNAVAILABLE / INVALID_ARGUMENT / ALREADY_EXISTS) and take
+        the request id."""
         if self.state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "server is draining; retry on another replica")
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         try:
-            spec = spec_from_request(
-                request, request_id=rid, tokenize=self.router.tokenize,
-                vocab_size=self.router.vocab_size, max_model_len=self.router.max_model_len,
-                max_prompt_tokens=self.max_prompt_tokens)
+            spec = await self._spec(request, rid)
         except ValueError as e:
             log.info("rejected request %s (%s): %s", rid, context.peer(), e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await self._reap_cancelled(rid)
         if rid in self.state.active:
             log.info("rejected request %s: request_id already in flight", rid)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id {rid!r} is already in flight")
-        return spec
+        call = Call(rid, context)
+        self.state.active[rid] = call
+        return call, spec
 
-    def _expire(self, rid: str) -> None:
-        if rid in self.state.active:
-            self.state.expired.add(rid)
-            self._spawn(self._abort_quietly(rid))
+    async def _spec(self, request: pb.GenerateRequest, rid: str) -> GenerateSpec:
+        return await self.intake.spec(request, rid)
+
+    async def _reap_cancelled(self, rid: str) -> None:
+        """A call whose client cancelled it has ended for that client, though its handler
+        may still be freeing it in the backend: wait for that before judging the id."""
+        old = self.state.active.get(rid)
+        if old is not None and old.context is not None and old.context.cancelled():
+            await asyncio.wait({asyncio.ensure_future(old.closed.wait())}, timeout=REAP_WAIT_S)
+
+    def _expire(self, call: Call) -> None:
+        if self.state.active.get(call.rid) is call:
+            call.expired = True
+            self._spawn(self._abort_quietly(call.rid))
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -144,11 +197,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        if not request.request_id:
+        rid = request.request_id
+        if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        if request.request_id in self.state.active:
-            self.state.aborted.add(request.request_id)
-        return pb.AbortResponse(found=bool(await self.router.abort(request.request_id)))
+        call = self.state.mark_aborted(rid)
+        found = bool(await self.router.abort(rid))
+        if call is not None:  # the request has ended: its id is free when Abort returns
+            self.state.release(call)
+        return pb.AbortResponse(found=found or call is not None)
 
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:

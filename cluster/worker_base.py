@@ -33,7 +33,8 @@ class WorkerBase:
 
     def ready(self) -> dict[str, Any]:
         return {"worker_id": self.spec.worker_id, "role": self.spec.role,
-                "num_blocks": self.num_blocks, "pid": os.getpid(),
+                "num_blocks": self.num_blocks, "block_size": self.cfg.cache.block_size,
+                "pid": os.getpid(),
                 "endpoint": self.endpoint(), "node_id": ray.get_runtime_context().get_node_id(),
                 "device": self.cfg.device, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

@@ -16,3 +16,17 @@ def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: in
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+MAX_STOP_TOKEN_IDS = 256  # a sampler checks each of them at every step of the request
+
+
+def validate_stop_token_ids(token_ids: Sequence[int], vocab_size: int | None) -> None:
+    """At most MAX_STOP_TOKEN_IDS ids, each in the vocabulary (not checked when None)."""
+    if len(token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(token_ids)} entries; at most "
+                         f"{MAX_STOP_TOKEN_IDS} are allowed")
+    for i, t in enumerate(token_ids if vocab_size is not None else ()):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop_token_ids[{i}] = {t} is outside the vocabulary "
+                             f"[0, {vocab_size})")

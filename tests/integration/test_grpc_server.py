@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import shutil
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +16,7 @@ from cluster.config import ServeConfig
 from cluster.local_backend import LocalBackend
 from cluster.server import BackgroundServer
 from engine import LLM, SamplingParams
+from tests.tls_cert import self_signed_cert
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = ["Beautiful is better than ugly.", "The quick brown fox", "Errors should never",
@@ -145,6 +142,36 @@ def test_duplicate_active_request_id_is_already_exists(served):
     assert wait_idle(client).workers[0].kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("ending", ["finished", "abort-rpc", "client-cancel", "invalid"])
+def test_a_request_id_is_free_the_moment_its_request_ended(served, reference, ending):
+    """The same id again right after the end (Abort: before the old stream is even read
+    to its end); served exactly, nothing leaked."""
+    _, client = served
+    rid = f"again-{ending}"
+    if ending == "finished":
+        assert client.complete("Sparse", request_id=rid, max_tokens=2).finish_reason
+    elif ending == "invalid":
+        with pytest.raises(grpc.RpcError):
+            list(client.generate("hi", request_id=rid, top_k=0))
+    else:
+        stream = client.generate("Readability counts.", request_id=rid, max_tokens=3000,
+                                 ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        if ending == "abort-rpc":
+            assert client.abort(rid) is True
+        else:
+            stream.cancel()
+    want = reference.generate(["Special cases"], SamplingParams(temperature=0.0,
+                                                                max_tokens=5))[0]
+    again = client.complete("Special cases", request_id=rid, max_tokens=5, **GREEDY)
+    assert list(again.token_ids) == want.token_ids
+    if ending == "abort-rpc":
+        assert list(it)[-1].finish_reason == "abort"
+    s = wait_idle(client)
+    assert (s.workers[0].kv_blocks_used, s.num_inflight) == (0, 0)
+
+
 def test_client_cancel_aborts_the_request_and_frees_everything(served):
     _, client = served
     stream = client.generate("Although never is often better than right now.",
@@ -182,8 +209,11 @@ def test_full_queue_answers_resource_exhausted(tiny_model):
 def test_request_timeout_is_deadline_exceeded(tiny_model):
     with serving(tiny_model, {"limits.request_timeout_s": 0.5}) as (_, client):
         with pytest.raises(grpc.RpcError) as e:
-            list(client.generate("In the face of ambiguity", max_tokens=4000, ignore_eos=True))
+            list(client.generate("In the face of ambiguity", request_id="late",
+                                 max_tokens=4000, ignore_eos=True))
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # the id is free again at once
+        assert client.complete("hi", request_id="late", max_tokens=1).finish_reason
         assert wait_idle(client).workers[0].kv_blocks_used == 0
 
 
@@ -220,40 +250,6 @@ def test_health_reflection_and_drain(tiny_model):
         assert srv.router.healthy() is False  # router shut down after the drain
 
 
-def _self_signed_cert(tmp_path):
-    """(cert, key) PEM paths for CN=localhost with SAN localhost + 127.0.0.1."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    try:
-        from cryptography import x509  # noqa: F401
-    except ImportError:
-        if shutil.which("openssl") is None:
-            pytest.skip("the TLS test needs the `cryptography` package or the `openssl` CLI")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                       check=True, capture_output=True)
-        return cert, key
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    pk = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                       x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    c = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(pk.public_key())
-         .serial_number(x509.random_serial_number()).not_valid_before(now)
-         .not_valid_after(now + datetime.timedelta(days=1)).add_extension(san, critical=False)
-         .sign(pk, hashes.SHA256()))
-    cert.write_bytes(c.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(pk.private_bytes(serialization.Encoding.PEM,
-                                     serialization.PrivateFormat.TraditionalOpenSSL,
-                                     serialization.NoEncryption()))
-    return cert, key
-
-
 def _check_auth(address: str, token: str, tls_ca=None):
     with PdserveClient(address, tls_ca=tls_ca, timeout=30) as anonymous:
         assert anonymous.health() == "SERVING"  # health is exempt
@@ -279,7 +275,7 @@ def test_bearer_token_auth(tiny_model, tmp_path):
 
 
 def test_tls_with_a_self_signed_certificate(tiny_model, tmp_path):
-    cert, key = _self_signed_cert(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     token_file = tmp_path / "token"
     token_file.write_text("tls-token")
     values = {"server.tls_cert": str(cert), "server.tls_key": str(key),

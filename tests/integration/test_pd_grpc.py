@@ -103,3 +103,38 @@ def test_client_cancel_mid_decode_frees_both_pools(pd_server):
     assert err.value.code() == grpc.StatusCode.CANCELLED
     assert 4 <= len(got) < 500
     assert_no_leaks(client)
+
+
+@pytest.mark.parametrize("ending", ["finished", "abort-rpc", "client-cancel", "invalid"])
+def test_a_request_id_is_served_again_right_after_its_request_ended(pd_server, tiny_model,
+                                                                      ending):
+    """Clients retry with their own ids: the same id, sent again as soon as its request
+    ended (any way), gets exact tokens from both pools; nothing leaks."""
+    _, client = pd_server
+    rid = f"reused-{ending}"
+    prompt = list(range(11, 50))
+    if ending == "finished":
+        first = client.complete(prompt, request_id=rid, max_tokens=4, temperature=0.0,
+                                ignore_eos=True)
+        assert first.finish_reason == "length"
+    elif ending == "invalid":
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt, request_id=rid, max_tokens=0))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        stream = client.generate(prompt, request_id=rid, max_tokens=500, temperature=0.0,
+                                 ignore_eos=True)
+        it = iter(stream)
+        next(it)
+        if ending == "abort-rpc":
+            assert client.abort(rid) is True
+        else:
+            stream.cancel()
+    want = LLM(str(tiny_model)).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    again = client.complete(prompt, request_id=rid, max_tokens=6, temperature=0.0,
+                            ignore_eos=True)
+    assert list(again.token_ids) == want.token_ids and again.finish_reason == "length"
+    if ending == "abort-rpc":
+        assert list(it)[-1].finish_reason == "abort"
+    assert_no_leaks(client)

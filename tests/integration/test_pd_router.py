@@ -4,9 +4,13 @@ every test ends with a leak check (zero used blocks, empty queues on every worke
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+
 import pytest
 import torch
 
+from cluster.launcher import LaunchOptions
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import LLM, SamplingParams
 
@@ -83,5 +87,106 @@ def test_full_queue_and_oversized_prompt_are_resource_exhausted(start_router):
     _, err = runner.generate(GenerateSpec("huge", tuple(range(1, 600)), long))
     assert isinstance(err, RouterError) and err.code == ErrorCode.RESOURCE_EXHAUSTED
     assert "cannot fit" in err.message
+    assert_quiescent(runner)
+    runner.close()
+
+
+def test_abort_and_deadline_while_queued_for_admission_free_everything(start_router,
+                                                                       reference):
+    """A decode pool that admits nothing (every reserve of these ids refused, as if
+    full): an Abort and a deadline reach the queued requests at once, nothing starts on
+    the prefill pool, the queue is empty after, and the service goes on serving exactly."""
+    plan = {"seed": 1, "faults": [{"kind": "refuse_admission", "request_filter": r"^full-"}]}
+    runner = start_router({"transfer": {"connector": "tcp"}},
+                          LaunchOptions(fault_injection=plan))
+    router = runner.router
+    spec = GenerateSpec("full-abort", tuple(range(1, 40)), GREEDY)
+
+    async def aborted_while_queued():
+        task = asyncio.ensure_future(_outcome(router.generate(spec)))
+        while router.waiting_admission == 0:
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        assert await router.abort("full-abort")
+        return await asyncio.wait_for(task, 30)
+
+    toks, err = runner.run(aborted_while_queued())
+    assert toks == [] and isinstance(err, RouterError) and err.code == ErrorCode.CANCELLED
+    config = router.config
+    router.config = replace(config, request_timeout_s=0.5)
+    try:
+        toks, err = runner.generate(GenerateSpec("full-deadline", tuple(range(1, 40)), GREEDY))
+    finally:
+        router.config = config
+    assert toks == [] and isinstance(err, RouterError)
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED, err
+    assert router.waiting_admission == 0 and not router.legs
+    assert all(w.outstanding_tokens == 0 and not w.legs for w in router.workers)
+    ps = prompts(3, seed=5)
+    results = runner.generate_many([GenerateSpec(f"ok-{i}", tuple(p), GREEDY)
+                                    for i, p in enumerate(ps)])
+    assert [toks for toks, _ in results] == reference(ps)
+    assert_quiescent(runner)
+    runner.close()
+
+
+async def _outcome(agen) -> tuple[list[int], object]:
+    toks, last = [], None
+    try:
+        async for d in agen:
+            toks.extend(d.token_ids)
+            last = d
+    except RouterError as e:
+        return toks, e
+    return toks, last
+
+
+def test_a_decode_pool_that_fits_two_requests_serves_twelve_in_order_exactly(start_router,
+                                                                             reference):
+    """Far below max_queue_len, nobody is turned away: queued requests wait their turn
+    (however long) and every one of them gets the exact tokens."""
+    runner = start_router({"cache": {"num_blocks": 6, "block_size": 16},
+                           "scheduler": {"max_prefill_chunk": 16}})
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(1, 2000, (int(n),), generator=g).tolist()
+          for n in torch.randint(20, 41, (12,), generator=g)]
+    results = runner.generate_many([GenerateSpec(f"tight-{i}", tuple(p), GREEDY)
+                                    for i, p in enumerate(ps)])
+    for (toks, last), ref in zip(results, reference(ps), strict=True):
+        assert not isinstance(last, RouterError), last
+        assert toks == ref
+    assert_quiescent(runner)
+    runner.close()
+
+
+def test_an_id_is_served_again_right_after_its_request_failed_or_timed_out(start_router,
+                                                                             reference):
+    """Failed: the router's first dispatch (leg ids are `<id>#<tag><dispatch>#<leg>`)
+    loses its KV (dropped frames), decode times out, and with max_legs=1 the request
+    ends UNAVAILABLE. Timed out: the KV (1199 tokens x 512 bytes) crawls over an emulated
+    4 Mbit/s link with a 10 KiB burst, >= 1.2 s whatever the machine, past a 0.5 s
+    deadline. Either way the same id, sent right after, is served exactly."""
+    plan = {"seed": 1, "faults": [{"kind": "drop", "request_filter": r"^failme#[0-9a-f]{6}1#1$"}]}
+    runner = start_router({"transfer": {"connector": "tcp", "send_policy": "at_end",
+                                        "link_gbps": 0.004, "burst_mb": 0.01},
+                           "limits": {"kv_wait_timeout_s": 3}},
+                          LaunchOptions(fault_injection=plan))
+    router, config = runner.router, runner.router.config
+    ps = prompts(2, seed=8)
+    outcomes = []
+    for rid, first, limits in (("failme", ps[0], {"max_legs": 1}),
+                               ("retry-me", range(1, 1200), {"request_timeout_s": 0.5})):
+        router.config = replace(config, **limits)
+        try:
+            outcomes.append(runner.generate(GenerateSpec(rid, tuple(first), GREEDY))[1])
+        finally:
+            router.config = config
+    codes = [getattr(e, "code", e) for e in outcomes]
+    assert codes == [ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED], outcomes
+    results = [runner.generate(GenerateSpec(rid, tuple(p), GREEDY))
+               for rid, p in zip(("failme", "retry-me"), ps, strict=True)]
+    for (toks, last), ref in zip(results, reference(ps), strict=True):
+        assert not isinstance(last, RouterError), last
+        assert toks == ref
     assert_quiescent(runner)
     runner.close()

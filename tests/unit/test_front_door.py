@@ -4,6 +4,7 @@ health and UTF-8-safe text deltas, without a model."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -25,8 +26,15 @@ class FakeRouter:
     def __init__(self):
         self.specs, self.aborted, self.is_healthy, self.shut_down = [], [], True, False
         self._hung: dict[str, asyncio.Event] = {}
+        self.tokenized: list[str] = []
+        self.tokenize_gate = threading.Event()  # "gated..." texts tokenize once it is set
+        self.linger = asyncio.Event()  # "linger": after an abort, the stream ends once set
+        self.abort_gate: asyncio.Event | None = None  # set: abort() returns once it is set
 
     def tokenize(self, text: str) -> list[int]:
+        self.tokenized.append(text)
+        if text.startswith("gated"):
+            assert self.tokenize_gate.wait(10), "the tokenize gate was never opened"
         return list(text.encode())
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -42,10 +50,12 @@ class FakeRouter:
         if text == "early":
             yield TokenDelta(spec.request_id, (65,))
             return
-        if text == "hang":  # like the P/D router: abort -> RouterError(CANCELLED)
+        if text in ("hang", "linger"):  # like the P/D router: abort -> RouterError(CANCELLED)
             self._hung[spec.request_id] = event = asyncio.Event()
             yield TokenDelta(spec.request_id, (65,))
             await event.wait()
+            if text == "linger":  # a backend that takes a while to end the stream
+                await self.linger.wait()
             raise RouterError(ErrorCode.CANCELLED, "aborted by the client")
         ids = spec.prompt_token_ids
         for i, t in enumerate(ids):
@@ -56,6 +66,8 @@ class FakeRouter:
 
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
+        if self.abort_gate is not None:
+            await self.abort_gate.wait()
         event = self._hung.pop(request_id, None)
         if event is not None:
             event.set()

@@ -3,10 +3,13 @@ spec_from_request), stop strings over streamed text, and response shapes; no ser
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cluster.intake import PromptIntake
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,12 +23,28 @@ from cluster.stop_strings import StopStrings
 VOCAB, MAX_LEN = 256, 64
 
 
-def spec_of(model, body: dict, **kw):
+class _ByteRouter:
+    """The intake's view of a router: bytes as tokens."""
+
+    vocab_size, max_model_len = VOCAB, MAX_LEN
+
+    @staticmethod
+    def tokenize(text: str) -> list[int]:
+        return list(text.encode())
+
+
+def spec_of(model, body: dict, max_prompt_tokens: int | None = None, **kw):
     req = parse_body(model, body)
     prompt = req.single_prompt() if model is CompletionRequest else [5, 6, 7]
-    return req.to_spec(prompt, request_id="r1", tenant=kw.pop("tenant", body.get("user", "")),
-                       tokenize=lambda s: list(s.encode()), vocab_size=VOCAB,
-                       max_model_len=MAX_LEN, **kw)
+    grpc_req = req.to_request(prompt, request_id="r1",
+                              tenant=kw.pop("tenant", body.get("user", "")), **kw)
+    intake = PromptIntake(_ByteRouter(), max_prompt_tokens=max_prompt_tokens)
+    try:
+        return asyncio.run(intake.spec(grpc_req, "r1"))
+    except ValueError as e:
+        raise req.invalid(e) from e
+    finally:
+        intake.close()
 
 
 def rejected(model, body: dict, **kw) -> OpenAIError:

@@ -29,10 +29,22 @@ if _version_not_supported:
 class GenerationStub:
     """Text generation with server-streamed tokens.
 
+    Request ids: a request_id is unique among in-flight requests only. A request ends
+    with its last response (finish_reason set) or with an error status, whichever way it
+    ends (finished, aborted, cancelled, past its deadline, failed, rejected), and its id is
+    free again at once, on every worker of both pools: the server releases the id before
+    the client can see the end, so the same id may be sent again right away. Abort frees
+    the id when it returns (the aborted stream still ends with FINISH_REASON_ABORT). A
+    call the client cancels itself ends once the server has seen the cancellation; a
+    Generate with that id sent on the same channel afterwards waits for it to be freed.
+
     Errors (gRPC status codes):
     INVALID_ARGUMENT    bad input; the message names the field
-    ALREADY_EXISTS      request_id is already in flight
-    RESOURCE_EXHAUSTED  the serving queue is full; retry later
+    ALREADY_EXISTS      request_id is in flight (its request has not ended)
+    RESOURCE_EXHAUSTED  the admission queue is full (answered at once, never after a
+    wait: back off and retry), or the prompt can never fit the KV
+    cache; a request that was queued waits in arrival order until
+    it is served or its deadline passes
     UNAVAILABLE         the server is draining or the backend is down
     DEADLINE_EXCEEDED   the request ran past the server's request timeout
     UNAUTHENTICATED     missing or wrong `authorization: Bearer <token>` metadata
@@ -70,10 +82,22 @@ class GenerationStub:
 class GenerationServicer:
     """Text generation with server-streamed tokens.
 
+    Request ids: a request_id is unique among in-flight requests only. A request ends
+    with its last response (finish_reason set) or with an error status, whichever way it
+    ends (finished, aborted, cancelled, past its deadline, failed, rejected), and its id is
+    free again at once, on every worker of both pools: the server releases the id before
+    the client can see the end, so the same id may be sent again right away. Abort frees
+    the id when it returns (the aborted stream still ends with FINISH_REASON_ABORT). A
+    call the client cancels itself ends once the server has seen the cancellation; a
+    Generate with that id sent on the same channel afterwards waits for it to be freed.
+
     Errors (gRPC status codes):
     INVALID_ARGUMENT    bad input; the message names the field
-    ALREADY_EXISTS      request_id is already in flight
-    RESOURCE_EXHAUSTED  the serving queue is full; retry later
+    ALREADY_EXISTS      request_id is in flight (its request has not ended)
+    RESOURCE_EXHAUSTED  the admission queue is full (answered at once, never after a
+    wait: back off and retry), or the prompt can never fit the KV
+    cache; a request that was queued waits in arrival order until
+    it is served or its deadline passes
     UNAVAILABLE         the server is draining or the backend is down
     DEADLINE_EXCEEDED   the request ran past the server's request timeout
     UNAUTHENTICATED     missing or wrong `authorization: Bearer <token>` metadata
@@ -89,7 +113,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort an in-flight request by id; its Generate stream ends with FINISH_REASON_ABORT.
+        """Abort an in-flight request by id; its Generate stream ends with FINISH_REASON_ABORT
+        and the id is free for a new request as soon as Abort returns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,10 +168,22 @@ def add_GenerationServicer_to_server(servicer, server):
 class Generation:
     """Text generation with server-streamed tokens.
 
+    Request ids: a request_id is unique among in-flight requests only. A request ends
+    with its last response (finish_reason set) or with an error status, whichever way it
+    ends (finished, aborted, cancelled, past its deadline, failed, rejected), and its id is
+    free again at once, on every worker of both pools: the server releases the id before
+    the client can see the end, so the same id may be sent again right away. Abort frees
+    the id when it returns (the aborted stream still ends with FINISH_REASON_ABORT). A
+    call the client cancels itself ends once the server has seen the cancellation; a
+    Generate with that id sent on the same channel afterwards waits for it to be freed.
+
     Errors (gRPC status codes):
     INVALID_ARGUMENT    bad input; the message names the field
-    ALREADY_EXISTS      request_id is already in flight
-    RESOURCE_EXHAUSTED  the serving queue is full; retry later
+    ALREADY_EXISTS      request_id is in flight (its request has not ended)
+    RESOURCE_EXHAUSTED  the admission queue is full (answered at once, never after a
+    wait: back off and retry), or the prompt can never fit the KV
+    cache; a request that was queued waits in arrival order until
+    it is served or its deadline passes
     UNAVAILABLE         the server is draining or the backend is down
     DEADLINE_EXCEEDED   the request ran past the server's request timeout
     UNAUTHENTICATED     missing or wrong `authorization: Bearer <token>` metadata
