@@ -3,7 +3,7 @@
 Per request: TTFT = first token - send; E2EL = end (or last token) - send;
 TPOT = (E2EL - TTFT) / (n_out - 1), excluding the first token (undefined for n_out <= 1);
 ITL = gaps between consecutive token arrivals. Aggregates: mean, median, std and
-percentiles (numpy ``percentile``, linear interpolation) over successful requests; ITL
+percentiles (``engine.quantiles``: numpy's linear interpolation) over successful requests; ITL
 pools every gap of every request. Goodput = requests meeting every given SLO / duration.
 
     m = compute_metrics(records, duration_s, slos=parse_slo("ttft:500,tpot:50"))
@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
+
+from engine.quantiles import median
+from engine.quantiles import percentiles as percentiles_of
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
 SLO_KEYS: tuple[str, ...] = ("ttft", "tpot", "e2el")
@@ -101,8 +104,9 @@ class Dist:
     @classmethod
     def of(cls, values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> Dist:
         x = np.asarray(values if len(values) else [0.0], dtype=float)
-        pct = {float(p): float(np.percentile(x, p)) for p in percentiles}
-        return cls(len(values), float(x.mean()), float(np.median(x)), float(x.std()), pct)
+        pct = percentiles_of(x.tolist(), percentiles)
+        med = pct[50.0] if 50.0 in pct else median(x.tolist())
+        return cls(len(values), float(x.mean()), med, float(x.std()), pct)
 
 
 def parse_slo(text: str) -> dict[str, float]:
