@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 
@@ -107,6 +108,12 @@ class Dist:
         pct = percentiles_of(x.tolist(), percentiles)
         med = pct[50.0] if 50.0 in pct else median(x.tolist())
         return cls(len(values), float(x.mean()), med, float(x.std()), pct)
+
+
+def phase_times(usage: Any) -> dict[str, float | None]:
+    """``queue_s`` .. ``decode_s`` of a request's final usage (``cluster.types.Usage``),
+    as RequestRecord keyword arguments; all None without one."""
+    return {f"{p}_s": getattr(usage, f"{p}_s", None) if usage else None for p in PHASES}
 
 
 def parse_slo(text: str) -> dict[str, float]:
