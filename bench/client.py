@@ -26,7 +26,7 @@ import grpc
 import openai
 
 from bench.arrivals import Clock, send_at_arrivals
-from bench.metrics import RequestRecord, phase_times
+from bench.records import RequestRecord, phase_times
 from bench.workload import WorkloadRequest
 from cluster.client import AsyncPdserveClient, Chunk
 from cluster.types import Usage

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.metrics import RequestRecord
+from bench.records import RequestRecord
 from bench.router_driver import run_workload, timed_requests
 from bench.studies.interference import (
     LAYOUTS,

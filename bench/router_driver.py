@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bench.arrivals import send_at_arrivals
-from bench.metrics import RequestRecord, phase_times
+from bench.records import RequestRecord, phase_times
 from cluster.types import GenerateSpec, RouterError
 from engine.request import SamplingParams
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from bench.metrics import BenchmarkMetrics, RequestRecord, compute_metrics
+from bench.metrics import BenchmarkMetrics, compute_metrics
+from bench.records import RequestRecord
 from bench.studies.service import DISAGG, Layout, RunOutput, mean_step_s
 from engine.quantiles import percentile
 from engine.tracing import TraceEvent

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench.metrics import RequestRecord
+from bench.records import RequestRecord
 from bench.studies.common import Column, StudyContext, StudyResult, config_detail
 from bench.studies.service import DISAGG, Drive, Layout, OnDone, Sender
 from bench.workload import WorkloadRequest

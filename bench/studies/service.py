@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.metrics import RequestRecord
+from bench.records import RequestRecord
 from bench.workload import WorkloadRequest
 from cluster.config import ServeConfig
 from engine.tracing import TraceEvent, events_from_dicts

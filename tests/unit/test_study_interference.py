@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from bench import interference as script
-from bench.metrics import RequestRecord
+from bench.records import RequestRecord
 from bench.studies.interference import InterferenceSpec, phase, summarize
 
 
