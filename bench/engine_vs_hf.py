@@ -23,16 +23,20 @@ machine other processes stretch wall time (with one thread, CPU time is the work
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from engine.quantiles import median
+
 PEERS = ("engine", "hf-padded", "hf-cb")
+_echo = functools.partial(print, flush=True)
 PRESET, ARCH = "qwen2-0.5b-shape", "qwen2"
 
 
@@ -134,7 +138,7 @@ def run_engine(model_dir, prompts, args, result: dict) -> list[list[int]]:
             t = time.perf_counter()
             llm.step()
             times.append(time.perf_counter() - t)
-        result["decode_b1_step_s"] = statistics.median(times)
+        result["decode_b1_step_s"] = median(times)
         params = {id(p): p for p in llm.runner.model.parameters()}  # tied weights once
         result["weight_bytes"] = sum(p.numel() * p.element_size() for p in params.values())
     return [o.token_ids for o in outs]
@@ -211,7 +215,12 @@ RUNNERS = {"engine": run_engine, "hf-padded": run_hf_padded, "hf-cb": run_hf_cb}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    return compare(parse_args(argv))
+
+
+def compare(args: argparse.Namespace, echo: Callable[[str], None] = _echo) -> dict:
+    """Run every peer of ``args.peers`` on the same prompts; ``echo`` gets each printed
+    line (the figures, ratios and roofline); returns the report (``--json``'s content)."""
     if args.threads is not None:  # before torch starts its pools
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
@@ -228,12 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, cfg.vocab_size,
                            args.seed)
     n_prompt = sum(len(p) for p in prompts)
-    print(f"model {model_dir} ({cfg.architecture}, {cfg.num_layers} layers, "
-          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), fp32, {args.threads} threads, "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print(f"workload: {len(prompts)} prompts, {n_prompt} prompt tokens "
-          f"(lengths {args.min_len}..{args.max_len}, seed {args.seed}), "
-          f"{args.output_len} output tokens each", flush=True)
+    echo(f"model {model_dir} ({cfg.architecture}, {cfg.num_layers} layers, "
+         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), fp32, {args.threads} threads, "
+         f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    echo(f"workload: {len(prompts)} prompts, {n_prompt} prompt tokens "
+         f"(lengths {args.min_len}..{args.max_len}, seed {args.seed}), "
+         f"{args.output_len} output tokens each")
     report: dict = {"args": {k: v for k, v in vars(args).items()}, "model_dir": str(model_dir),
                     "prompt_tokens": n_prompt, "peers": {}}
     outputs: dict[str, list[list[int]]] = {}
@@ -248,20 +257,19 @@ def main(argv: list[str] | None = None) -> dict:
         res["output_tok_s"] = n_out / res["wall_s"]
         res["total_tok_s"] = (n_out + n_prompt) / res["wall_s"]
         report["peers"][name] = res
-        print(f"{name:10s} {res['output_tok_s']:8.2f} output tok/s  "
-              f"({n_out} tokens in {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s CPU; "
-              f"prompt+output {res['total_tok_s']:.1f} tok/s; load {res['load_s']:.1f} s)",
-              flush=True)
+        echo(f"{name:10s} {res['output_tok_s']:8.2f} output tok/s  "
+             f"({n_out} tokens in {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s CPU; "
+             f"prompt+output {res['total_tok_s']:.1f} tok/s; load {res['load_s']:.1f} s)")
         if n_out != len(prompts) * args.output_len:
-            print(f"  warning: {name} produced {n_out} tokens, expected "
-                  f"{len(prompts) * args.output_len}")
+            echo(f"  warning: {name} produced {n_out} tokens, expected "
+                 f"{len(prompts) * args.output_len}")
     if "engine" in outputs:
         for name in outputs:
             if name != "engine":
                 same = sum(a == b for a, b in zip(outputs["engine"], outputs[name], strict=True))
                 report["peers"][name]["greedy_equal_to_engine"] = same
-                print(f"{name}: greedy outputs equal to the engine's for {same}/{len(prompts)} "
-                      "prompts")
+                echo(f"{name}: greedy outputs equal to the engine's for {same}/{len(prompts)} "
+                     "prompts")
         eng = report["peers"]["engine"]
         for name in outputs:
             if name != "engine":
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cpu_ratio = peer["cpu_s"] / eng["cpu_s"]
                 report[f"ratio_vs_{name}"] = ratio
                 report[f"cpu_ratio_vs_{name}"] = cpu_ratio
-                print(f"ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
+                echo(f"ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
         if "decode_b1_step_s" in eng:
             bw = memcpy_bandwidth()
             roof = eng["weight_bytes"] / bw
@@ -278,12 +286,12 @@ def main(argv: list[str] | None = None) -> dict:
             report["roofline"] = {"memcpy_bytes_per_s": bw, "weight_bytes": eng["weight_bytes"],
                                   "roof_step_s": roof, "decode_b1_step_s": eng["decode_b1_step_s"],
                                   "fraction_of_roof": frac}
-            print(f"decode step at batch 1: {1000 * eng['decode_b1_step_s']:.1f} ms; roof "
-                  f"{1000 * roof:.1f} ms ({eng['weight_bytes'] / 1e9:.2f} GB of weights at "
-                  f"{bw / 1e9:.1f} GB/s memcpy) -> {100 * frac:.0f}% of the bandwidth roof")
+            echo(f"decode step at batch 1: {1000 * eng['decode_b1_step_s']:.1f} ms; roof "
+                 f"{1000 * roof:.1f} ms ({eng['weight_bytes'] / 1e9:.2f} GB of weights at "
+                 f"{bw / 1e9:.1f} GB/s memcpy) -> {100 * frac:.0f}% of the bandwidth roof")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+        echo(f"wrote {args.json}")
     return report
 
 
