@@ -75,8 +75,8 @@ def parse_acks(control: dict) -> list[Ack]:
         raise WireError("ack message without an 'a' list")
     acks = []
     for it in items:
-        if not (isinstance(it, list) and len(it) == 5 and isinstance(it[0], str)
-                and all(type(x) is int for x in it[1:4]) and isinstance(it[4], str)):
+        if not (isinstance(it, list) and len(it) == 6 and isinstance(it[0], str)
+                and all(type(x) is int for x in (*it[1:4], it[5])) and isinstance(it[4], str)):
             raise WireError(f"malformed ack entry {it!r}")
         acks.append(Ack(*it))
     return acks
