@@ -110,6 +110,7 @@ class TcpTransport(LinkTransport):
         reader = handshake_reader(sock)
         client_handshake(sock, reader, cfg.secret, self._sender_id)
         reader.max_frame_bytes = reader.max_header_bytes = _CONTROL_LIMIT
+        reader.rebind(sock.recv_into, buffer_bytes=_CONTROL_LIMIT)
         self._reader = threading.Thread(target=self._read_acks, args=(reader,), daemon=True,
                                         name=f"kv-acks<-{self._dest}")
         self._reader.start()

@@ -237,6 +237,15 @@ class FrameReader:
     def set_alloc(self, alloc: Any) -> None:
         self._alloc = alloc
 
+    def rebind(self, recv_into: Any, *, buffer_bytes: int) -> None:
+        """Read through ``recv_into`` from now on, with a read buffer of ``buffer_bytes``
+        (e.g. a handshake's small, deadline-bound reader turned into a link's reader);
+        bytes already buffered are kept."""
+        pending = bytes(self._buf[self._lo : self._hi])
+        buf = memoryview(bytearray(max(buffer_bytes, len(pending))))
+        buf[: len(pending)] = pending
+        self._recv_into, self._buf, self._lo, self._hi = recv_into, buf, 0, len(pending)
+
     def _fill(self, dst: memoryview, what: str, at_boundary: bool = False,
               hasher: Any = None) -> bool:
         n, got = len(dst), 0
