@@ -167,14 +167,15 @@ def build_plan(cfg: SoakConfig, vocab_size: int, max_model_len: int) -> list[Soa
 def _pressure_sizes(rng: random.Random, kind: str, pool: int, prefixes: list[list[int]],
                     ids) -> tuple[list[int], int]:
     """Prompt and output sized to a pool of ``pool`` tokens: each request promises a
-    third to a half of a pool (2-3 fit on either side), and many outputs outgrow the
-    decode promise (prompt + 64 tokens of headroom), so running requests preempt each
-    other."""
+    quarter to a half of a pool (2-3 fit on either side), and many outputs outgrow the
+    decode promise (prompt + 64 tokens of headroom) by up to a third of the pool, so
+    running requests run the pool dry and preempt each other. No request needs more
+    than three quarters of a pool on its own."""
     if kind == "chat":
-        return ids(rng.randint(pool // 10, pool // 4)), rng.randint(8, pool // 4)
+        return ids(rng.randint(pool // 10, pool // 4)), rng.randint(8, pool // 2)
     if kind == "long":
         return ids(rng.randint(pool // 3, pool // 2)), rng.randint(2, 12)
-    return rng.choice(prefixes) + ids(rng.randint(8, pool // 8)), rng.randint(8, pool // 5)
+    return rng.choice(prefixes) + ids(rng.randint(8, pool // 8)), rng.randint(8, pool // 3)
 
 
 def _cancel_phases(rng: random.Random, kinds: list[str], n: int) -> dict[int, str]:
