@@ -6,21 +6,15 @@ streams at every phase, kill worker actors, then check that nothing leaked or hu
         http://127.0.0.1:9090/metrics --json soak.json
     pdserve soak --pressure --requests 1000 --model tiny      # runs its own small service
 
-The workload mixes chat, long-document and shared-prefix requests (mostly greedy) with
-Poisson arrivals at ``rate``. A ``cancel_rate`` share of the streams is cancelled; the
-four target phases (queued, prefill, transfer, decode) take turns so each is hit:
-queued/prefill cancel after a short random delay before the first token (in-process,
-with a ``phase_probe`` into the router, at the moment the router shows that phase),
-transfer at the first token (the prefill's token; its KV is still in flight or just
-landed), decode after a random number of tokens. ``pressure`` (bench/soak_plan.py) adds
-Abort RPCs aimed the same way at five phases (ABORT_PHASES), client deadlines, clients
-reusing the ids of ended requests (sent once the earlier request ended) and a drain
-(bench/soak_service.py runs the small-pool service and drains it). With ``kill_every_s``
-worker actors are killed (bench/soak_chaos.py). At the end the run waits for
-quiescence and checks (bench/soak_report.py): exactly one terminal status per request,
-none over ``deadline_s``, zero KV blocks / queues / send queues / in-flight KV bytes on
-every worker, and greedy tokens equal to ``engine.LLM``'s (complete outputs equal,
-cancelled, aborted or failed ones a prefix).
+The plan (bench/soak_plan.py) mixes chat, long-document and shared-prefix requests with
+Poisson arrivals; cancels (and, with ``pressure``, Abort RPCs) take turns at the target
+phases: before the first token after a short delay (in-process: when the router's
+``phase_probe`` shows the phase), at the first token (transfer), after some tokens
+(decode). ``pressure`` also sends client deadlines, reuses ended requests' ids (once the
+earlier request ended) and drains the service (bench/soak_service.py); kills are in
+bench/soak_chaos.py. The end checks (bench/soak_report.py): one terminal status per
+request, none over ``deadline_s``, an idle service (no KV blocks, queues, sends or
+in-flight bytes), greedy tokens equal to ``engine.LLM``'s (the unfinished a prefix).
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
 
 import grpc
 from tqdm import tqdm
@@ -36,7 +29,7 @@ from tqdm import tqdm
 from bench.soak_chaos import KillRecord, chaos, find_victims
 from bench.soak_plan import PHASES, TERMINAL, SoakConfig, SoakRequest, build_plan
 from bench.soak_probes import PhaseProbe, SoakHooks, router_leg_probe, router_phase_probe
-from bench.soak_report import SoakReport, finish_report
+from bench.soak_report import RequestRecord, SoakReport, finish_report
 from cluster.auth import auth_metadata, channel_credentials
 from cluster.convert import FINISH_FROM_PROTO, build_request
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -45,32 +38,6 @@ from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 __all__ = ["PHASES", "TERMINAL", "KillRecord", "SoakConfig", "SoakHooks", "SoakRequest",
            "SoakRunner", "build_plan", "find_victims", "router_leg_probe",
            "router_phase_probe", "run_soak"]
-
-
-@dataclass
-class RequestRecord:
-    request_id: str
-    kind: str
-    key: str = ""
-    outcome: str = "pending"  # a TERMINAL value, "hang" or "unexpected:<why>"
-    message: str = ""
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    terminal_count: int = 0
-    violations: list[str] = field(default_factory=list)
-    start_s: float = 0.0
-    ttft_s: float | None = None
-    e2e_s: float = 0.0
-    cancel_planned: str | None = None
-    cancel_sent: bool = False
-    cancel_observed: str | None = None  # phase at the moment of the cancel (or abort)
-    abort_planned: str | None = None
-    abort_sent: bool = False
-    abort_found: bool | None = None  # the Abort RPC's answer
-    max_leg: int | None = None  # highest leg seen (in-process): > 1 means redispatched
-    client_deadline_s: float | None = None
-    reuses: str | None = None  # key of the request whose (ended) id this one sent again
-    after_drain: bool = False
 
 
 class SoakRunner:

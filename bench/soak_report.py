@@ -28,6 +28,32 @@ METRIC_GAUGES = ("pdserve:kv_cache_usage_perc", "pdserve:num_requests_running",
 
 
 @dataclass
+class RequestRecord:
+    request_id: str
+    kind: str
+    key: str = ""
+    outcome: str = "pending"  # a TERMINAL value, "hang" or "unexpected:<why>"
+    message: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    terminal_count: int = 0
+    violations: list[str] = field(default_factory=list)
+    start_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    cancel_planned: str | None = None
+    cancel_sent: bool = False
+    cancel_observed: str | None = None  # phase at the moment of the cancel (or abort)
+    abort_planned: str | None = None
+    abort_sent: bool = False
+    abort_found: bool | None = None  # the Abort RPC's answer
+    max_leg: int | None = None  # highest leg seen (in-process): > 1 means redispatched
+    client_deadline_s: float | None = None
+    reuses: str | None = None  # key of the request whose (ended) id this one sent again
+    after_drain: bool = False
+
+
+@dataclass
 class SoakReport:
     config: dict[str, Any]
     summary: dict[str, Any]

@@ -13,12 +13,10 @@ One streaming request S is decoding when one long prompt L arrives.
 
 (a) and (b) run on an in-process colocated ``engine.LLM`` stepped by hand, each step
 recorded as trace events (``prefill_chunk`` / ``decode_step`` / ``token``), best of a
-few repeats; (c) runs on the service with worker traces. Every number printed is
-computed from the trace events. :func:`claims` states the example as booleans about
-the trace's *structure* (which step carried what, in what order, on which worker), so
-they hold on any machine under any load; :func:`observations` adds the wall-clock
-orderings of this run, which the millisecond figures show and a busy machine can flip
-(see below).
+few repeats; (c) runs on the service with worker traces. Every number printed comes
+from the trace events. :func:`claims` checks the example on the traces' *structure*
+(which step or worker carried what, in which order): true under any load;
+:func:`observations` are this run's wall-clock orderings, which load can flip.
 
 Why |L| is modest: the CPU reference attention materialises the whole query x key
 score rectangle, so on a busy machine a whole prefill of a very long prompt turns
