@@ -137,3 +137,21 @@ def test_an_abort_rpc_at_the_decode_phase_ends_the_stream_aborted_once():
     assert rec.abort_sent and rec.abort_found and rec.terminal_count == 1
     assert rec.outcome == "aborted" and rec.tokens == [7, 7, 7] and not rec.violations
     assert rec.cancel_observed == "decode" and not rec.cancel_sent
+
+
+def test_soak_cli_pressure_defaults_and_the_plain_soak_unchanged():
+    from bench.soak_cli import config_from_args
+    from cluster.cli import build_parser
+
+    parse = build_parser().parse_args
+    plain = config_from_args(parse(["soak", "--no-progress"]))
+    assert (plain.addr, plain.rate, plain.cancel_rate, plain.mix) == (
+        "127.0.0.1:50051", 8.0, 0.3, (0.6, 0.2, 0.2))
+    assert not plain.pressure and plain.abort_rate == plain.reuse_rate == 0 and not plain.drain
+    own = config_from_args(parse(["soak", "--pressure", "--no-progress"]))
+    assert own.pressure and own.drain and own.rate == 3.0 and own.abort_rate == 0.25
+    assert (own.cancel_rate, own.client_deadline_rate, own.reuse_rate) == (0.1, 0.1, 0.1)
+    remote = config_from_args(parse(["soak", "--pressure", "--addr", "h:1", "--abort-rate",
+                                     "0.5", "--pool-tokens", "512", "--no-progress"]))
+    assert remote.addr == "h:1" and not remote.drain and remote.abort_rate == 0.5
+    assert remote.pool_tokens == 512
