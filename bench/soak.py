@@ -59,6 +59,7 @@ class SoakRunner:
         self._ended: dict[str, asyncio.Event] = {}  # key -> set once the request ended
         self._aborts: dict[str, asyncio.Task] = {}  # key -> its Abort RPC
         self._draining = asyncio.Event()
+        self._open = 0  # streams sent and not ended
 
     async def run(self) -> SoakReport:
         cfg = self.cfg
@@ -122,8 +123,9 @@ class SoakRunner:
         loop = asyncio.get_running_loop()
         done = await loop.run_in_executor(None, self.hooks.start_drain)
         self._draining.set()
+        busy = self._open
         await asyncio.wrap_future(done)
-        return f"drained at {self.drain_at_s:.1f}s, done after " \
+        return f"drained at {self.drain_at_s:.1f}s with {busy} streams open, done after " \
                f"{time.monotonic() - self._t0 - self.drain_at_s:.1f}s"
 
     # ---- one request -----------------------------------------------------------------
@@ -155,6 +157,7 @@ class SoakRunner:
             metadata=md, timeout=deadline)
         t0 = time.monotonic()
         rec.start_s = t0 - self._t0
+        self._open += 1
         act = (lambda: self._abort(stub, md, req, rec)) if req.abort_phase else (
             lambda: self._cancel(call, rec))
         timer = None
@@ -195,6 +198,7 @@ class SoakRunner:
             if timer is not None:
                 timer.cancel()
             self._sample_leg(rec)  # a stream that never spoke still shows its legs
+            self._open -= 1
             rec.e2e_s = time.monotonic() - t0
 
     def _rpc_error(self, rec: RequestRecord, e: grpc.aio.AioRpcError, elapsed: float) -> None:

@@ -23,6 +23,7 @@ ABORT_PHASES = ("queued", "admission", "prefill", "transfer", "decode")
 TERMINAL = ("finished", "aborted", "CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
             "RESOURCE_EXHAUSTED")
 KINDS = ("chat", "long", "shared")
+DRAIN_BURST = 6  # requests that arrive together just before the drain starts
 
 
 @dataclass(frozen=True)
@@ -226,4 +227,8 @@ def _with_pressure_events(cfg: SoakConfig, plan: list[SoakRequest]) -> list[Soak
             i = rng.choice(earlier)
             reused.add(i)
             out[j] = replace(out[j], request_id=out[i].request_id, reuses=out[i].key)
+    if after_drain:  # a burst right before the drain: it finds a full pool and a queue
+        at = out[min(after_drain)].arrival_s
+        for i in range(max(0, min(after_drain) - DRAIN_BURST), min(after_drain)):
+            out[i] = replace(out[i], arrival_s=at - 0.05)
     return [replace(out[i], after_drain=True) if i in after_drain else out[i] for i in range(n)]

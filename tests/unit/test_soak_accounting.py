@@ -90,6 +90,8 @@ def test_the_pressure_plan_sizes_requests_to_the_pools_and_aims_every_event():
             assert i < j and plan[i].request_id == r.request_id and not plan[i].after_drain
     assert 5 <= sum(r.reuses is not None for r in plan) <= 10  # some have no earlier one
     assert [r.after_drain for r in plan] == [False] * 90 + [True] * 10
+    burst = {r.arrival_s for r in plan[84:90]}  # arrive together just before the drain
+    assert len(burst) == 1 and burst.pop() == plan[90].arrival_s - 0.05
 
 
 class _AbortableCall(_RacingCall):
