@@ -66,7 +66,8 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--abort-rate", type=float, default=None,
                    help="share aborted with the Abort RPC (default 0.25 with --pressure)")
     g.add_argument("--client-deadline-rate", type=float, default=None,
-                   help="share sent with a 0.3-3 s client deadline (default 0.1 with --pressure)")
+                   help="share sent with a client deadline, half of 5-100 ms, half of 0.3-3 s "
+                   "(default 0.1 with --pressure)")
     g.add_argument("--reuse-rate", type=float, default=None,
                    help="share reusing an ended request's id (default 0.1 with --pressure)")
     g.add_argument("--drain", action=argparse.BooleanOptionalAction, default=None,

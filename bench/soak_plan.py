@@ -214,8 +214,9 @@ def _with_pressure_events(cfg: SoakConfig, plan: list[SoakRequest]) -> list[Soak
                             "queued": rng.uniform(0.02, 0.3)}.get(phase, rng.uniform(0.05, 0.6)),
             cancel_after_tokens=1 if phase == "transfer" else rng.randint(2, max_tokens // 2)
             if phase == "decode" else 0)
-    for i in deadlines:
-        out[i] = replace(out[i], client_deadline_s=rng.uniform(0.3, 3.0))
+    for k, i in enumerate(deadlines):  # half expire mid-request, half only if it stalls
+        out[i] = replace(out[i], client_deadline_s=rng.uniform(0.005, 0.1) if k % 2 else
+                         rng.uniform(0.3, 3.0))
     reused: set[int] = set()
     for j in sorted(reuses):
         # ids whose end the server reports (a client-side cancel or deadline ends the
