@@ -45,6 +45,10 @@ class TransferConfig:
     max_frame_bytes: int = 64 << 20  # bigger chunks are split (by layer, then token)
     coalesce_bytes: int = 1 << 20  # small frames are batched into one write up to this
     failure_timeout_s: float = 10.0  # dead/hung peer -> requests failed within this
+    # a TCP peer must finish the HMAC handshake within this (in total, not per read), and
+    # at most this many unauthenticated connections are served at once (others wait)
+    handshake_timeout_s: float = 5.0
+    max_pending_connections: int = 16
     tcp_host: str = "127.0.0.1"
     tcp_port: int = 0  # 0 = ephemeral
     secret: bytes = field(default=b"", repr=False)
@@ -87,6 +91,10 @@ class TransferConfig:
             raise bad("coalesce_bytes", f"must be >= 0, got {self.coalesce_bytes}")
         if not (math.isfinite(self.failure_timeout_s) and self.failure_timeout_s > 0):
             raise bad("failure_timeout_s", f"must be > 0, got {self.failure_timeout_s}")
+        if not (math.isfinite(self.handshake_timeout_s) and self.handshake_timeout_s > 0):
+            raise bad("handshake_timeout_s", f"must be > 0, got {self.handshake_timeout_s}")
+        if self.max_pending_connections < 1:
+            raise bad("max_pending_connections", f"must be >= 1, got {self.max_pending_connections}")
         if not 0 <= self.tcp_port <= 65535:
             raise bad("tcp_port", f"must be in [0, 65535], got {self.tcp_port}")
         if not self.tcp_host:

@@ -9,10 +9,11 @@ are always called *outside* it, so a transport's callback can never deadlock wit
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
@@ -37,7 +38,7 @@ class _Link:
         self.stats = stats
         self.sched = LinkScheduler(sender.cfg)
         self.cond = threading.Condition(sender._lock)
-        self.inflight: dict[tuple, QueuedFrame] = {}
+        self.inflight: dict[int, QueuedFrame] = {}  # Piece.tx -> frame awaiting its ack
         self.failed: str | None = None
         self.transport: LinkTransport | None = None
         self.thread: threading.Thread | None = None
@@ -73,6 +74,7 @@ class ThreadedSender(KVSender):
         self._dead: OrderedDict[str, None] = OrderedDict()
         self._events = SendEvents()
         self._records: deque[FrameRecord] = deque(maxlen=_MAX_RECORDS)
+        self._tx = itertools.count(1)  # transmission numbers (Piece.tx), under the lock
         self._closed = False
         self._totals = {"requests_finished": 0, "requests_failed": 0, "link_failures": 0}
 
@@ -99,6 +101,7 @@ class ThreadedSender(KVSender):
             seqs.add(chunk.seq_no)
             link = self._links.get(dest) or self._open_link(dest)
             for i, p in enumerate(pieces):
+                p = replace(p, tx=next(self._tx))
                 qf = QueuedFrame(rid, chunk.tenant, p.nbytes, now, item=p, key=p.key)
                 last = chunk.is_final and i == len(pieces) - 1
                 link.sched.enqueue(qf, completes_request=last)
@@ -202,7 +205,7 @@ class ThreadedSender(KVSender):
                         break  # heartbeat
                     link.cond.wait(min(wait, hb) if wait is not None else hb)
                 for f in batch:
-                    link.inflight[f.key] = f
+                    link.inflight[f.item.tx] = f
             t0 = self._clock()
             try:
                 if batch:
@@ -232,10 +235,11 @@ class ThreadedSender(KVSender):
         with self._lock:
             for a in acks:
                 if a.status == AckStatus.DUPLICATE:
-                    continue  # the first copy's ack returns the credit
-                f = link.inflight.pop(a.key, None)
-                if f is None:
+                    continue  # a copy of a transmission: the original's ack carries the credit
+                f = link.inflight.get(a.tx)
+                if f is None or f.key != a.key:
                     continue  # stale (link already failed) or unknown
+                del link.inflight[a.tx]
                 link.sched.on_ack(f.nbytes)
                 link.stats.bytes_acked += f.nbytes
                 if a.request_id not in self._requests:
