@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 PHASES = ("queued", "prefill", "transfer", "decode")
 # queued: waiting for a decode reservation (pool full); admission: between the front door
@@ -233,3 +234,13 @@ def _with_pressure_events(cfg: SoakConfig, plan: list[SoakRequest]) -> list[Soak
         for i in range(max(0, min(after_drain) - DRAIN_BURST), min(after_drain)):
             out[i] = replace(out[i], arrival_s=at - 0.05)
     return [replace(out[i], after_drain=True) if i in after_drain else out[i] for i in range(n)]
+
+
+class SoakRun(Protocol):
+    """What the reports read of a finished run (bench.soak.SoakRunner is one)."""
+
+    cfg: SoakConfig
+    records: dict[str, Any]  # request key -> bench.soak_report.RequestRecord
+    hooks: Any  # bench.soak_probes.SoakHooks
+    kills: list[Any]  # bench.soak_chaos.KillRecord
+    phase_probe: Any

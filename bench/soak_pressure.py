@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any
 from bench.soak_plan import ABORT_PHASES
 
 if TYPE_CHECKING:
-    from bench.soak import SoakRunner
-    from bench.soak_plan import SoakRequest
+    from bench.soak_plan import SoakRequest, SoakRun
 
 HEADROOM_TOKENS = 64  # decode_worker.scheduler.DecodeSchedulerConfig.headroom_tokens
 
 
-def pressure_summary(runner: SoakRunner, plan: list[SoakRequest], pools: dict[str, int],
+def pressure_summary(runner: SoakRun, plan: list[SoakRequest], pools: dict[str, int],
                      drained: str | None) -> dict[str, Any]:
     recs = runner.records
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731

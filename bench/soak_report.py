@@ -17,8 +17,7 @@ from cluster.types import ClusterStats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from bench.soak import SoakRunner
-    from bench.soak_plan import SoakRequest
+    from bench.soak_plan import SoakRequest, SoakRun
 
 # per worker: counters that must be zero once the service is idle
 IDLE_FIELDS = ("kv_blocks_used", "num_running", "num_waiting", "queue_depth", "send_queue_depth")
@@ -187,7 +186,7 @@ def reference_tokens(model: str, reqs: list[SoakRequest]) -> dict[str, list[int]
     return {r.key: list(o.token_ids) for r, o in zip(reqs, outs, strict=True)}
 
 
-async def finish_report(runner: SoakRunner, plan: list[SoakRequest], stub, md,
+async def finish_report(runner: SoakRun, plan: list[SoakRequest], stub, md,
                         traffic_s: float, pools: dict[str, int] | None = None,
                         drained: str | None = None) -> SoakReport:
     cfg, records = runner.cfg, runner.records
@@ -236,7 +235,7 @@ async def finish_report(runner: SoakRunner, plan: list[SoakRequest], stub, md,
     return report
 
 
-def _summary(runner: SoakRunner, plan: list[SoakRequest], traffic_s: float, checked: int,
+def _summary(runner: SoakRun, plan: list[SoakRequest], traffic_s: float, checked: int,
              skipped: str) -> dict[str, Any]:
     from bench.soak_plan import PHASES, TERMINAL
 
