@@ -17,39 +17,32 @@ the orphan would only hold resources until its KV wait times out.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from engine.recent_ids import RecentIds
 
 
 class Tombstones:
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()  # aborted before they arrived
-        self._ended: OrderedDict[str, None] = OrderedDict()  # ended here recently
-
-    @staticmethod
-    def _remember(ids: OrderedDict[str, None], request_id: str, capacity: int) -> None:
-        ids[request_id] = None
-        ids.move_to_end(request_id)
-        while len(ids) > capacity:
-            ids.popitem(last=False)
+        self._buried = RecentIds(capacity)  # aborted before they arrived
+        self._ended = RecentIds(capacity)  # ended here recently
 
     def ended(self, request_id: str) -> None:
         """`request_id` ended on this worker (any status): a later abort of it is late."""
-        self._remember(self._ended, request_id, self.capacity)
+        self._ended.add(request_id)
 
     def bury(self, request_id: str) -> bool:
         """An abort for an id this worker does not hold. Leaves a tombstone (True) unless
         the id ended here recently: then the abort is late and the id stays free."""
         if request_id in self._ended:
             return False  # late (possibly repeated) abort: the id stays ended, not buried
-        self._remember(self._ids, request_id, self.capacity)
+        self._buried.add(request_id)
         return True
 
     def claim(self, request_id: str) -> bool:
         """An add/reserve arrives: True (and forgets it) when its abort overtook it.
         Otherwise the id starts a new request here, so it no longer counts as ended."""
-        self._ended.pop(request_id, None)
-        return self._ids.pop(request_id, 0) is None
+        self._ended.pop(request_id)
+        return self._buried.pop(request_id)
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._buried)
