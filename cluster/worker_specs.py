@@ -92,13 +92,14 @@ def transfer_config(cfg: ServeConfig, model: ModelConfig, secret: bytes) -> Tran
 
 
 def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, tag: str, *,
-                 trace: bool = False, fault_injection: Mapping[str, Any] | None = None
+                 trace: bool = False,
+                 fault_injection: Mapping[str, Any] | FaultPlan | None = None,
                  ) -> list[WorkerSpec]:
     """One spec per planned worker; the P/D workers share one fresh per-cluster secret
     (never logged: TransferConfig and WorkerSpec keep it out of their reprs)."""
     model = load_model_config(model_dir)
     transfer = transfer_config(cfg, model, secrets.token_bytes(32))
-    faults = FaultPlan.parse(dict(fault_injection or {}))
+    faults = FaultPlan.parse(fault_injection)
     prefill = prefill_config(cfg)
     specs: list[WorkerSpec] = []
     for w in plan.workers:

@@ -1,4 +1,6 @@
-"""Tombstones: ids aborted before they were known here.
+"""Tombstones: ids aborted before they were known here, kept in RecentIds: the one
+bounded "recently seen ids" set (ids come from clients: past its capacity the oldest id
+is forgotten), meant for kv_transfer's closed- and dead-request sets too.
 
 Worker actors run commands on several threads, so an abort sent after an add can run
 first; the late add must then be dropped, not started as an orphan nobody will end.
@@ -17,7 +19,38 @@ the orphan would only hold resources until its KV wait times out.
 
 from __future__ import annotations
 
-from engine.recent_ids import RecentIds
+from collections import OrderedDict
+
+
+class RecentIds:
+    """Ids seen recently, oldest first, each with an optional note; bounded."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._ids: OrderedDict[str, str] = OrderedDict()  # oldest first
+
+    def add(self, id_: str, note: str = "") -> None:
+        """Remember `id_` (as the newest), forgetting the oldest beyond capacity."""
+        self._ids[id_] = note
+        self._ids.move_to_end(id_)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def pop(self, id_: str) -> bool:
+        """Forget `id_`; True if it was remembered."""
+        return self._ids.pop(id_, None) is not None
+
+    def note(self, id_: str) -> str | None:
+        """The note of a remembered id; None when it is not remembered."""
+        return self._ids.get(id_)
+
+    def __contains__(self, id_: object) -> bool:
+        return id_ in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Tombstones:

@@ -56,7 +56,8 @@ class WorkerLoop:
         self._stop = threading.Event()
         self.error: str | None = None  # the last failed step
         self.fatal: str | None = None  # set when the loop gave up: the engine is dead
-        self._thread = threading.Thread(target=self._run, name="worker-loop", daemon=True)
+        name = f"worker-loop:{getattr(engine, 'worker_id', '')}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     @property
@@ -128,6 +129,7 @@ class WorkerLoop:
             events = []
         if failures >= self.max_step_failures:
             self.fatal = self.error
+            self._stop.set()  # from now on commands are refused
         return events, failures
 
     def _run(self) -> None:
@@ -142,6 +144,8 @@ class WorkerLoop:
             events, failures = self._step(failures)
             if events:
                 self._on_events(events)
+            if self.fatal is not None:
+                break
             if failures:  # let a transient cause (e.g. memory) pass before the next try
                 time.sleep(0.1)
             # busy: take commands between steps without waiting; waiting on I/O: a short
@@ -152,7 +156,6 @@ class WorkerLoop:
                 wait = self.idle_wait_s if self.engine.has_work else 0.05
             self._drain_commands(wait)
         if self.fatal is not None:
-            self._stop.set()
             self._reject_commands()
             with self._cond:
                 self._cond.notify_all()

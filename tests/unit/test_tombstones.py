@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.recent_ids import RecentIds
-from engine.tombstones import Tombstones
+from engine.tombstones import RecentIds, Tombstones
 
 
 def test_the_oldest_id_is_forgotten_past_capacity_and_a_repeat_becomes_the_newest():
