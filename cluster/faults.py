@@ -1,5 +1,5 @@
 """Chaos for tests and soak runs: finding and killing the worker actors of a running
-service (the worker side of fault injection is runtime/faults.py).
+service (the worker side of fault injection is runtime/spec.py).
 
 The launcher names every worker actor `pdserve-<6 hex>-<role>-<n>` in the job's
 namespace. `find_worker_actors` lists them over all namespaces of the Ray cluster this

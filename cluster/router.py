@@ -29,13 +29,7 @@ from cluster.admission import DecodeAdmission
 from cluster.flight import Flight, RouterConfig
 from cluster.pool import PrefixAffinity, WorkerHandle
 from cluster.router_events import EventPump
-from cluster.types import (
-    ClusterStats,
-    ErrorCode,
-    GenerateSpec,
-    RouterError,
-    TokenDelta,
-)
+from cluster.types import ClusterStats, ErrorCode, GenerateSpec, RouterError, TokenDelta
 from engine.request import SamplingParams
 from runtime.messages import DecodeTask, PrefillTask
 
@@ -44,17 +38,9 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(
-        self,
-        prefill: list[WorkerHandle],
-        decode: list[WorkerHandle],
-        config: RouterConfig,
-        tokenizer,
-        vocab_size: int,
-        max_model_len: int,
-        eos_token_ids: tuple[int, ...] = (),
-        metrics=None,
-    ):
+    def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
+                 config: RouterConfig, tokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = (), metrics=None):
         self.prefill, self.decode = prefill, decode
         self.config = config
         self.tokenizer = tokenizer

@@ -3,11 +3,18 @@
 The launcher builds every spec once (cluster/worker_specs.py); a worker constructs no
 config from loose values. What only the actor can know is resolved there by
 `resolve_engine`: the device Ray made visible and, on a GPU, the KV blocks that fit.
+
+Fault injection (tests and soak runs only) is OFF unless a plan is given, by the launcher
+(`LaunchOptions(fault_injection=...)` -> `WorkerSpec.faults`) or by the `PDSERVE_FAULTS`
+environment variable (a JSON plan, see kv_transfer/faults.py) in the worker actors'
+environment; without a plan no wrapper is installed and nothing runs
+(`worker_fault_injector`). Killing worker actors is cluster/faults.py's job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
@@ -15,7 +22,7 @@ from engine.config import EngineConfig, torch_dtype
 from engine.device import local_device
 from engine.memory import device_memory, num_kv_blocks, weight_bytes
 from kv_transfer.config import TransferConfig
-from kv_transfer.faults import FaultPlan
+from kv_transfer.faults import ENV_VAR, FaultInjector, FaultPlan
 
 ROLES = ("prefill", "decode", "colocated")
 S = TypeVar("S")  # the role's scheduler config: PrefillSchedulerConfig, DecodeSchedulerConfig
@@ -68,3 +75,19 @@ def resolve_engine(config: EngineConfig, ray_gpu_ids: Sequence[str | int] | None
         return cfg, num_kv_blocks(cfg)
     pending = weight_bytes(cfg.model_dir, torch_dtype(cfg.dtype))
     return cfg, num_kv_blocks(cfg, memory=device_memory(device), pending_bytes=pending)
+
+
+def fault_plan(spec_faults: FaultPlan | None, environ: Mapping[str, str] | None = None
+               ) -> FaultPlan:
+    """The plan of a worker: its spec's plan plus `$PDSERVE_FAULTS`."""
+    env = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    return (spec_faults or FaultPlan()).merged(FaultPlan.parse(env))
+
+
+def worker_fault_injector(spec: WorkerSpec, environ: Mapping[str, str] | None = None
+                          ) -> FaultInjector | None:
+    """A FaultInjector for this worker, or None when no fault applies."""
+    if not spec.faults.faults and not (os.environ if environ is None else environ).get(ENV_VAR):
+        return None  # the production path: no parsing, no wrapper
+    plan = fault_plan(spec.faults, environ).for_worker(spec.worker_id)
+    return FaultInjector(plan, spec.worker_id) if plan.faults else None

@@ -15,10 +15,9 @@ import ray
 import torch
 
 from engine.tracing import TraceRecorder
-from runtime.faults import worker_fault_injector
 from runtime.loop import SteppableEngine, WorkerLoop
 from runtime.messages import WorkerEvent, WorkerInfo
-from runtime.spec import WorkerSpec, resolve_engine
+from runtime.spec import WorkerSpec, resolve_engine, worker_fault_injector
 from runtime.stats import EngineStats
 
 ACTOR_CONCURRENCY = 8

@@ -18,9 +18,8 @@ from engine.loader import load_model_config
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from kv_transfer.faults import ENV_VAR, FaultInjector, FaultPlan, FaultSpec
 from kv_transfer.testing import PagedKV, make_chunks, pump
-from runtime.faults import fault_plan, worker_fault_injector
 from runtime.messages import DecodeTask, EventKind, PrefillTask
-from runtime.spec import WorkerSpec
+from runtime.spec import WorkerSpec, fault_plan, worker_fault_injector
 from tests.pd_harness import PDPair, greedy
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
