@@ -14,10 +14,10 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
 
 from cluster.config import ServeConfig
 from cluster.config_cli import keys_epilog
+from cluster.console import config_or_exit, fail, format_stats, setup_logging
 from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
     StartupError,
     build_router,
@@ -59,24 +59,6 @@ def _load_plugins() -> None:
             continue
         for name, (help_, add_args, run) in getattr(mod, "SUBCOMMANDS", {}).items():
             register(name, help_, add_args, run)
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def fail(message: str) -> NoReturn:
-    print(f"pdserve: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def config_or_exit(args: argparse.Namespace) -> ServeConfig:
-    """ServeConfig from --config and flags; a bad key/value exits 2 with the message."""
-    try:
-        return ServeConfig.from_args(args)
-    except (ValueError, OSError) as e:
-        fail(str(e))
 
 
 # ---- serve --------------------------------------------------------------------------
@@ -206,21 +188,6 @@ def _run_generate(args: argparse.Namespace) -> int:
               f"ttft={u.ttft_s * 1e3:.1f}ms queue={u.queue_s * 1e3:.1f}ms "
               f"e2e={u.e2e_s * 1e3:.1f}ms", file=sys.stderr)
     return 0
-
-
-def format_stats(stats) -> str:
-    """A fixed-width table of a ClusterStats."""
-    head = ("WORKER", "ROLE", "ALIVE", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "QUEUE",
-            "SEND_Q")
-    rows = [head] + [(w.worker_id, w.role, "yes" if w.alive else "NO", w.num_running,
-                      w.num_waiting, w.kv_blocks_used, w.kv_blocks_free, w.queue_depth,
-                      w.send_queue_depth) for w in stats.workers]
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(str(v).ljust(n) for v, n in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
-    lines.append(f"router: queue={stats.router_queue_depth} inflight={stats.num_inflight} "
-                 f"serving={'yes' if stats.serving else 'no'}")
-    return "\n".join(lines)
 
 
 def _run_stats(args: argparse.Namespace) -> int:

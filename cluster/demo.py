@@ -54,7 +54,7 @@ def long_text() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import config_or_exit, fail, setup_logging
+    from cluster.console import config_or_exit, fail, setup_logging
     from cluster.startup import StartupError, launcher_available
 
     defaults = {"pools.colocated": not launcher_available(),
@@ -126,8 +126,8 @@ async def _demo(cfg: ServeConfig, max_tokens: int | None) -> int:
     import openai
 
     from cluster.auth import read_token
-    from cluster.cli import format_stats
     from cluster.client import AsyncPdserveClient
+    from cluster.console import format_stats
     from cluster.server import GenerationServer
     from cluster.startup import build_router
     from engine.chat import has_chat_template

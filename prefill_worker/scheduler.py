@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 from engine.block_manager import BlockManager
@@ -56,6 +56,13 @@ class PrefillSchedulerConfig:
         if bad:
             raise ValueError(f"tenant_weights must be > 0, got {bad}")
         object.__setattr__(self, "tenant_weights", MappingProxyType(dict(self.tenant_weights)))
+
+    def __reduce__(self):
+        """Pickles (it travels to the worker actors in their WorkerSpec), unlike the
+        read-only proxy of its weights, which is rebuilt on the other side."""
+        args = [dict(v) if f.name == "tenant_weights" else v
+                for f in fields(self) for v in [getattr(self, f.name)]]
+        return (PrefillSchedulerConfig, tuple(args))
 
 
 class PrefillScheduler:

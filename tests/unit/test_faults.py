@@ -1,6 +1,6 @@
 """Fault injection without Ray: the plan, seeded triggers, each KV frame fault through a
 real sender/receiver pair (inproc and tcp), and the engine-level outcomes of a fault
-(KV never completes -> kv_wait_timeout -> FAILED; corrupt -> checksum -> FAILED on both
+(KV never completes -> kv_wait_timeout -> EventKind.FAILED; corrupt -> checksum -> EventKind.FAILED on both
 sides; refused admission), each ending in a leak check."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import time
 import pytest
 import torch
 
-from cluster.faults import fault_plan, worker_fault_injector
-from cluster.worker_spec import WorkerSpec
-from engine.messages import FAILED, DecodeTask, PrefillTask
+from decode_worker.scheduler import DecodeSchedulerConfig
+from engine.config import EngineConfig
+from engine.loader import load_model_config
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
 from kv_transfer.faults import ENV_VAR, FaultInjector, FaultPlan, FaultSpec
 from kv_transfer.testing import PagedKV, make_chunks, pump
+from runtime.messages import DecodeTask, EventKind, PrefillTask
+from runtime.spec import WorkerSpec, fault_plan, worker_fault_injector
 from tests.pd_harness import PDPair, greedy
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
@@ -65,18 +67,19 @@ def test_triggers_are_seeded_filtered_counted_and_capped():
     assert FaultInjector(plan, "decode-1").plan.faults[0].kind == "drop"
 
 
-def test_worker_plan_comes_from_the_spec_and_the_environment(tmp_path):
-    spec = WorkerSpec("decode-0", "decode", str(tmp_path))
+def test_worker_plan_comes_from_the_spec_and_the_environment(tiny_model):
+    engine = EngineConfig(str(tiny_model), load_model_config(tiny_model))
+    spec = WorkerSpec("decode-0", "decode", engine, DecodeSchedulerConfig(), TransferConfig())
     assert worker_fault_injector(spec, environ={}) is None  # production: nothing at all
     env = {ENV_VAR: '{"faults": [{"kind": "refuse_admission"}]}'}
     inj = worker_fault_injector(spec, environ=env)
     assert inj is not None and inj.refuse_admission("r") and inj.stats() == {
         "fault_refuse_admission": 1}
-    both = dataclasses.replace(spec, fault_injection={"faults": [{"kind": "drop"}]})
-    assert [f.kind for f in fault_plan(both.fault_injection, env).faults] == [
+    both = dataclasses.replace(spec, faults=FaultPlan.parse({"faults": [{"kind": "drop"}]}))
+    assert [f.kind for f in fault_plan(both.faults, env).faults] == [
         "drop", "refuse_admission"]
-    only_other = dataclasses.replace(spec, fault_injection={
-        "faults": [{"kind": "drop", "worker_filter": "prefill"}]})
+    only_other = dataclasses.replace(spec, faults=FaultPlan.parse({
+        "faults": [{"kind": "drop", "worker_filter": "prefill"}]}))
     assert worker_fault_injector(only_other, environ={}) is None
 
 
@@ -243,8 +246,8 @@ def test_lost_or_corrupt_kv_fails_only_that_request_and_leaks_nothing(tiny_model
     # the decode side notices lost KV only after kv_wait_timeout_s (default 60 s)
     _set_kv_wait_timeout(pair, 0.05)
     _run(pair)
-    assert pair.finished["bad"] == FAILED
-    failed = [ev for ev in pair.events if ev.kind == FAILED]
+    assert pair.finished["bad"] == EventKind.FAILED
+    failed = [ev for ev in pair.events if ev.kind == EventKind.FAILED]
     reason = "timed out waiting for KV" if kind == "drop" else "checksum mismatch"
     assert any(reason in ev.message for ev in failed), failed
     # the failed request's decode side is gone; its prefill side ended too

@@ -29,11 +29,11 @@ from hypothesis.stateful import (
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.messages import DecodeTask
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 from prefill_worker.policies import FAIRNESS_POLICIES
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from runtime.messages import DecodeTask
 
 S = RequestStatus
 FAKE_TOKEN, STOP_TOKEN = 7, 8
