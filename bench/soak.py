@@ -32,6 +32,7 @@ from bench.soak_probes import PhaseProbe, SoakHooks, router_leg_probe, router_ph
 from bench.soak_report import RequestRecord, SoakReport, finish_report
 from cluster.auth import auth_metadata, channel_credentials
 from cluster.convert import FINISH_FROM_PROTO, build_request
+from engine.quantiles import median
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -242,8 +243,7 @@ class SoakRunner:
         seen = self._ttfts.get(req.kind, [])
         if req.aimed_phase != "prefill" or len(seen) < 5:
             return req.cancel_after_s
-        recent = sorted(seen[-50:])
-        return req.cancel_frac * recent[len(recent) // 2]
+        return req.cancel_frac * median(seen[-50:])
 
     def _end(self, rec: RequestRecord, outcome: str, message: str) -> None:
         rec.terminal_count += 1

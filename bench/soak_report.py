@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.convert import stats_from_proto
 from cluster.types import ClusterStats
+from engine.quantiles import percentile
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
@@ -266,4 +267,4 @@ def _summary(runner: SoakRun, plan: list[SoakRequest], traffic_s: float, checked
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    return sorted(xs)[int(q * (len(xs) - 1))] if xs else None
+    return percentile(xs, 100 * q) if xs else None

@@ -17,6 +17,7 @@ from collections import deque
 from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
 from cluster.types import ErrorCode, RouterError, TokenDelta, WorkerStats
+from engine.quantiles import percentile
 from runtime.messages import EventKind, WorkerEvent
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,7 @@ class EventPump:
             self._gaps.popleft()
         if not self._gaps:
             return 0.0
-        gaps = sorted(g for _, g in self._gaps)
-        return gaps[int(0.9 * (len(gaps) - 1))] / self.router.config.itl_target_s
+        return percentile([g for _, g in self._gaps], 90) / self.router.config.itl_target_s
 
     async def _pressure_loop(self) -> None:
         while not self._stopping:

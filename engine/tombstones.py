@@ -20,18 +20,21 @@ the orphan would only hold resources until its KV wait times out.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
-class RecentIds:
-    """Ids seen recently, oldest first, each with an optional note; bounded."""
+class RecentIds(Generic[T]):
+    """Ids seen recently, oldest first, each with an optional note (any value); bounded."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._ids: OrderedDict[str, str] = OrderedDict()  # oldest first
+        self._ids: OrderedDict[str, T] = OrderedDict()  # oldest first
 
-    def add(self, id_: str, note: str = "") -> None:
+    def add(self, id_: str, note: T = "") -> None:  # type: ignore[assignment]
         """Remember `id_` (as the newest), forgetting the oldest beyond capacity."""
         self._ids[id_] = note
         self._ids.move_to_end(id_)
@@ -42,7 +45,7 @@ class RecentIds:
         """Forget `id_`; True if it was remembered."""
         return self._ids.pop(id_, None) is not None
 
-    def note(self, id_: str) -> str | None:
+    def note(self, id_: str) -> T | None:
         """The note of a remembered id; None when it is not remembered."""
         return self._ids.get(id_)
 

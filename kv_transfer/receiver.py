@@ -21,12 +21,13 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
+from engine.tombstones import RecentIds
 from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, AckStatus
@@ -82,7 +83,7 @@ class InboxReceiver(KVReceiver):
         self._requests: dict[str, _RxRequest] = {}
         # rid -> {(seq, layer_start, token_start): (link, ack key, nbytes)} awaiting release
         self._unreleased: dict[str, dict[tuple[int, int, int], tuple[RxLink, Ack, int]]] = {}
-        self._closed_rids: OrderedDict[str, _Closed] = OrderedDict()
+        self._closed_rids: RecentIds[_Closed] = RecentIds(_MAX_CLOSED)
         self._expected: set[str] = set()
         self._closed = False
         self._counters = dict.fromkeys(
@@ -166,7 +167,7 @@ class InboxReceiver(KVReceiver):
         st = self._requests.get(rid)
         if st is not None:
             return st.link is link and st.seen.get(key) == tx
-        closed = self._closed_rids.get(rid)
+        closed = self._closed_rids.note(rid)
         # a completed request took every frame; the sender numbers frames in queue order,
         # so a frame it queued later (the id reused) has a higher tx than all of them
         return (closed is not None and closed.why == "completed"
@@ -178,7 +179,7 @@ class InboxReceiver(KVReceiver):
         if link.closed:
             return f"link {link.name} closed"
         if rid in self._closed_rids:
-            return f"request {self._closed_rids[rid].why}"
+            return f"request {self._closed_rids.note(rid).why}"
         st = self._requests.get(rid)
         if st is None and self.cfg.require_expect and rid not in self._expected:
             return "unknown request (not expected)"
@@ -252,10 +253,7 @@ class InboxReceiver(KVReceiver):
             link.send_acks(batch)
 
     def _remember_closed(self, rid: str, closed: _Closed) -> None:
-        self._closed_rids[rid] = closed
-        self._closed_rids.move_to_end(rid)
-        if len(self._closed_rids) > _MAX_CLOSED:
-            self._closed_rids.popitem(last=False)
+        self._closed_rids.add(rid, closed)
 
     def _close_inbox(self) -> None:
         with self._lock:

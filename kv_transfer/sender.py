@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+from engine.tombstones import RecentIds
 from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, AckStatus, Piece, split_chunk
@@ -71,7 +72,7 @@ class ThreadedSender(KVSender):
         self._link_stats: dict[str, LinkStats] = {}
         self._requests: dict[str, RequestStats] = {}
         self._pending: dict[str, tuple[int, bool, set[int]]] = {}  # rid -> (frames out, final queued, seqs)
-        self._dead: OrderedDict[str, None] = OrderedDict()
+        self._dead: RecentIds[str] = RecentIds(_MAX_DEAD)
         self._events = SendEvents()
         self._records: deque[FrameRecord] = deque(maxlen=_MAX_RECORDS)
         self._tx = itertools.count(1)  # transmission numbers (Piece.tx), under the lock
@@ -291,6 +292,4 @@ class ThreadedSender(KVSender):
                 pass
 
     def _mark_dead(self, rid: str) -> None:
-        self._dead[rid] = None
-        if len(self._dead) > _MAX_DEAD:
-            self._dead.popitem(last=False)
+        self._dead.add(rid)
