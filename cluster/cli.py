@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from cluster.config import ServeConfig
-from cluster.config_cli import keys_epilog
+from cluster.config_cli import add_cli_flags, config_from_args, keys_epilog
 from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
     StartupError,
     build_router,
@@ -74,14 +74,14 @@ def fail(message: str) -> NoReturn:
 def config_or_exit(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig from --config and flags; a bad key/value exits 2 with the message."""
     try:
-        return ServeConfig.from_args(args)
+        return config_from_args(args)
     except (ValueError, OSError) as e:
         fail(str(e))
 
 
 # ---- serve --------------------------------------------------------------------------
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    ServeConfig.add_cli_flags(p)
+    add_cli_flags(p)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -154,7 +154,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", help="comma-separated extra stop token ids")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
     p.add_argument("--tenant", default="", help="fairness key (default 'default')")
-    p.add_argument("--priority", type=int, default=0, help="scheduling priority")
+    p.add_argument("--priority", type=int, default=0,
+                   help="scheduling priority: lower is served first by the 'priority' "
+                   "fairness policy (as vLLM's); other policies ignore it (default 0)")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--show-token-ids", action="store_true", help="print token ids at the end")
     _add_conn(p)

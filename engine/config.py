@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHS = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-)
+from engine.models.registry import MODELS
+
+# The one list of dtype names: weights, KV cache, the config's choices and the KV wire.
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -48,10 +45,8 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHS}"
-            )
+        if self.architecture not in MODELS:
+            raise ValueError(MODELS.unknown(self.architecture))
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
             if getattr(self, name) < 1:

@@ -74,8 +74,8 @@ def _req(rid, n, tenant="t"):
 def test_round_robin_interleaves_long_prompts_and_frees_everything():
     bm = BlockManager(64, 16, enable_prefix_caching=False)
     now = [0.0]
-    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=32, max_chunk=32,
-                                                    fairness="round-robin"), bm,
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=32, max_prefill_chunk=32,
+                                                    fairness_policy="round-robin"), bm,
                              clock=lambda: now[0])
     a, b = _req("a", 100), _req("b", 100)
     sched.add(a)
@@ -96,7 +96,7 @@ def test_round_robin_interleaves_long_prompts_and_frees_everything():
 
 def test_admission_promises_whole_prompts_so_prefills_never_deadlock():
     bm = BlockManager(8, 16, enable_prefix_caching=False)  # 128 tokens of KV
-    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_chunk=16),
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_prefill_chunk=16),
                              bm)
     sched.add(_req("a", 100))  # 7 blocks
     sched.add(_req("b", 100))  # would need 7 more: waits instead of starting
@@ -130,7 +130,7 @@ def _drive(sched, max_steps=500, now=None):
 def test_prefix_hit_at_the_queue_head_never_takes_blocks_promised_to_a_running_prefill():
     # 10 blocks of 4 tokens. P leaves 4 hashed blocks in the LRU (and 6 on the free list).
     bm = BlockManager(10, 4)  # prefix caching on, as by default
-    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_chunk=16),
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_prefill_chunk=16),
                              bm)
     p = _req("p", 17)
     sched.add(p)
@@ -159,8 +159,8 @@ def test_prefix_hit_at_the_queue_head_never_takes_blocks_promised_to_a_running_p
 
 def _wfq(now, budget=16):
     bm = BlockManager(64, 16, enable_prefix_caching=False)
-    return PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=16,
-                                                   fairness="wfq"), bm, clock=lambda: now[0])
+    return PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=16,
+                                                   fairness_policy="wfq"), bm, clock=lambda: now[0])
 
 
 def _serve(sched, now, steps):

@@ -10,13 +10,13 @@ import yaml
 
 from cluster.cli import main
 from cluster.config import SECTIONS, ServeConfig
-from cluster.config_cli import flag_name, iter_keys
+from cluster.config_cli import add_cli_flags, config_from_args, flag_name, iter_keys
 
 
 def _parse(argv: list[str]) -> ServeConfig:
     parser = argparse.ArgumentParser()
-    ServeConfig.add_cli_flags(parser)
-    return ServeConfig.from_args(parser.parse_args(argv))
+    add_cli_flags(parser)
+    return config_from_args(parser.parse_args(argv))
 
 
 def test_yaml_round_trip_preserves_every_value(tmp_path):
@@ -110,7 +110,7 @@ def test_every_key_has_a_flag_and_help():
     for dotted, f in keys:
         assert f.metadata["help"], dotted
     parser = argparse.ArgumentParser()
-    ServeConfig.add_cli_flags(parser)
+    add_cli_flags(parser)
     for dotted, _ in keys:
         assert flag_name(dotted) in parser._option_string_actions, dotted
 
