@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.models.registry import MODELS
-
 # The one list of dtype names: weights, KV cache, the config's choices and the KV wire.
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -45,8 +43,10 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in MODELS:
-            raise ValueError(MODELS.unknown(self.architecture))
+        # (the architecture is checked against engine.models.registry by the loader, which
+        # sits above this module)
+        if not self.architecture:
+            raise ValueError("ModelConfig.architecture must be an HF architecture name")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
             if getattr(self, name) < 1:
