@@ -89,4 +89,4 @@ register_connector(
     worker_kwargs=lambda role, wid, actor: {"endpoint": actor} if role == "decode" else {})
 register_connector(
     "inproc", "kv_transfer.inproc:make_inproc_sender", "kv_transfer.inproc:make_inproc_receiver",
-    help="one process (tests)", worker_kwargs=lambda role, wid, actor: {"name": wid})
+    help="one process, for tests", worker_kwargs=lambda role, wid, actor: {"name": wid})

@@ -60,8 +60,8 @@ FAIRNESS_POLICIES: Registry[FairnessKey] = Registry("fairness_policy")
 FAIRNESS_POLICIES.register("fcfs", _fcfs, help="arrival order")
 FAIRNESS_POLICIES.register("srpt", _srpt, help="fewest prompt tokens left first")
 FAIRNESS_POLICIES.register("round-robin", _round_robin, help="least recently served first")
-FAIRNESS_POLICIES.register("wfq", _wfq, help="tenant with the least weighted service first "
-                           "(tenant_weights)")
+FAIRNESS_POLICIES.register("wfq", _wfq, help="tenant with the least service per "
+                           "tenant_weights first")
 FAIRNESS_POLICIES.register("edf", _edf, help="earliest TTFT deadline first")
 FAIRNESS_POLICIES.register("priority", _priority, help="lowest request priority first, then "
                            "arrival; aging_s lifts a starving request")
