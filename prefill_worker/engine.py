@@ -70,7 +70,8 @@ class PrefillEngine:
             return  # its abort overtook it: the router has already ended this leg
         req = Request(task.leg_id, list(task.prompt_token_ids), task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
-        self.scheduler.add(req, task.ttft_deadline_s)  # ValueError if it can never fit
+        # ValueError if it can never fit
+        self.scheduler.add(req, task.ttft_deadline_s, task.priority)
         self.jobs[task.leg_id] = _Job(task, req, time.monotonic())
 
     def abort(self, leg_id: str) -> bool:
