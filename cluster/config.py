@@ -22,6 +22,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Mirrors engine.model_fetch.REAL_MODELS (a unit test keeps them equal).
 REAL_MODEL_NAMES = ("smollm2",)
+# Mirrors engine.logprobs.LOGPROBS_MODES (a unit test keeps them equal).
+LOGPROBS_MODES = ("processed", "raw")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -37,6 +39,13 @@ class ModelSection(Section):
                                     ge=2)
     attention_backend: str = opt("auto", "attention kernels: auto = triton on CUDA, torch "
                                  "elsewhere", choices=ATTENTION_BACKENDS)
+    logprobs_mode: str = opt("processed", "what a generated token's log-prob (logprobs, "
+                             "top_logprobs) is: 'processed' = the log-softmax of the "
+                             "distribution it was sampled from (logits / temperature, then "
+                             "top-k and top-p, renormalised; greedy requests: the raw one); "
+                             "'raw' = log_softmax(logits) before temperature and filters "
+                             "(vLLM's default). Prompt log-probs are always raw",
+                             choices=LOGPROBS_MODES)
 
     def _check(self) -> None:
         if not self.path:
@@ -187,6 +196,8 @@ class LimitsSection(Section):
                                         "max_model_len - 1)", ge=1)
     max_prompt_bytes: int = opt(1 << 20, "reject a text prompt larger than this many bytes "
                                 "of UTF-8 before tokenizing it", ge=1)
+    max_logprobs: int = opt(20, "largest number of top log-probs a request may ask for "
+                            "(logprobs, top_logprobs, prompt_logprobs; as vLLM's)", ge=0)
 
 
 @dataclass(frozen=True)

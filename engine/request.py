@@ -148,7 +148,10 @@ class Request:
         return not self.wants_prompt_logprobs
 
     def prompt_logprobs_tuple(self) -> PromptLogprobs | None:
-        return None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
+        """The prompt's log-probs once the first token is sampled (None if not asked)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        return tuple(self.prompt_logprobs or (None,))  # a one-token prompt: (None,)
 
     @property
     def finish_reason(self) -> FinishReason | None:
