@@ -226,15 +226,10 @@ class OpenAIFrontDoor:
         except ValueError as e:
             raise req.invalid(e) from e
         echo = None
-        if not chat and req.echo:
+        if not chat and req.echo:  # the prompt's text (a token prompt's decoded)
             echo = prompt if isinstance(prompt, str) else await self.intake.run_off_loop(
-                self._decode_prompt, list(spec.prompt_token_ids))
+                self.texts.decode, list(spec.prompt_token_ids))
         return spec, echo
-
-    def _decode_prompt(self, ids: list[int]) -> str:
-        """A token prompt's text as echo returns it (special tokens kept)."""
-        tokenizer = getattr(self.router, "tokenizer", None)
-        return tokenizer.decode(ids) if tokenizer is not None else self.router.detokenize(ids)
 
     def _authorize(self, request: Request) -> None:
         if self.bearer is not None and not self.bearer.matches(

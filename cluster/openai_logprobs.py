@@ -69,6 +69,11 @@ class TokenTexts:
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Several tokens' text (special tokens kept: echo's prompt)."""
+        return self._tok.decode(token_ids) if self._tok is not None else \
+            self._decode(token_ids)
+
     def text(self, token_id: int) -> str:
         s = self._texts.get(token_id)
         if s is None:
