@@ -176,26 +176,34 @@ def sample_on_device(
     out = DeviceSample(ids, rows, full=torch.log_softmax(x, dim=-1) if with_logprobs else None)
     if rows:
         out.k = max(params[i].logprobs for i in rows)
-        out.packed = gather(_logprob_source(logits, x, params, rows).log_softmax(dim=-1),
-                            ids[rows], out.k)
+        idx = _rows_index(rows, n, logits.device)
+        src = _logprob_source(logits, x, [params[i] for i in rows], idx)
+        out.packed = gather(src.log_softmax(dim=-1), ids.index_select(0, idx), out.k)
     return out
 
 
+def _rows_index(rows: list[int], n: int, device: torch.device) -> torch.Tensor:
+    """`rows` as an index tensor on `device` (no copy when they are all n rows)."""
+    if len(rows) == n:
+        return torch.arange(n, device=device)
+    return torch.tensor(rows, device=device)
+
+
 def _logprob_source(logits: torch.Tensor, x: torch.Tensor | None,
-                    params: Sequence[SamplingParams], rows: list[int]) -> torch.Tensor:
-    """`[L, V]` fp32 logits whose log-softmax rows `rows` report: the processed `x`
+                    params: Sequence[SamplingParams], idx: torch.Tensor) -> torch.Tensor:
+    """`[L, V]` fp32 logits whose log-softmax the rows `idx` report: the processed `x`
     (temperature, filters; greedy rows are unprocessed in it), or the raw logits for
     logprobs_mode "raw" (engine/logprobs.py)."""
-    raw = logits[rows].float()
+    raw = logits.index_select(0, idx).float()
     if x is None:
         return raw
-    modes = [params[i].logprobs_mode == "raw" for i in rows]
+    modes = [sp.logprobs_mode == "raw" for sp in params]
     if all(modes):
         return raw
     if not any(modes):
-        return x[rows]
+        return x.index_select(0, idx)
     use_raw = torch.tensor(modes, device=logits.device)[:, None]
-    return torch.where(use_raw, raw, x[rows])
+    return torch.where(use_raw, raw, x.index_select(0, idx))
 
 
 def sample_batch(
