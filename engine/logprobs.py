@@ -50,7 +50,7 @@ def gather(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor
     k top log-probs) of log-probs `[L, V]` and chosen ids `[L]`."""
     k = min(k, logprobs.shape[1])
     picked = logprobs.gather(1, chosen.long()[:, None])  # [L, 1]
-    rank = (logprobs >= picked).sum(dim=1, keepdim=True)  # [L, 1]
+    rank = (logprobs >= picked).sum(dim=1, keepdim=True, dtype=torch.int32)  # [L, 1]
     parts = [picked.double(), rank.double()]
     if k:
         top = torch.topk(logprobs, k, dim=1)  # sorted, best first

@@ -176,34 +176,31 @@ def sample_on_device(
     out = DeviceSample(ids, rows, full=torch.log_softmax(x, dim=-1) if with_logprobs else None)
     if rows:
         out.k = max(params[i].logprobs for i in rows)
-        idx = _rows_index(rows, n, logits.device)
-        src = _logprob_source(logits, x, [params[i] for i in rows], idx)
-        out.packed = gather(src.log_softmax(dim=-1), ids.index_select(0, idx), out.k)
+        # the rows that ask, as one index on the device (none when every row asks)
+        idx = None if len(rows) == n else torch.tensor(rows, device=logits.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if idx is None else t.index_select(0, idx)
+
+        src = _logprob_source(pick(logits).float(), None if x is None else pick(x),
+                              [params[i] for i in rows])
+        out.packed = gather(src.log_softmax(dim=-1), pick(ids), out.k)
     return out
 
 
-def _rows_index(rows: list[int], n: int, device: torch.device) -> torch.Tensor:
-    """`rows` as an index tensor on `device` (no copy when they are all n rows)."""
-    if len(rows) == n:
-        return torch.arange(n, device=device)
-    return torch.tensor(rows, device=device)
-
-
-def _logprob_source(logits: torch.Tensor, x: torch.Tensor | None,
-                    params: Sequence[SamplingParams], idx: torch.Tensor) -> torch.Tensor:
-    """`[L, V]` fp32 logits whose log-softmax the rows `idx` report: the processed `x`
-    (temperature, filters; greedy rows are unprocessed in it), or the raw logits for
-    logprobs_mode "raw" (engine/logprobs.py)."""
-    raw = logits.index_select(0, idx).float()
+def _logprob_source(raw: torch.Tensor, x: torch.Tensor | None,
+                    params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`[L, V]` fp32 logits whose log-softmax the rows asking for log-probs report: the
+    processed `x` (temperature, filters; greedy rows are unprocessed in it), or the `raw`
+    logits for logprobs_mode "raw" (engine/logprobs.py)."""
     if x is None:
         return raw
     modes = [sp.logprobs_mode == "raw" for sp in params]
     if all(modes):
         return raw
     if not any(modes):
-        return x.index_select(0, idx)
-    use_raw = torch.tensor(modes, device=logits.device)[:, None]
-    return torch.where(use_raw, raw, x.index_select(0, idx))
+        return x
+    return torch.where(torch.tensor(modes, device=raw.device)[:, None], raw, x)
 
 
 def sample_batch(
