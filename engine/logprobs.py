@@ -71,12 +71,3 @@ def unpack(flat: Sequence[float], offset: int, chosen: Sequence[int], k: int,
         top = tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(n))
         out.append(TokenLogprobs(int(token), float(row[0]), int(row[1]), top))
     return out, offset + len(chosen) * width
-
-
-def check_counts(logprobs: int | None, prompt_logprobs: int | None, mode: str) -> None:
-    """SamplingParams' checks of the log-prob fields (messages name the field)."""
-    for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ValueError(f"{name} must be None (off) or an integer >= 0, got {n!r}")
-    if mode not in LOGPROBS_MODES:
-        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.logprobs import PromptLogprobs, TokenLogprobs, check_counts
+from engine.logprobs import LOGPROBS_MODES, PromptLogprobs, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,7 +71,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        check_counts(self.logprobs, self.prompt_logprobs, self.logprobs_mode)
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ValueError(f"{name} must be None (off) or an integer >= 0, got {n!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
