@@ -22,9 +22,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Mirrors engine.model_fetch.REAL_MODELS (a unit test keeps them equal).
 REAL_MODEL_NAMES = ("smollm2",)
-# Mirrors engine.logprobs.LOGPROBS_MODES (a unit test keeps them equal).
-LOGPROBS_MODES = ("processed", "raw")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+# engine.logprobs.LOGPROBS_MODES (a unit test keeps them equal)
+LOGPROBS_MODES = ("processed", "raw")
 
 
 @dataclass(frozen=True)

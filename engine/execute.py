@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.logprobs import TokenLogprobs, gather, unpack
+from engine.logprobs import TokenLogprobs, unpack
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.request import Request
-from engine.sampler import sample_on_device
+from engine.sampler import gather_logprobs, sample_on_device
 from engine.scheduler import ScheduledItem
 
 
@@ -96,10 +96,10 @@ def execute_and_sample(runner: ModelRunner, items: Sequence[ScheduledItem]) -> l
 
 def _prompt_pack(all_logits: dict[str, torch.Tensor], spans: list[_PromptSpan], k: int,
                  device: torch.device) -> torch.Tensor:
-    """Packed raw log-probs (engine.logprobs.gather) of every span's prompt tokens, in
+    """Packed raw log-probs (gather_logprobs) of every span's prompt tokens, in
     span order, from one log-softmax over all their rows."""
     logits = torch.cat([all_logits[s.request.request_id][:s.n] for s in spans])  # [M, V]
     targets = torch.tensor([t for s in spans for t in
                             s.request.prompt_token_ids[s.first:s.first + s.n]],
                            device=device)
-    return gather(logits.float().log_softmax(dim=-1), targets, k).flatten()
+    return gather_logprobs(logits.float().log_softmax(dim=-1), targets, k).flatten()

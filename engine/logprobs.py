@@ -1,4 +1,5 @@
-"""Log-probabilities of tokens: what a position reports, and its one device pass.
+"""Log-probabilities of tokens: what a position reports (plain data, no torch: these
+cross process boundaries and the server's config reads LOGPROBS_MODES).
 
 What is reported (SamplingParams.logprobs / prompt_logprobs / logprobs_mode):
 
@@ -16,18 +17,17 @@ What is reported (SamplingParams.logprobs / prompt_logprobs / logprobs_mode):
 likely). `top` holds the N most likely tokens, best first (it may or may not contain the
 token itself).
 
-The pass (`gather`): for L rows of log-probs `[L, V]`, the chosen tokens' values, their
-ranks and the top-K ids and values are packed on the device into one `[L, 2 + 2K]` float64
-tensor (token ids are exact in float64), so a step brings them to the host in one copy,
-together with its sampled ids; the full `[L, V]` never leaves the device.
+The device pass (engine.sampler.gather_logprobs) packs, for L rows of log-probs `[L, V]`,
+the chosen tokens' values, their ranks and the top-K ids and values into one `[L, 2 + 2K]`
+float64 tensor (token ids are exact in float64), so a step brings them to the host in one
+copy, together with its sampled ids; the full `[L, V]` never leaves the device. `unpack`
+reads them back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 LOGPROBS_MODES = ("processed", "raw")
 
@@ -45,24 +45,11 @@ class TokenLogprobs:
 PromptLogprobs = tuple[TokenLogprobs | None, ...]  # one per prompt token; the first is None
 
 
-def gather(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
-    """`[L, 2 + 2k]` float64 on the device: per row (chosen log-prob, rank, k top ids,
-    k top log-probs) of log-probs `[L, V]` and chosen ids `[L]`."""
-    k = min(k, logprobs.shape[1])
-    picked = logprobs.gather(1, chosen.long()[:, None])  # [L, 1]
-    rank = (logprobs >= picked).sum(dim=1, keepdim=True, dtype=torch.int32)  # [L, 1]
-    parts = [picked.double(), rank.double()]
-    if k:
-        top = torch.topk(logprobs, k, dim=1)  # sorted, best first
-        parts += [top.indices.double(), top.values.double()]
-    return torch.cat(parts, dim=1)
-
-
 def unpack(flat: Sequence[float], offset: int, chosen: Sequence[int], k: int,
            ns: Sequence[int]) -> tuple[list[TokenLogprobs], int]:
-    """TokenLogprobs of rows packed by `gather` (with the same `k`, row i keeping its own
-    `ns[i]` top entries), read from the host list `flat` at `offset`; returns them and the
-    offset past them."""
+    """TokenLogprobs of rows packed by `gather_logprobs` (with the same `k`, row i keeping
+    its own `ns[i]` top entries), read from the host list `flat` at `offset`; returns them
+    and the offset past them."""
     width = 2 + 2 * k
     out = []
     for i, (token, n) in enumerate(zip(chosen, ns, strict=True)):

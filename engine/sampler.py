@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logprobs import TokenLogprobs, gather, unpack
+from engine.logprobs import TokenLogprobs, unpack
 from engine.request import SamplingParams
 
 # Per-request generators live on the CPU (Request owns them); a seeded row sampled on a
@@ -48,7 +48,7 @@ class SamplerOutput:
 class DeviceSample:
     """A step's draw before it leaves the device: `ids` [N] and, for the rows in `rows`
     (those that asked for log-probs), their packed log-probs `[len(rows), 2 + 2k]`
-    (engine.logprobs.gather)."""
+    (gather_logprobs)."""
 
     ids: torch.Tensor
     rows: list[int]
@@ -143,6 +143,19 @@ def _exponentials(like: torch.Tensor, params: Sequence[SamplingParams],
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """`[L, 2 + 2k]` float64 on the device: per row (chosen log-prob, rank, k top ids,
+    k top log-probs) of log-probs `[L, V]` and chosen ids `[L]` (engine/logprobs.py)."""
+    k = min(k, logprobs.shape[1])
+    picked = logprobs.gather(1, chosen.long()[:, None])  # [L, 1]
+    rank = (logprobs >= picked).sum(dim=1, keepdim=True, dtype=torch.int32)  # [L, 1]
+    parts = [picked.double(), rank.double()]
+    if k:
+        top = torch.topk(logprobs, k, dim=1)  # sorted, best first
+        parts += [top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=1)
+
+
 def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -184,7 +197,7 @@ def sample_on_device(
 
         src = _logprob_source(pick(logits).float(), None if x is None else pick(x),
                               [params[i] for i in rows])
-        out.packed = gather(src.log_softmax(dim=-1), pick(ids), out.k)
+        out.packed = gather_logprobs(src.log_softmax(dim=-1), pick(ids), out.k)
     return out
 
 
