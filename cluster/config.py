@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from cluster.config_fields import Section, did_you_mean, opt
 from engine.attention.registry import ATTENTION_BACKENDS
 from engine.config import DTYPES
+from engine.logprobs import LOGPROBS_MODES
 from engine.model_fetch import REAL_MODELS
 from kv_transfer.pacing import SEND_POLICIES
 from kv_transfer.registry import CONNECTORS
@@ -29,10 +30,6 @@ from prefill_worker.policies import CHUNK_POLICIES, FAIRNESS_POLICIES
 
 # (none of these imports loads torch: `pdserve --help` stays instant)
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-# engine.logprobs.LOGPROBS_MODES (a unit test keeps them equal)
-LOGPROBS_MODES = ("processed", "raw")
 
 
 @dataclass(frozen=True)

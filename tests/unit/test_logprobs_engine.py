@@ -17,7 +17,6 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from cluster.config import LOGPROBS_MODES as CONFIG_MODES
 from engine import LLM, SamplingParams
 from engine.logprobs import LOGPROBS_MODES
 from engine.request import Request
@@ -226,4 +225,3 @@ def test_logprob_fields_are_checked():
         SamplingParams(prompt_logprobs=True)
     with pytest.raises(ValueError, match="logprobs_mode must be one of"):
         SamplingParams(logprobs_mode="logits")
-    assert CONFIG_MODES == LOGPROBS_MODES  # `pdserve serve --logprobs-mode` mirrors them
