@@ -116,11 +116,17 @@ def test_sender_rejects_contract_violations():
         tx.send(_one("r", 0, False), dest=rx.endpoint)
         with pytest.raises(ValueError, match="sent twice"):
             tx.send(_one("r", 0, False), dest=rx.endpoint)
-        with pytest.raises(ValueError, match="bound to"):
-            tx.send(_one("r", 1, False), dest="inproc://elsewhere")
+        # a batch with one bad item queues nothing of it
+        with pytest.raises(ValueError, match="sent twice"):
+            tx.send_many([(_one("r", 1, False), rx.endpoint), (_one("r", 1, True), rx.endpoint)])
+        assert tx.stats()["requests"]["r"]["bytes_queued"] == _one("r", 0, False).nbytes
         tx.send(_one("r", 1, True), dest=rx.endpoint)
         with pytest.raises(ValueError, match="after its final chunk"):
             tx.send(_one("r", 2, True), dest=rx.endpoint)
+        # another receiver (a decode TP rank) joining after the final chunk would let the
+        # request finish before that receiver got anything
+        with pytest.raises(ValueError, match="new receiver"):
+            tx.send(_one("r", 0, True), dest="inproc://elsewhere")
     finally:
         tx.close()
         rx.close()
