@@ -104,3 +104,8 @@ def test_inproc_kv_across_tp_degrees_is_byte_exact(h, p_tp, d_tp):
 @pytest.mark.parametrize(("h", "p_tp", "d_tp"), [(2, 2, 1), (2, 1, 2), (2, 2, 2)])
 def test_tcp_kv_across_tp_degrees_is_byte_exact(h, p_tp, d_tp):
     run_tp_transfer("tcp", h, p_tp, d_tp)
+
+
+@pytest.mark.parametrize(("h", "p_tp", "d_tp"), [(2, 2, 1), (2, 1, 2), (2, 2, 2)])
+def test_torchdist_kv_across_tp_degrees_is_byte_exact(h, p_tp, d_tp):
+    run_tp_transfer("torchdist", h, p_tp, d_tp)
