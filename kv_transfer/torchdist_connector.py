@@ -46,6 +46,7 @@ from kv_transfer.wire import header_for as _header_for
 log = logging.getLogger(__name__)
 _CONTROL_LIMIT = PREAMBLE.size + MAX_HEADER_BYTES
 _ACKS_PER_MESSAGE = 128
+_ACCEPT_POLL_S = 0.02  # how often the receiver looks for new links
 HB, BYE = encode_control({"k": "hb"}), encode_control({"k": "bye"})
 
 
@@ -75,6 +76,8 @@ class TorchDistTransport(LinkTransport):
             th = threading.Thread(target=target, daemon=True, name=f"kv-dist-{name}<-{self._dest}")
             th.start()
             self._threads.append(th)
+        if self._closed.is_set():  # closed while connecting: end the link the usual way
+            self._say_bye()
 
     def transmit(self, pieces: list[Piece]) -> None:
         assert self._chan is not None
@@ -150,6 +153,7 @@ class _DistRxLink(RxLink):
         self._cond = threading.Condition()
         self._acks: list[Ack] = []
         self._bye = False
+        self._quiet = False  # the peer is gone: send nothing more (a gloo send would wait)
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name=f"kv-ack->{name}")
         self._writer.start()
 
@@ -163,8 +167,10 @@ class _DistRxLink(RxLink):
         try:
             while True:
                 with self._cond:
-                    if not self._acks and not self._bye:
+                    if not self._acks and not self._bye and not self._quiet:
                         self._cond.wait(self._hb)
+                    if self._quiet:
+                        return
                     acks, self._acks, bye = self._acks, [], self._bye
                 for i in range(0, len(acks), _ACKS_PER_MESSAGE):
                     batch = [list(a) for a in acks[i : i + _ACKS_PER_MESSAGE]]
@@ -180,6 +186,11 @@ class _DistRxLink(RxLink):
         """Flush the acks, then tell the sender we are done (it answers "bye")."""
         with self._cond:
             self._bye = True
+            self._cond.notify()
+
+    def go_quiet(self) -> None:
+        with self._cond:
+            self._quiet = True
             self._cond.notify()
 
 
@@ -207,20 +218,17 @@ class TorchDistReceiver(InboxReceiver):
         return self._endpoint
 
     def _accept_loop(self) -> None:
+        # polls the link counter (a store.wait that times out logs a warning each time)
         nxt = 1
-        while not self._stop.is_set():
-            try:
-                claimed = self._store.add(LINKS_KEY, 0)
-                for n in range(nxt, claimed + 1):
-                    t = threading.Thread(target=self._serve, args=(n,), daemon=True,
-                                         name=f"kv-dist-link:{n}")
-                    with self._lock:
-                        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-                    t.start()
-                nxt = max(nxt, claimed + 1)
-                self._store.wait([link_prefix(nxt) + "hello"], seconds(0.25))
-            except RuntimeError:  # wait timed out (or the store is shutting down)
-                continue
+        while not self._stop.wait(_ACCEPT_POLL_S):
+            claimed = self._store.add(LINKS_KEY, 0)
+            for n in range(nxt, claimed + 1):
+                t = threading.Thread(target=self._serve, args=(n,), daemon=True,
+                                     name=f"kv-dist-link:{n}")
+                with self._lock:
+                    self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                t.start()
+            nxt = max(nxt, claimed + 1)
 
     def _serve(self, n: int) -> None:
         cfg = self.cfg
@@ -235,28 +243,33 @@ class TorchDistReceiver(InboxReceiver):
         link = _DistRxLink(chan, f"{peer}#{n}", cfg.failure_timeout_s / 3)
         with self._lock:
             self._links.add(link)
-        reason = "sender closed the link"
+        reason, bye = "sender closed the link", True
         try:
-            while not self._stop.is_set():
+            while True:
                 kind, header, payload = chan.recv(DATA_TAG, max_frame_bytes=cfg.max_frame_bytes,
                                                   alloc=self._pool.get)
                 if kind == "kv":
                     self._accept(link, header, payload)
-                elif kind == "bye":
+                elif kind == "bye":  # the sender's, or its answer to ours
                     break
                 elif kind != "hb":
                     raise WireError(f"unexpected message {kind!r} from sender")
-        except (RuntimeError, WireError) as e:
-            reason = f"{type(e).__name__}: {e}"
+        except (RuntimeError, WireError) as e:  # reset, silence past the timeout, bad frame
+            reason, bye = f"{type(e).__name__}: {e}", False
         if self._stop.is_set():
             reason = "receiver closed"
-        link.say_bye()
-        link._writer.join(timeout=cfg.failure_timeout_s + 1.0)
-        chan.abort()
         with self._lock:
             self._links.discard(link)
         self._link_closed(link, reason)
         log.info("kv receiver %s: link %s closed: %s", self.endpoint, link.name, reason)
+        # answer a bye (the sender's ack reader waits for it); after a failure send
+        # nothing: a send to a peer that will not receive blocks for the whole timeout
+        if bye:
+            link.say_bye()
+        else:
+            link.go_quiet()
+        link._writer.join(timeout=cfg.failure_timeout_s + 1.0)
+        chan.abort()
 
     def stats(self) -> dict:
         out = super().stats()
