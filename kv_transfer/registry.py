@@ -91,7 +91,7 @@ register_connector(
 register_connector(
     "torchdist", "kv_transfer.torchdist_connector:make_torchdist_sender",
     "kv_transfer.torchdist_connector:make_torchdist_receiver",
-    help="torch.distributed point to point (a gloo group per link)")
+    help="torch.distributed send/recv")
 register_connector(
     "inproc", "kv_transfer.inproc:make_inproc_sender", "kv_transfer.inproc:make_inproc_receiver",
     help="one process, for tests", worker_kwargs=lambda role, wid, actor: {"name": wid})
