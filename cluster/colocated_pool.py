@@ -95,6 +95,7 @@ class ColocatedWorker(WorkerBase):
                   enable_prefix_caching=spec.enable_prefix_caching, num_blocks=self.num_blocks,
                   device=self.cfg.device, dtype=spec.dtype,
                   attention_backend=spec.attention_backend, max_num_seqs=spec.max_num_seqs,
+                  compile=spec.compile,
                   max_model_len=spec.max_model_len,
                   kv_cache_memory_bytes=spec.kv_cache_memory_bytes)
         self.engine = ColocatedEngine(spec.worker_id, llm)

@@ -20,6 +20,7 @@ from cluster.config_fields import Section, did_you_mean, opt
 # modules pull in torch and `pdserve --help` should stay instant.
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+COMPILE_MODES = ("auto", "none", "decode", "all")  # mirrors engine.config.COMPILE_MODES
 # Mirrors engine.model_fetch.REAL_MODELS (a unit test keeps them equal).
 REAL_MODEL_NAMES = ("smollm2",)
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -37,6 +38,9 @@ class ModelSection(Section):
                                     ge=2)
     attention_backend: str = opt("auto", "attention kernels: auto = triton on CUDA, torch "
                                  "elsewhere", choices=ATTENTION_BACKENDS)
+    compile: str = opt("auto", "compiled model step (torch.compile; CUDA graphs for decode on "
+                       "CUDA): none, decode (decode-only steps), all, or auto = the device's "
+                       "default (engine/compile.py)", choices=COMPILE_MODES)
 
     def _check(self) -> None:
         if not self.path:

@@ -104,7 +104,7 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchO
         specs.append(WorkerSpec(
             worker_id=w.worker_id, role=w.role, model_dir=model_dir,
             device=cfg.model.device, dtype=cfg.model.dtype,
-            attention_backend=cfg.model.attention_backend,
+            attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
             block_size=block or c.block_size, num_blocks=c.num_blocks,
             kv_cache_memory_bytes=int(c.kv_cache_memory_gb * (1 << 30)),
             gpu_memory_utilization=c.gpu_memory_utilization, gpu_share=w.gpu_share,

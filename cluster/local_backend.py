@@ -83,6 +83,7 @@ class LocalBackend:
                   enable_chunked_prefill=s.enable_chunked_prefill,
                   enable_prefix_caching=c.enable_prefix_caching, num_blocks=c.num_blocks,
                   device=m.resolved_device, dtype=m.dtype, attention_backend=m.attention_backend,
+                  compile=m.compile,
                   max_num_seqs=s.max_num_seqs, max_model_len=m.max_model_len,
                   kv_cache_memory_bytes=c.kv_cache_memory_bytes,
                   gpu_memory_utilization=c.gpu_memory_utilization)

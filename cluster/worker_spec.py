@@ -24,6 +24,7 @@ class WorkerSpec:
     device: str = "cpu"  # 'auto', 'cpu', 'cuda' or 'cuda:N' (resolved inside the actor)
     dtype: str = "float32"
     attention_backend: str = "auto"
+    compile: str = "auto"  # engine.compile mode
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
@@ -70,7 +71,7 @@ def engine_config(spec: WorkerSpec, ray_gpu_ids: Sequence[str | int] | None = No
         ),
         device=str(device),
         dtype=spec.dtype,
-        attention_backend=spec.attention_backend,
+        attention_backend=spec.attention_backend, compile=spec.compile,
     )
     if device.type != "cuda" or spec.num_blocks is not None:
         return cfg, num_kv_blocks(cfg)

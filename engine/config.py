@@ -12,6 +12,8 @@ SUPPORTED_ARCHS = (
     "MistralForCausalLM",
 )
 DTYPES = ("float32", "float16", "bfloat16")
+# Mirrors engine.compile.COMPILE_MODES (a unit test keeps them equal; that module imports torch).
+COMPILE_MODES = ("auto", "none", "decode", "all")
 
 
 def torch_dtype(name: str):
@@ -128,7 +130,10 @@ class EngineConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"
     seed: int = 0
+    compile: str = "auto"  # compiled model step (engine.compile): auto, none, decode, all
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
+from engine.compile_ops import attend, paged_attention
 from engine.config import ModelConfig
 
 
@@ -32,16 +33,19 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    """transformers' RMSNorm as one op: `F.rms_norm` is bit-equal to its fp32 formula
+    (tests/unit/test_compiled_step.py); other dtypes normalise in fp32 and round before
+    the weight, as transformers does."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
 def _fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
@@ -70,8 +74,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer  # this layer's KV cache in a compiled step's context
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -123,20 +128,10 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = q * c + _rotate_half(q) * s
             k = k * c + _rotate_half(k) * s
-        be = meta.backend
-        be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        n = meta.num_decode_tokens
-        parts = []
-        if n:
-            parts.append(be.paged_decode_attention(
-                q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
-            ))
-        if n < t:
-            parts.append(be.paged_prefill_attention(
-                q[n:], k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale,
-            ))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if torch.compiler.is_compiling():  # one opaque op; caches and metadata from context
+            out = paged_attention(q, k, v, self.layer, self.scale)
+        else:
+            out = attend(meta, q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -164,9 +159,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -180,7 +175,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -220,8 +215,11 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
             _fuse_params((layer.self_attn.o_proj,), "weight")
             _fuse_params((layer.mlp.down_proj,), "weight")
-        if self.lm_head.weight is not self.model.embed_tokens.weight:
-            _fuse_params((self.lm_head,), "weight")  # (a tied one serves embedding rows)
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        _fuse_params((self.lm_head,), "weight")
+        if tied:  # the embedding reads its rows from the same, transposed, storage:
+            # a strided gather of T rows costs little next to a logits GEMV at 2x speed
+            self.model.embed_tokens.weight = self.lm_head.weight
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """`[head_dim / 2]` fp32 rotary inverse frequencies on `device`, whatever the
@@ -242,15 +240,17 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor] | None = None,
+        v_caches: list[torch.Tensor] | None = None,
+        meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states `[T, hidden]` (logits are taken only where sampled)."""
+        """Hidden states `[T, hidden]` before the final norm (logits are taken only where
+        sampled). Compiled (engine.compile), the caches and metadata are left out: the
+        attention op reads them from the step context."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
+            x = layer(x, cos, sin, k_caches and k_caches[i], v_caches and v_caches[i], meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,168 @@
+"""The compiled model step (engine/compile.py): greedy outputs equal transformers' (fp32)
+over chunk and block sizes, the steps of each mode really run compiled, a compiler that
+fails (a broken C++ toolchain, a step that raises) leaves a logged reason and an engine
+that serves eagerly, padding rows write no KV, and RMSNorm is one op bit-equal to
+transformers'. Tiny models and few graph shapes keep it quick (one compile per
+architecture and token-count class, reused by every engine of the process); the 0.5B
+shape and the real weights are `slow`."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.compile import COMPILE_MODES, decode_buckets, resolve_mode
+from tests.unit.test_engine_exactness import hf_greedy, prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _counting(llm: LLM) -> dict[str, int]:
+    """Count compiled and eager forwards of `llm` from now on."""
+    calls = {"compiled": 0, "steps": 0}
+    run, execute = llm.runner.compiled.run, llm.runner.execute
+
+    def counted_run(*a, **kw):
+        calls["compiled"] += 1
+        return run(*a, **kw)
+
+    def counted_execute(chunks):
+        calls["steps"] += 1
+        return execute(chunks)
+
+    llm.runner.compiled.run = counted_run
+    llm.runner.execute = counted_execute
+    return calls
+
+
+@pytest.mark.parametrize("chunk,block_size", [(1, 16), (7, 8), (16, 1), (33, 16)])
+def test_compiled_greedy_matches_transformers(tiny_model, chunk, block_size):
+    llm = LLM(str(tiny_model), compile="all", block_size=block_size, max_prefill_chunk=chunk,
+              max_num_batched_tokens=64)
+    assert llm.runner.compiled.mode == "all", llm.runner.compiled.report.line()
+    calls = _counting(llm)
+    lengths = sorted({max(1, chunk - 1), chunk + 1, 3 * chunk + 5})
+    prompts = [prompt(n, seed=n) for n in lengths]
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens), f"prompt len {len(p)}"
+    assert calls["compiled"] == calls["steps"] > 0  # every step ran the compiled forward
+    assert llm.runner.compiled.mode == "all"  # no fallback on the way
+    assert llm.block_manager.num_used_blocks == 0
+    llm.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_compiled_other_architectures_match_transformers(model_dirs, arch):
+    d = model_dirs[arch]  # qkv bias (qwen2), q/k norms (qwen3): other graphs
+    llm = LLM(str(d), compile="all", block_size=8, max_prefill_chunk=7)
+    prompts = [prompt(n, seed=n) for n in (6, 23)]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert o.token_ids == hf_greedy(d, p, GREEDY.max_tokens)
+    assert llm.runner.compiled.mode == "all"
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_decode_mode_compiles_decode_steps_only(tiny_model):
+    llm = LLM(str(tiny_model), compile="decode", max_prefill_chunk=16)
+    calls = _counting(llm)
+    p = prompt(40, seed=4)  # three prefill steps, then decode steps
+    out = llm.generate([p], GREEDY)[0]
+    assert out.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens)
+    assert calls["steps"] == 3 + GREEDY.max_tokens - 1
+    assert calls["compiled"] == GREEDY.max_tokens - 1
+    none = LLM(str(tiny_model), compile="none")
+    assert none.runner.compiled.forward_for(True) is None
+    assert none.runner.compiled.report.line() == "compiled step off (requested none)"
+
+
+def test_a_failing_compiled_step_falls_back_to_eager_and_says_why(tiny_model, monkeypatch,
+                                                                 caplog):
+    from engine import compile_ops
+
+    llm = LLM(str(tiny_model), compile="all", max_prefill_chunk=16)
+    assert llm.runner.compiled.mode == "all"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected kernel fault")
+
+    monkeypatch.setattr(compile_ops, "attend", broken)  # only the compiled op's path
+    p = prompt(21, seed=2)
+    with caplog.at_level(logging.WARNING, logger="engine.compile"):
+        out = llm.generate([p], GREEDY)[0]
+    assert out.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens)  # eager took over
+    rep = llm.runner.compiled.report
+    assert rep.mode == "none" and rep.fallback_reason == "RuntimeError: injected kernel fault"
+    assert "compiled step off (requested all): RuntimeError: injected kernel fault" in caplog.text
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_a_broken_cpp_toolchain_falls_back_at_startup(tiny_model, monkeypatch, tmp_path,
+                                                      caplog):
+    """A real compiler failure: no cached artefacts and a C++ compiler that does not exist."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    torch._dynamo.reset()  # forget the graphs other tests compiled in this process
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.compile"):
+            llm = LLM(str(tiny_model), compile="decode")
+        rep = llm.runner.compiled.report
+        assert rep.mode == "none" and rep.fallback_reason
+        assert "compiled step off (requested decode)" in caplog.text
+        p = prompt(9, seed=9)
+        assert llm.generate([p], GREEDY)[0].token_ids == hf_greedy(tiny_model, p, 8)
+    finally:
+        torch._dynamo.reset()  # later tests compile with the real toolchain
+
+
+def test_padding_rows_write_no_kv():
+    from engine.attention import torch_ref
+
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.ones(3, 1, 3)
+    torch_ref.write_kv(k, 2 * k, k_cache, v_cache, torch.tensor([5, -1, -1]))
+    assert k_cache.view(-1, 3)[5].eq(1).all() and v_cache.view(-1, 3)[5].eq(2).all()
+    assert k_cache.sum() == 3 and v_cache.sum() == 6  # nothing else written
+
+
+def test_modes_and_buckets():
+    from engine.config import COMPILE_MODES as CONFIG_MODES
+    from engine.config import EngineConfig
+
+    from cluster.config import COMPILE_MODES as SERVE_MODES
+
+    assert CONFIG_MODES == COMPILE_MODES == SERVE_MODES  # the copies that avoid torch imports
+    assert resolve_mode("auto", torch.device("cuda", 0)) == "decode"
+    assert resolve_mode("none", torch.device("cpu")) == "none"
+    with pytest.raises(ValueError, match="compile must be one of"):
+        resolve_mode("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EngineConfig(model_dir="x", model=None, compile="fast")  # type: ignore[arg-type]
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(20) == (1, 2, 4, 8, 16, 24)
+    assert decode_buckets(256)[-1] == 256 and decode_buckets(300)[-1] == 300
+
+
+def test_rms_norm_is_one_op_and_bit_equal_to_transformers_fp32():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from engine.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dim, rows in ((576, 1), (64, 37), (896, 300)):
+        ref = LlamaRMSNorm(dim, eps=1e-5)
+        ours = RMSNorm(dim, 1e-5)
+        w = torch.randn(dim, generator=g)
+        ref.weight.data.copy_(w)
+        ours.weight.data.copy_(w)
+        x = 3 * torch.randn(rows, dim, generator=g)
+        assert torch.equal(ours(x), ref(x)), (dim, rows)
+        xb = x.bfloat16()  # other dtypes: transformers' roundings, not one fused op
+        assert torch.equal(ours.bfloat16()(xb), ref.bfloat16()(xb))
