@@ -58,6 +58,7 @@ class StepContext:
     meta: AttentionMetadata
     k_caches: Sequence[torch.Tensor]
     v_caches: Sequence[torch.Tensor]
+    packed: Sequence[torch.Tensor] | None = None  # packed projection weights (models/linear.py)
 
 
 _local = threading.local()
@@ -65,14 +66,20 @@ _local = threading.local()
 
 @contextmanager
 def step_context(meta: AttentionMetadata, k_caches: Sequence[torch.Tensor],
-                 v_caches: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Make this step's metadata and caches what `paged_attention` reads on this thread."""
+                 v_caches: Sequence[torch.Tensor],
+                 packed: Sequence[torch.Tensor] | None = None) -> Iterator[None]:
+    """Make this step's metadata, caches and packed weights what the ops read on this
+    thread."""
     prev = getattr(_local, "ctx", None)
-    _local.ctx = StepContext(meta, k_caches, v_caches)
+    _local.ctx = StepContext(meta, k_caches, v_caches, packed)
     try:
         yield
     finally:
         _local.ctx = prev
+
+
+def current_context() -> StepContext | None:
+    return getattr(_local, "ctx", None)
 
 
 @torch.library.custom_op("pdserve::paged_attention", mutates_args=())
@@ -81,7 +88,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """`attend` for layer `layer` with this thread's step context (writes the layer's KV
     cache: a side effect the graph does not see; each layer's call depends on the one
     before through `q`, so the order is kept)."""
-    ctx: StepContext | None = getattr(_local, "ctx", None)
+    ctx = current_context()
     if ctx is None:
         raise RuntimeError("pdserve::paged_attention called outside ModelRunner's step context")
     out = attend(ctx.meta, q, k, v, ctx.k_caches[layer], ctx.v_caches[layer], scale)

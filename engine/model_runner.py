@@ -26,6 +26,7 @@ from engine.device import ThreadBinder, pinned_empty
 from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
+from engine.models.linear import can_pack
 from engine.models.llama import AttentionMetadata
 
 __all__ = ["ModelRunner", "SeqChunk", "torch_dtype"]
@@ -109,6 +110,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
+        if can_pack(self.device, self.dtype):
+            self.model.pack()  # CPU GEMMs of 2+ rows on oneDNN-packed weights
         memory = device_memory(self.device) if self.device.type == "cuda" else None
         if num_blocks is None:
             num_blocks = num_kv_blocks(config, memory=memory)
@@ -223,16 +226,17 @@ class ModelRunner:
             prefill_query_start_loc=view("qsl"),
             prefill_seq_lens=view("plens"),
         )
-        hidden = None
-        if fn is not None:
-            try:
-                with step_context(meta, self.kv.k, self.kv.v):
+        model = self.model
+        with step_context(meta, self.kv.k, self.kv.v, model.packed):
+            hidden = None
+            if fn is not None:
+                try:
                     hidden = self.compiled.run(fn, view("ids"), view("pos"))
-            except Exception as e:  # noqa: BLE001 - a compiled step that fails: go eager
-                self.compiled.disable(e)
-        if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
-            hidden = self.model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
-        return self.model.compute_logits(hidden.index_select(0, view("rows")))
+                except Exception as e:  # noqa: BLE001 - a compiled step that fails: go eager
+                    self.compiled.disable(e)
+            if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
+                hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
+            return model.compute_logits(hidden.index_select(0, view("rows")))
 
     def _run_padding(self, decode_only: bool, rows: int) -> None:
         """One compiled step of `rows` padding tokens (slot -1: no KV is written; they read

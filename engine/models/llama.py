@@ -16,6 +16,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.compile_ops import attend, paged_attention
 from engine.config import ModelConfig
+from engine.models.linear import pack, project
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Attention(nn.Module):
         # set by fuse(); the q/k/v weights view it. Buffers, so that `.to()` moves them.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_key: int | None = None  # packed copies (models/linear.py), set by pack()
+        self.o_key: int | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -113,7 +116,7 @@ class Attention(nn.Module):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KVH) * D]
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_key)  # [T, (H+2KVH)*D]
             qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if self.qk_norm:
@@ -132,7 +135,9 @@ class Attention(nn.Module):
             out = paged_attention(q, k, v, self.layer, self.scale)
         else:
             out = attend(meta, q, k, v, k_cache, v_cache, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        o = self.o_proj
+        return project(out.reshape(t, self.num_heads * self.head_dim), o.weight, o.bias,
+                       self.o_key)
 
 
 class MLP(nn.Module):
@@ -143,6 +148,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.gate_up_key: int | None = None
+        self.down_key: int | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -154,8 +161,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = project(x, self.gate_up_weight, self.gate_up_bias,
+                           self.gate_up_key).chunk(2, dim=-1)
+        d = self.down_proj
+        return project(F.silu(gate) * up, d.weight, d.bias, self.down_key)
 
 
 class DecoderLayer(nn.Module):
@@ -190,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
         # Rotary frequencies are not a buffer: `.to(dtype=bf16)` would round them (0.4%
         # error, radians of angle by position 4k). fp32 copies per device, made on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.packed: list[torch.Tensor] | None = None  # by key; see pack()
+        self.lm_head_key: int | None = None
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Install checkpoint tensors as the parameters themselves (`assign=True`: no copy
@@ -220,6 +231,23 @@ class LlamaForCausalLM(nn.Module):
         if tied:  # the embedding reads its rows from the same, transposed, storage:
             # a strided gather of T rows costs little next to a logits GEMV at 2x speed
             self.model.embed_tokens.weight = self.lm_head.weight
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """oneDNN-packed copies of every projection weight (after `fuse`; CPU fp32): GEMMs
+        of 2+ rows read them (models/linear.py). Modules keep the copies' keys only, so a
+        compiled graph names weights by position, not by object."""
+        self.packed = []
+
+        def add(weight: torch.Tensor) -> int:
+            self.packed.append(pack(weight))
+            return len(self.packed) - 1
+
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_key, a.o_key = add(a.qkv_weight), add(a.o_proj.weight)
+            m.gate_up_key, m.down_key = add(m.gate_up_weight), add(m.down_proj.weight)
+        self.lm_head_key = add(self.lm_head.weight)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """`[head_dim / 2]` fp32 rotary inverse frequencies on `device`, whatever the
@@ -254,4 +282,5 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        return project(self.model.norm(hidden), self.lm_head.weight, None,
+                       self.lm_head_key).float()
