@@ -133,10 +133,9 @@ def test_padding_rows_write_no_kv():
 
 
 def test_modes_and_buckets():
+    from cluster.config import COMPILE_MODES as SERVE_MODES
     from engine.config import COMPILE_MODES as CONFIG_MODES
     from engine.config import EngineConfig
-
-    from cluster.config import COMPILE_MODES as SERVE_MODES
 
     assert CONFIG_MODES == COMPILE_MODES == SERVE_MODES  # the copies that avoid torch imports
     assert resolve_mode("auto", torch.device("cuda", 0)) == "decode"
@@ -166,3 +165,17 @@ def test_rms_norm_is_one_op_and_bit_equal_to_transformers_fp32():
         assert torch.equal(ours(x), ref(x)), (dim, rows)
         xb = x.bfloat16()  # other dtypes: transformers' roundings, not one fused op
         assert torch.equal(ours.bfloat16()(xb), ref.bfloat16()(xb))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_decode_step_skips_cleanly_without_cuda(tmp_path, capsys):
+    import json
+
+    from bench import gpu_decode_step
+    from bench.gpu_check_steps import STEPS
+
+    out = tmp_path / "decode.json"
+    assert gpu_decode_step.main(["--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"skipped": gpu_decode_step.NO_CUDA}
+    assert "no CUDA device" in capsys.readouterr().err
+    assert STEPS["compiled_decode"][2] is True  # gpu_check skips it without CUDA
