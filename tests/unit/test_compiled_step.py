@@ -179,3 +179,38 @@ def test_gpu_decode_step_skips_cleanly_without_cuda(tmp_path, capsys):
     assert json.loads(out.read_text()) == {"skipped": gpu_decode_step.NO_CUDA}
     assert "no CUDA device" in capsys.readouterr().err
     assert STEPS["compiled_decode"][2] is True  # gpu_check skips it without CUDA
+
+
+@pytest.mark.slow
+def test_compiled_qwen2_05b_shape_matches_transformers():
+    """The 0.5B shape (24 layers, hidden 896, 14/2 heads, random weights): a short check,
+    slow on CPU (2 GB of fp32 weights; one cold compile)."""
+    from engine.tiny_model import ensure_model
+
+    d = ensure_model("qwen2-0.5b-shape", "qwen2")
+    llm = LLM(str(d), compile="all", max_prefill_chunk=16, num_blocks=64)
+    p = prompt(37, seed=5)
+    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(d, p, 4)
+    assert llm.runner.compiled.mode == "all"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk,block_size", [(16, 16), (37, 8), (512, 16)])
+def test_compiled_real_weights_match_transformers(chunk, block_size):
+    from engine.model_fetch import ModelFetchError, ensure_real_model
+    from tests.unit.test_real_model import KV_TOKENS
+    from tests.unit.test_real_model import hf_greedy as hf_real
+
+    try:
+        d = ensure_real_model("smollm2")
+    except ModelFetchError as e:
+        pytest.skip(f"SmolLM2 real-weights test skipped: {e}")
+    llm = LLM(str(d), compile="all", block_size=block_size, max_prefill_chunk=chunk,
+              max_num_batched_tokens=max(512, chunk), num_blocks=KV_TOKENS // block_size)
+    ps = [prompt(n, seed=n) for n in (11, 230)]  # one and many chunks
+    for p, o in zip(ps, llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=10)),
+                    strict=True):
+        assert o.token_ids == hf_real(str(d), tuple(p)), f"prompt of {len(p)} tokens"
+    assert llm.runner.compiled.mode == "all"
+    assert llm.block_manager.num_used_blocks == 0
