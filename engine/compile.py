@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "none", "decode", "all")
 AUTO_MODE = {"cpu": "all", "cuda": "decode"}
+PADDED_DECODE = {"cuda"}  # devices whose decode steps pad to buckets (CUDA graphs need it)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 RECOMPILE_LIMIT = 64  # dynamo's cache entries per code object (engines of several models)
 
@@ -69,7 +70,7 @@ class CompileReport:
     requested: str
     mode: str  # the mode in force: "none" after a fallback
     compile_s: float = 0.0
-    graphs: list[str] = field(default_factory=list)  # "decode T=1", "decode T=8 (graph)", ...
+    graphs: list[str] = field(default_factory=list)  # "decode T=1", "mixed T=2", ...
     cache_hits: int = 0
     cache_misses: int = 0
     fallback_reason: str | None = None
@@ -97,7 +98,9 @@ class CompiledStep:
         self.device = device
         self.report = CompileReport(requested=mode, mode=resolve_mode(mode, device))
         self.graphs = device.type == "cuda"  # CUDA graphs for decode steps
-        self.buckets = decode_buckets(max_num_seqs) if self.graphs else ()
+        # decode batches padded to buckets, tables to a fixed width: what graphs need
+        self.padded = device.type in PADDED_DECODE
+        self.buckets = decode_buckets(max_num_seqs) if self.padded else ()
         self._decode: Callable | None = None
         self._mixed: Callable | None = None
         if self.report.mode == "none":

@@ -130,7 +130,7 @@ class ModelRunner:
         self._graph_width = -(-max_len // self.block_size)
         if compiled.buckets:
             rows = compiled.buckets[-1]
-            self._graph_buf = _StepBuffer(self.device, (4 + self._graph_width) * rows + 64)
+            self._graph_buf = _StepBuffer(self.device, (6 + self._graph_width) * rows + 64)
         self.compiled = compiled
         compiled.warmup(self._run_padding)
 
@@ -173,7 +173,7 @@ class ModelRunner:
         fn = compiled.forward_for(decode_only=not prefills) if compiled else None
         buf, width = self._buf, None
         dtables = [c.block_ids for c in decodes]
-        if fn is not None and compiled.graphs and not prefills:
+        if fn is not None and compiled.padded and not prefills:
             rows = compiled.bucket(len(decodes))
             if rows in compiled.buckets and all(len(t) <= self._graph_width for t in dtables):
                 pad = rows - len(decodes)  # rows that write nowhere and read block 0
@@ -243,7 +243,7 @@ class ModelRunner:
         block 0), as `rows` decodes or one prefill chunk: compiles or records that shape."""
         fn = self.compiled.forward_for(decode_only)
         buf, width = self._buf, None
-        if decode_only and self.compiled.graphs:
+        if decode_only and self.compiled.padded:
             buf, width = self._graph_buf, self._graph_width
         zeros = [0] * rows
         if decode_only:

@@ -66,6 +66,32 @@ def test_compiled_other_architectures_match_transformers(model_dirs, arch):
     assert llm.block_manager.num_used_blocks == 0
 
 
+def test_decode_batches_padded_to_buckets_match_transformers(tiny_model, monkeypatch):
+    """The CUDA-graph layout on the CPU: decode batches padded to their bucket (rows that
+    write no KV), block tables padded to one width, read from a buffer that never moves."""
+    from engine import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "PADDED_DECODE", {"cpu", "cuda"})
+    llm = LLM(str(tiny_model), compile="decode", max_num_seqs=20, max_prefill_chunk=64,
+              block_size=8)
+    compiled = llm.runner.compiled
+    assert compiled.padded and compiled.buckets == (1, 2, 4, 8, 16, 24)
+    rows: list[int] = []
+    run = compiled.run
+
+    def spy(fn, ids, pos):
+        rows.append(len(ids))
+        return run(fn, ids, pos)
+
+    compiled.run = spy
+    prompts = [prompt(n, seed=n) for n in (3, 9, 17, 30, 41)]  # 5 decodes pad to 8
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens), f"prompt len {len(p)}"
+    assert 8 in rows and set(rows) <= set(compiled.buckets)
+    assert llm.runner._graph_buf.fixed and llm.block_manager.num_used_blocks == 0
+
+
 def test_decode_mode_compiles_decode_steps_only(tiny_model):
     llm = LLM(str(tiny_model), compile="decode", max_prefill_chunk=16)
     calls = _counting(llm)
