@@ -175,6 +175,18 @@ def test_modes_and_buckets():
     assert decode_buckets(256)[-1] == 256 and decode_buckets(300)[-1] == 300
 
 
+def test_the_compile_key_reaches_the_workers_engine_config(tiny_model):
+    from cluster.config import ServeConfig
+    from cluster.worker_spec import WorkerSpec, engine_config
+
+    cfg = ServeConfig().with_values({"model.compile": "decode"})
+    assert cfg.model.compile == "decode"
+    with pytest.raises(ValueError, match="model.compile must be one of"):
+        ServeConfig().with_values({"model.compile": "fast"})
+    spec = WorkerSpec("p0", "prefill", str(tiny_model), compile=cfg.model.compile)
+    assert engine_config(spec)[0].compile == "decode"
+
+
 def test_rms_norm_is_one_op_and_bit_equal_to_transformers_fp32():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
