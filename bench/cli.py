@@ -1,99 +1,22 @@
-"""`pdserve bench` and `pdserve study`, plugged into cluster/cli.py through ``SUBCOMMANDS``.
+"""The bench's command line: `pdserve bench` and `pdserve study`, plugged into
+cluster/cli.py through ``SUBCOMMANDS`` (``python -m bench.run_all`` is `pdserve study all`).
 
     pdserve bench --addr 127.0.0.1:50051 --num-prompts 200 --request-rate 4 \\
         --mix mixed --max-concurrency 32 --slo ttft:500,tpot:50 --json out.json
     pdserve study chunk-size --out results/ --quick --transfer-compute-ratio 0.15
+    pdserve study all --out bench/results --quick            # make bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import secrets
 import sys
 from pathlib import Path
 
-from bench.workload import MIXES
+from bench.workload_args import add_workload_args, workload_spec
 
 DEFAULT_ADDR = "127.0.0.1:50051"
-
-
-# ---- workload flags -----------------------------------------------------------------
-def parse_length(text: str):
-    """``128`` (fixed), ``64:256`` (uniform), ``lognormal:MEDIAN:SIGMA[:LO:HI]``."""
-    from bench.workload import LengthDist
-
-    parts = text.split(":")
-    try:
-        if parts[0] == "lognormal" and len(parts) in (3, 5):
-            lo, hi = (int(parts[3]), int(parts[4])) if len(parts) == 5 else (1, 1 << 20)
-            return LengthDist.lognormal(float(parts[1]), float(parts[2]), lo, hi)
-        if len(parts) == 1:
-            return LengthDist.fixed(int(parts[0]))
-        if len(parts) == 2:
-            return LengthDist.uniform(int(parts[0]), int(parts[1]))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    raise argparse.ArgumentTypeError(
-        f"{text!r}: expected N, LO:HI or lognormal:MEDIAN:SIGMA[:LO:HI]")
-
-
-def parse_tenants(text: str):
-    """``gold:0.3:4[:500],free:0.7:1`` = name:share:weight[:ttft_deadline_ms], ..."""
-    from bench.workload import TenantSpec
-
-    out = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        parts = item.split(":")
-        if not 1 <= len(parts) <= 4:
-            raise argparse.ArgumentTypeError(f"tenant {item!r}: name:share:weight[:deadline]")
-        try:
-            nums = [float(x) for x in parts[1:]]
-            out.append(TenantSpec(parts[0], *nums[:2], ttft_deadline_ms=(
-                nums[2] if len(nums) > 2 else None)))
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"tenant {item!r}: {e}") from None
-    if not out:
-        raise argparse.ArgumentTypeError("--tenants needs at least one tenant")
-    return tuple(out)
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
-    g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="mean requests/s; inf sends all at once (default inf)")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps: 1 = Poisson, <1 burstier")
-    g.add_argument("--mix", choices=MIXES, default="chat", help="workload mix (default chat)")
-    g.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    g.add_argument("--prompt-len", type=parse_length, help="prompt lengths: N, LO:HI or "
-                   "lognormal:MEDIAN:SIGMA[:LO:HI] (default: the mix's)")
-    g.add_argument("--output-len", type=parse_length, help="output lengths (same forms)")
-    g.add_argument("--long-prompt-len", type=parse_length, help="mixed: long prompt lengths")
-    g.add_argument("--long-output-len", type=parse_length, help="mixed: long output lengths")
-    g.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long prompts")
-    g.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: groups")
-    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: prefix tokens")
-    g.add_argument("--tenants", type=parse_tenants,
-                   help="name:share:weight[:ttft_deadline_ms],... (default one tenant)")
-    g.add_argument("--scale", type=float, default=1.0, help="multiply every length by this")
-    g.add_argument("--dataset-path", help="sharegpt: the ShareGPT JSON file")
-
-
-def workload_spec(args: argparse.Namespace, vocab_size: int, max_model_len: int):
-    from bench.workload import TenantSpec, WorkloadSpec
-
-    return WorkloadSpec(
-        num_requests=args.num_prompts, request_rate=args.request_rate,
-        burstiness=args.burstiness, mix=args.mix, seed=args.seed,
-        vocab_range=(1, vocab_size), prompt_len=args.prompt_len, output_len=args.output_len,
-        long_prompt_len=args.long_prompt_len, long_output_len=args.long_output_len,
-        long_fraction=args.long_fraction, num_prefix_groups=args.num_prefix_groups,
-        prefix_len=args.prefix_len, tenants=args.tenants or (TenantSpec("default"),),
-        scale=args.scale, max_model_len=max_model_len, dataset_path=args.dataset_path,
-        id_prefix=f"bench-{secrets.token_hex(3)}-")
 
 
 # ---- pdserve bench ------------------------------------------------------------------
@@ -201,7 +124,7 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
 
 def study_options(args: argparse.Namespace):
     from bench.metrics import parse_slo
-    from bench.studies.common import DEFAULT_SLOS, StudyOptions
+    from bench.studies.context import DEFAULT_SLOS, StudyOptions
 
     return StudyOptions(
         out=args.out, quick=args.quick, model=args.model, link_gbps=args.link_gbps,
@@ -213,39 +136,59 @@ def study_options(args: argparse.Namespace):
 
 
 def add_study_args(p: argparse.ArgumentParser) -> None:
-    from bench.study import STUDIES
+    from bench.study import ORDER, STUDIES
 
-    p.add_argument("name", choices=(*STUDIES, "all"), help="the study to run ('all': every one)")
+    p.add_argument("name", choices=(*STUDIES, "all"), help="the study to run ('all': every "
+                   "one, then an index OUT/README.md)")
     add_study_options(p)
+    p.add_argument("--studies", default=",".join(ORDER),
+                   help=f"with 'all': a comma-separated subset of {','.join(ORDER)}")
 
 
 def run_study_cmd(args: argparse.Namespace) -> int:
     import logging
 
-    from bench.studies.common import StudyContext
-    from bench.study import options_summary, run_study
+    from bench.study import ORDER, run_all, run_study
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    studies = tuple(s.strip() for s in args.studies.split(",") if s.strip())
+    if args.name == "all" and args.configs:
+        return _study_error("--configs picks configurations of one study: use "
+                            "`pdserve study NAME`")
+    if unknown := sorted(set(studies) - set(ORDER)):
+        return _study_error(f"--studies: unknown {unknown}")
     try:
         opts = study_options(args)
     except ValueError as e:
-        print(f"pdserve study: error: {e}", file=sys.stderr)
-        return 2
+        return _study_error(str(e))
     if args.name == "all":
-        from bench.run_all import run_all
+        return run_all(opts, studies)
+    from bench.studies.context import StudyContext
 
-        return run_all(opts)
-    print(f"pdserve study {args.name}: {options_summary(opts)}", flush=True)
+    print(f"pdserve study {args.name}: {opts.summary()}", flush=True)
     ctx = StudyContext(opts)
     try:
         run_study(args.name, ctx)
     except ValueError as e:
-        print(f"pdserve study: error: {e}", file=sys.stderr)
-        return 2
+        return _study_error(str(e))
     finally:
         ctx.close()
     return 0
+
+
+def _study_error(message: str) -> int:
+    print(f"pdserve study: error: {message}", file=sys.stderr)
+    return 2
+
+
+def study_main(argv: list[str] | None = None, prog: str = "pdserve study",
+               description: str = "run a parameter study") -> int:
+    """`pdserve study ...` without the rest of the pdserve CLI (``python -m bench.run_all``)."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_study_args(p)
+    return run_study_cmd(p.parse_args(argv))
 
 
 SUBCOMMANDS = {

@@ -18,7 +18,6 @@ part of that API, so they stay empty).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from dataclasses import dataclass
 import grpc
 import openai
 
-from bench.metrics import RequestRecord
+from bench.arrivals import Clock, send_at_arrivals
+from bench.records import RequestRecord, phase_times
 from bench.workload import WorkloadRequest
 from cluster.client import AsyncPdserveClient, Chunk
 from cluster.types import Usage
 
-Clock = Callable[[], float]
 TimedChunk = tuple[float, Chunk]  # (arrival time, chunk)
 OK_REASONS = ("stop", "length")
 
@@ -50,15 +49,11 @@ def build_record(req: WorkloadRequest, send_time: float, chunks: Sequence[TimedC
     if not error and reason not in OK_REASONS:
         error = f"stream ended with finish_reason {reason!r}" if reason else \
             "stream ended without a finish reason"
-    usage = last.usage if last is not None else None
     return RequestRecord(
         req.request_id, req.prompt_len, send_time, times,
         end_time=chunks[-1][0] if chunks else None, tenant=req.tenant, kind=req.kind,
         success=not error, finish_reason=reason, error=error,
-        queue_s=usage.queue_s if usage else None, prefill_s=usage.prefill_s if usage else None,
-        transfer_s=usage.transfer_s if usage else None,
-        decode_s=usage.decode_s if usage else None,
-    )
+        **phase_times(last.usage if last is not None else None))
 
 
 async def collect(stream: AsyncIterator[Chunk], clock: Clock = time.monotonic,
@@ -162,29 +157,14 @@ async def run_requests(client, requests: Sequence[WorkloadRequest], *,
                        clock: Clock = time.monotonic) -> list[RequestRecord]:
     """Send every request at its arrival offset through ``client.generate`` (an
     ``AsyncPdserveClient`` or anything with its signature); records in input order."""
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    t0 = clock()
-
     async def send(req: WorkloadRequest) -> RequestRecord:
         send_time = clock()
         chunks, error = await collect(
             client.generate(req.prompt_token_ids, **request_kwargs(req)), clock)
         return build_record(req, send_time, chunks, error)
 
-    async def one(req: WorkloadRequest) -> RequestRecord:
-        await asyncio.sleep(max(0.0, t0 + req.arrival_s - clock()))
-        if limit is None:
-            rec = await send(req)
-        else:
-            async with limit:
-                rec = await send(req)
-        if on_done is not None:
-            on_done(rec)
-        return rec
-
-    return list(await asyncio.gather(*(one(r) for r in requests)))
+    return await send_at_arrivals(requests, send, max_concurrency=max_concurrency,
+                                  on_done=on_done, clock=clock)
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,18 @@ machine other processes stretch wall time (with one thread, CPU time is the work
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PEERS = ("engine", "hf-padded", "hf-cb")
+_echo = functools.partial(print, flush=True)
 PRESET, ARCH = "qwen2-0.5b-shape", "qwen2"
 
 
@@ -195,7 +198,12 @@ RUNNERS = {"engine": run_engine, "hf-padded": run_hf_padded, "hf-cb": run_hf_cb}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    return compare(parse_args(argv))
+
+
+def compare(args: argparse.Namespace, echo: Callable[[str], None] = _echo) -> dict:
+    """Run every peer of ``args.peers`` on the same prompts; ``echo`` gets each printed
+    line (the figures, ratios and roofline); returns the report (``--json``'s content)."""
     if args.threads is not None:  # before torch starts its pools
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
@@ -212,12 +220,12 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, cfg.vocab_size,
                            args.seed)
     n_prompt = sum(len(p) for p in prompts)
-    print(f"model {model_dir} ({cfg.architecture}, {cfg.num_layers} layers, "
-          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), fp32, {args.threads} threads, "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print(f"workload: {len(prompts)} prompts, {n_prompt} prompt tokens "
-          f"(lengths {args.min_len}..{args.max_len}, seed {args.seed}), "
-          f"{args.output_len} output tokens each", flush=True)
+    echo(f"model {model_dir} ({cfg.architecture}, {cfg.num_layers} layers, "
+         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), fp32, {args.threads} threads, "
+         f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    echo(f"workload: {len(prompts)} prompts, {n_prompt} prompt tokens "
+         f"(lengths {args.min_len}..{args.max_len}, seed {args.seed}), "
+         f"{args.output_len} output tokens each")
     report: dict = {"args": {k: v for k, v in vars(args).items()}, "model_dir": str(model_dir),
                     "prompt_tokens": n_prompt, "peers": {}}
     outputs: dict[str, list[list[int]]] = {}
@@ -237,14 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
         res["output_tok_s"] = n_out / res["wall_s"]
         res["total_tok_s"] = (n_out + n_prompt) / res["wall_s"]
         report["peers"][name] = res
-        print(f"{name:10s} {res['output_tok_s']:8.2f} output tok/s  "
-              f"{'(' + res['compile'] + ') ' if 'compile' in res else ''}"
-              f"({n_out} tokens in {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s CPU; "
-              f"prompt+output {res['total_tok_s']:.1f} tok/s; load {res['load_s']:.1f} s)",
-              flush=True)
+        echo(f"{name:10s} {res['output_tok_s']:8.2f} output tok/s  "
+             f"{'(' + res['compile'] + ') ' if 'compile' in res else ''}"
+             f"({n_out} tokens in {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s CPU; "
+             f"prompt+output {res['total_tok_s']:.1f} tok/s; load {res['load_s']:.1f} s)")
         if n_out != len(prompts) * args.output_len:
-            print(f"  warning: {name} produced {n_out} tokens, expected "
-                  f"{len(prompts) * args.output_len}")
+            echo(f"  warning: {name} produced {n_out} tokens, expected "
+                 f"{len(prompts) * args.output_len}")
     engines = [n for n in outputs if n.startswith("engine")]
     for e in engines:
         tag = "" if len(engines) == 1 else f"{e} "
@@ -253,8 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
             if name not in engines:
                 same = sum(a == b for a, b in zip(outputs[e], outputs[name], strict=True))
                 report["peers"][name][f"greedy_equal_to_{e}"] = same
-                print(f"{name}: greedy outputs equal to the {e}'s for {same}/{len(prompts)} "
-                      "prompts")
+                echo(f"{name}: greedy outputs equal to the {e}'s for {same}/{len(prompts)} "
+                     "prompts")
         eng = report["peers"][e]
         for name in outputs:
             if name not in engines:
@@ -263,13 +270,13 @@ def main(argv: list[str] | None = None) -> dict:
                 cpu_ratio = peer["cpu_s"] / eng["cpu_s"]
                 report[f"ratio_{key}vs_{name}"] = ratio
                 report[f"cpu_ratio_{key}vs_{name}"] = cpu_ratio
-                print(f"{tag}ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
+                echo(f"{tag}ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
         if "roofline" in eng:
             for line in roofline.lines(eng["roofline"]):
-                print(f"{tag}{line}")
+                echo(f"{tag}{line}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+        echo(f"wrote {args.json}")
     return report
 
 

@@ -11,6 +11,10 @@ ITL p50/p99/max and long-prompt TTFT per layout, then `ratio <layout>: X` = chat
 with long prompts over chat ITL p99 without them. Goal: disagg <= 1.25 while colocated
 grows far beyond.
 
+The experiment (workload, phases, summary) is `pdserve study interference`'s
+(bench/studies/interference.py); this command runs it on routers of its own, without
+the study's emulated link, and prints its own lines.
+
   python -m bench.interference            # qwen2-0.5b-shape (minutes on 2 cores)
   python -m bench.interference --quick    # the small preset, shorter requests
 """
@@ -19,20 +23,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import random
 import sys
-import time
+from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from bench.router_driver import TimedRequest, run_workload
+from bench.records import RequestRecord
+from bench.router_driver import run_workload, timed_requests
+from bench.studies.interference import (
+    LAYOUTS,
+    InterferenceSpec,
+    layout_config,
+    run_phase,
+    summarize,
+)
+from bench.studies.service import OnDone, build_router
+from bench.workload import WorkloadRequest
 from cluster.config import ServeConfig
-from cluster.launcher import build_colocated_pool_router, build_disaggregated_router
 from engine.tiny_model import ensure_model
+
+SPEC_FIELDS = ("chat", "chat_prompt", "chat_output", "long", "long_prompt", "long_every", "seed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,68 +78,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def chat_workload(args, tag: str) -> list[TimedRequest]:
-    rng = random.Random(args.seed)
-    return [TimedRequest(f"{tag}-chat-{i}", 0.05 * i,
-                         tuple(rng.randrange(1, 2000) for _ in range(args.chat_prompt)),
-                         args.chat_output, kind="chat") for i in range(args.chat)]
+def spec_of(args: argparse.Namespace) -> InterferenceSpec:
+    return InterferenceSpec(**{k: getattr(args, k) for k in SPEC_FIELDS})
 
 
-def long_request(args, tag: str, i: int) -> TimedRequest:
-    rng = random.Random(args.seed * 1000 + i + 1)
-    return TimedRequest(f"{tag}-long-{i}", 0.2 + args.long_every * i,
-                        tuple(rng.randrange(1, 2000) for _ in range(args.long_prompt)),
-                        8, kind="long")
+def run_layout(name: str, router, spec: InterferenceSpec) -> dict:
+    """Both phases on ``router`` (in-process), then its shutdown; the two summaries."""
+    async def send(reqs: Sequence[WorkloadRequest],
+                   on_done: OnDone | None = None) -> list[RequestRecord]:
+        return await run_workload(router, timed_requests(reqs), on_done=on_done)
 
-
-async def run_phase(router, args, tag: str, with_long: bool, bar) -> list:
-    """The chats, plus (with_long) long prompts arriving until the chats end."""
-    t0 = time.monotonic()
-    done = lambda _: bar.update(1)  # noqa: E731
-    chats = asyncio.ensure_future(run_workload(router, chat_workload(args, tag), on_done=done))
-    longs: list[asyncio.Task] = []
-
-    async def feed() -> None:
-        i = 0
-        while not args.long or i < args.long:
-            req = long_request(args, tag, i)
-            await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
-            longs.append(asyncio.ensure_future(run_workload(router, [req])))
-            i += 1
-
-    feeder = asyncio.ensure_future(feed()) if with_long else None
-    records = list(await chats)
-    if feeder is not None:
-        feeder.cancel()
-        if args.long:  # a fixed number: they all finish
-            await asyncio.gather(*longs)
-        for t in longs:
-            if not t.done():
-                t.cancel()  # the client hangs up: the router aborts it on both pools
-        for t in longs:
-            with contextlib.suppress(asyncio.CancelledError):
-                records += await t
-    return records
-
-
-def summarize(records) -> dict:
-    chat = [r for r in records if r.kind == "chat" and r.success]
-    itl = [g for r in chat for g in r.itls] or [float("nan")]
-    longs = [r.ttft for r in records if r.kind == "long" and r.success and r.ttft]
-    return {"itl_p50_ms": float(np.percentile(itl, 50) * 1e3),
-            "itl_p99_ms": float(np.percentile(itl, 99) * 1e3),
-            "itl_max_ms": float(np.max(itl) * 1e3),
-            "long_ttft_mean_s": float(np.mean(longs)) if longs else None,
-            "long_completed": len(longs),
-            "failed": sum(not r.success for r in records if r.kind == "chat")}
-
-
-def run_layout(name: str, router, args) -> dict:
     async def phase(with_long: bool, label: str):
-        bar = tqdm(total=args.chat, desc=f"{name} {label} (chat requests)", unit="req",
+        bar = tqdm(total=spec.chat, desc=f"{name} {label} (chat requests)", unit="req",
                    leave=False, file=sys.stderr)
         try:
-            return await run_phase(router, args, f"{name}-{label}", with_long, bar)
+            return await run_phase(send, spec, f"{name}-{label}", with_long,
+                                   lambda _: bar.update(1))
         finally:
             bar.close()
 
@@ -144,28 +110,26 @@ def run_layout(name: str, router, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    model = str(ensure_model(args.preset, args.arch))
-    base = {"model": {"path": model, "device": "cpu", "max_model_len": 4096},
-            "pools": {"cpus_per_worker": 1.0},
-            "scheduler": {"max_prefill_chunk": args.chunk,
-                          "max_num_batched_tokens": max(args.chunk, 256)},
-            "cache": {"kv_cache_memory_gb": 2.0}}
-    results = {}
-    cfg = ServeConfig.from_dict({**base, "transfer": {"connector": "tcp"}})
-    results["disagg"] = run_layout("disagg", build_disaggregated_router(cfg), args)
     import ray
 
-    ray.shutdown()
-    colo = ServeConfig.from_dict({**base, "scheduler": {
-        "max_num_batched_tokens": max(args.long_prompt, 256), "max_prefill_chunk": args.chunk}})
-    results["colocated"] = run_layout(
-        "colocated", build_colocated_pool_router(colo, 2, enable_chunked_prefill=False), args)
-    ray.shutdown()
-    longs = (f"{args.long} x" if args.long else
-             f"one every {args.long_every:g} s until the chats end, each")
-    print(f"model {args.preset} ({args.arch}); chat {args.chat} x (prompt {args.chat_prompt}, "
-          f"output {args.chat_output}); long prompts {longs} {args.long_prompt} tokens")
+    args = parse_args(argv)
+    spec = spec_of(args)
+    model = str(ensure_model(args.preset, args.arch))
+    base = ServeConfig.from_dict({
+        "model": {"path": model, "device": "cpu", "max_model_len": 4096},
+        "pools": {"cpus_per_worker": 1.0},
+        "scheduler": {"max_prefill_chunk": args.chunk,
+                      "max_num_batched_tokens": max(args.chunk, 256)},
+        "cache": {"kv_cache_memory_gb": 2.0}, "transfer": {"connector": "tcp"}})
+    results = {}
+    for name in ("disagg", "colocated"):
+        cfg = layout_config(base, LAYOUTS[name], spec.long_prompt)
+        results[name] = run_layout(name, build_router(cfg, LAYOUTS[name]), spec)
+        ray.shutdown()
+    longs = (f"{spec.long} x" if spec.long else
+             f"one every {spec.long_every:g} s until the chats end, each")
+    print(f"model {args.preset} ({args.arch}); chat {spec.chat} x (prompt {spec.chat_prompt}, "
+          f"output {spec.chat_output}); long prompts {longs} {spec.long_prompt} tokens")
     for name, r in results.items():
         for phase in ("without_long", "with_long"):
             s = r[phase]

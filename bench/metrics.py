@@ -3,8 +3,10 @@
 Per request: TTFT = first token - send; E2EL = end (or last token) - send;
 TPOT = (E2EL - TTFT) / (n_out - 1), excluding the first token (undefined for n_out <= 1);
 ITL = gaps between consecutive token arrivals. Aggregates: mean, median, std and
-percentiles (numpy ``percentile``, linear interpolation) over successful requests; ITL
+percentiles (``engine.quantiles``: numpy's linear interpolation) over successful requests; ITL
 pools every gap of every request. Goodput = requests meeting every given SLO / duration.
+
+Records (what a client saw of each request) are :class:`bench.records.RequestRecord`.
 
     m = compute_metrics(records, duration_s, slos=parse_slo("ttft:500,tpot:50"))
     print(m.format()); json.dump(m.to_json_dict(), f)
@@ -14,78 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 import numpy as np
 
+from bench.records import PHASES, RequestRecord
+from engine.quantiles import median
+from engine.quantiles import percentiles as percentiles_of
+
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
 SLO_KEYS: tuple[str, ...] = ("ttft", "tpot", "e2el")
-PHASES: tuple[str, ...] = ("queue", "prefill", "transfer", "decode")
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """What the client saw of one request; times are ``time.monotonic()`` seconds.
-
-    ``token_times`` holds one arrival time per output token (the first is the TTFT
-    point); ``output_len`` overrides ``len(token_times)`` when tokens arrive in bursts.
-    ``*_s`` phase times are optional server-side durations; ``latency_alone_s`` is the
-    E2EL the request would see on an idle system (for slowdown).
-    """
-
-    request_id: str
-    prompt_len: int
-    send_time: float
-    token_times: tuple[float, ...] = ()
-    output_len: int | None = None
-    end_time: float | None = None
-    tenant: str = "default"
-    kind: str = "default"
-    success: bool = True
-    finish_reason: str = ""
-    error: str = ""
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    transfer_s: float | None = None
-    decode_s: float | None = None
-    latency_alone_s: float | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_times", t := tuple(self.token_times))
-        last = t[-1] if t else self.send_time
-        for name, ok in (
-            ("request_id", bool(self.request_id)),
-            ("prompt_len", self.prompt_len >= 0),
-            ("token_times", not t or (t[0] >= self.send_time and min(self.itls, default=0) >= 0)),
-            ("output_len", self.output_len is None or self.output_len >= len(t)),
-            ("end_time", self.end_time is None or self.end_time >= last),
-        ):
-            if not ok:
-                raise ValueError(f"RequestRecord.{name} is invalid: {getattr(self, name)!r}")
-
-    @property
-    def n_out(self) -> int:
-        return len(self.token_times) if self.output_len is None else self.output_len
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] - self.send_time if self.token_times else None
-
-    @property
-    def e2el(self) -> float | None:
-        end = self.end_time if self.end_time is not None else (self.token_times or (None,))[-1]
-        return None if end is None else end - self.send_time
-
-    @property
-    def tpot(self) -> float | None:
-        ttft, e2el = self.ttft, self.e2el
-        if self.n_out <= 1 or ttft is None or e2el is None:
-            return None
-        return (e2el - ttft) / (self.n_out - 1)
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in pairwise(self.token_times)]
 
 
 @dataclass(frozen=True)
@@ -101,8 +40,9 @@ class Dist:
     @classmethod
     def of(cls, values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> Dist:
         x = np.asarray(values if len(values) else [0.0], dtype=float)
-        pct = {float(p): float(np.percentile(x, p)) for p in percentiles}
-        return cls(len(values), float(x.mean()), float(np.median(x)), float(x.std()), pct)
+        pct = percentiles_of(x.tolist(), percentiles)
+        med = pct[50.0] if 50.0 in pct else median(x.tolist())
+        return cls(len(values), float(x.mean()), med, float(x.std()), pct)
 
 
 def parse_slo(text: str) -> dict[str, float]:

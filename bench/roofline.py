@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.quantiles import median
 
 
 def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -98,7 +99,7 @@ def step_times(llm, prompt: list[int], decode_steps: int = 8, chunk: int = 512) 
         t = time.perf_counter()
         llm.step()
         times.append(time.perf_counter() - t)
-    decode = statistics.median(times)
+    decode = median(times)
     long = (prompt * (chunk // max(1, len(prompt)) + 1))[:chunk]
     best = float("inf")
     for i in range(3):  # distinct first tokens: no prefix-cache hits

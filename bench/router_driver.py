@@ -6,12 +6,12 @@ the service's own); `bench/client.py` does the same over gRPC for a remote deplo
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.metrics import RequestRecord
+from bench.arrivals import send_at_arrivals
+from bench.records import RequestRecord, phase_times
 from cluster.types import GenerateSpec, RouterError
 from engine.request import SamplingParams
 
@@ -26,19 +26,6 @@ class TimedRequest:
     tenant: str = "default"
     priority: int = 0
     ttft_deadline_ms: float | None = None
-
-
-async def _one(router, req: TimedRequest, t0: float, limit: asyncio.Semaphore | None = None,
-               on_done: Callable[[RequestRecord], None] | None = None) -> RequestRecord:
-    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
-    if limit is not None:
-        async with limit:
-            rec = await _send(router, req)
-    else:
-        rec = await _send(router, req)
-    if on_done is not None:
-        on_done(rec)
-    return rec
 
 
 async def _send(router, req: TimedRequest) -> RequestRecord:
@@ -59,11 +46,7 @@ async def _send(router, req: TimedRequest) -> RequestRecord:
     return RequestRecord(
         req.request_id, len(req.prompt_token_ids), send, tuple(times),
         end_time=times[-1] if times else None, tenant=req.tenant, kind=req.kind,
-        success=not error, finish_reason=reason, error=error,
-        queue_s=usage.queue_s if usage else None, prefill_s=usage.prefill_s if usage else None,
-        transfer_s=usage.transfer_s if usage else None,
-        decode_s=usage.decode_s if usage else None,
-    )
+        success=not error, finish_reason=reason, error=error, **phase_times(usage))
 
 
 async def run_workload(router, requests: Sequence[TimedRequest], *,
@@ -76,9 +59,8 @@ async def run_workload(router, requests: Sequence[TimedRequest], *,
     ``vllm bench serve``; a request's send time is when it is actually sent);
     ``on_done(record)`` is called as each request ends (progress bars).
     """
-    t0 = time.monotonic()
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    return list(await asyncio.gather(*(_one(router, r, t0, limit, on_done) for r in requests)))
+    return await send_at_arrivals(requests, lambda r: _send(router, r),
+                                  max_concurrency=max_concurrency, on_done=on_done)
 
 
 def timed_requests(requests: Sequence) -> list[TimedRequest]:

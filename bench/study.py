@@ -1,4 +1,5 @@
-"""Studies by name, and running them: ``pdserve study NAME`` and ``python -m bench.run_all``.
+"""Studies by name, and running them: one (``pdserve study NAME``) or all with an index
+(``pdserve study all``, ``python -m bench.run_all``, ``make bench``).
 
     ctx = StudyContext(StudyOptions(out=Path("results"), quick=True))
     try:
@@ -7,19 +8,26 @@
         ctx.close()
 
 Every study module has ``NAME`` and ``run(ctx) -> StudyResult`` (see bench/studies/).
+``run_all`` uses one process, one Ray, one reference measurement and one emulated link
+for all studies, so the shared default configuration is launched once; a study that
+fails is reported in the index and the exit status, and the others still run.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the studies import torch; `pdserve --help` must not
-    from bench.studies.common import StudyContext, StudyOptions, StudyResult
+    from bench.studies.context import StudyContext, StudyOptions
+    from bench.studies.results import StudyResult
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +53,7 @@ def study_fn(name: str) -> Callable[[StudyContext], StudyResult]:
 def run_study(name: str, ctx: StudyContext, *, echo: Callable[[str], None] = print,
               ) -> StudyResult:
     """Run one study, write its files and echo its table; returns the result."""
-    from bench.studies.common import write_result
+    from bench.studies.results import write_result
 
     fn = study_fn(name)
     t0 = time.monotonic()
@@ -68,8 +76,61 @@ def format_result(result: StudyResult, ctx: StudyContext, md: Path) -> str:
     return "\n".join(lines)
 
 
-def options_summary(opts: StudyOptions) -> str:
-    link = f"link {opts.link_gbps} Gbit/s" if opts.link_gbps else \
-        f"transfer/compute ratio {opts.transfer_compute_ratio:g}"
-    return (f"model {opts.model}, {'quick' if opts.quick else 'full'}, {link}, "
-            f"transport {opts.transport}, seed {opts.seed}, out {opts.out}")
+def run_all(opts: StudyOptions, studies: tuple[str, ...] = ORDER) -> int:
+    """Every study in ``studies``, then ``OUT/README.md`` linking every table, plot and
+    trace, and ``OUT/run_all.json``; the exit status is 1 when any study failed."""
+    from bench.studies.context import StudyContext
+
+    t0 = time.monotonic()
+    print(f"bench.run_all: {opts.summary()}", flush=True)
+    ctx = StudyContext(opts)
+    done: dict[str, StudyResult] = {}
+    failed: dict[str, str] = {}
+    try:
+        print(f"reference: {ctx.link.describe()}", flush=True)
+        for name in studies:
+            try:
+                done[name] = run_study(name, ctx)
+            except Exception:  # one broken study must not hide the others' results
+                failed[name] = traceback.format_exc()
+                print(f"== {name} FAILED ==\n{failed[name]}", file=sys.stderr, flush=True)
+            print(flush=True)
+    finally:
+        ctx.close()
+    elapsed = time.monotonic() - t0
+    index = write_index(ctx, done, failed, elapsed)
+    (ctx.out / "run_all.json").write_text(json.dumps(
+        {"elapsed_s": elapsed, "launches": ctx.pool.launches, "done": list(done),
+         "failed": failed, "link": ctx.link.to_dict()}, indent=2))
+    print(f"bench.run_all: {len(done)} studies in {elapsed / 60:.1f} min "
+          f"({ctx.pool.launches} service launches), {len(failed)} failed -> {index}")
+    return 1 if failed else 0
+
+
+def write_index(ctx: StudyContext, done: dict[str, StudyResult], failed: dict[str, str],
+                elapsed_s: float) -> Path:
+    o = ctx.opts
+    lines = ["# pdserve study results", "",
+             f"`python -m bench.run_all {'--quick ' if o.quick else ''}--out {o.out}` — "
+             f"{o.summary()}; {elapsed_s / 60:.1f} min, "
+             f"{ctx.pool.launches} service launches.", "",
+             f"Emulated KV link: {ctx.link.describe()}.", "",
+             "| study | configurations | time (s) | table | plots |", "|---|---|---|---|---|"]
+    for name in ORDER:
+        if name in done:
+            r = done[name]
+            plots = ", ".join(f"[{p}]({p})" for p in r.plots)
+            lines.append(f"| {r.title} | {len(r.rows)} | {r.elapsed_s:.0f} | "
+                         f"[{name}.md]({name}.md) ([json]({name}.json)) | {plots} |")
+        elif name in failed:
+            lines.append(f"| {name} | failed: {failed[name].splitlines()[-1][:120]} | | | |")
+    for name in ORDER:
+        if name in done:
+            r = done[name]
+            lines += ["", f"## {r.title}", "", r.table()]
+            if "claims" in r.extra:
+                lines += [""] + [f"- {'OK' if v else ('n/a' if v is None else 'NO')}: {k}"
+                                 for k, v in r.extra["claims"].items()]
+    path = ctx.out / "README.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

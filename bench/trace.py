@@ -1,4 +1,4 @@
-"""Trace export and analysis: Chrome/Perfetto JSON, a Gantt timeline PNG, summaries.
+"""Trace export and analysis: Chrome/Perfetto JSON, summaries (the PNG: bench/plots.py).
 
 Input is a merged list of :class:`engine.tracing.TraceEvent` (wall-clock seconds).
 Each worker/link becomes one Perfetto process; its overlapping spans are spread over
@@ -6,7 +6,7 @@ lanes (threads) so that nothing is hidden. Slices are named by request id, so Pe
 and the PNG both colour them by request and chunked-prefill interleaving is visible.
 
     write_chrome_trace(events, "trace.json")    # open in ui.perfetto.dev
-    plot_timeline(events, "timeline.png")
+    bench.plots.plot_timeline(events, "timeline.png")
     summarize(events).to_dict()
 """
 
@@ -18,7 +18,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from engine.tracing import TraceEvent, events_from_dicts, events_to_dicts
 
@@ -134,13 +133,6 @@ def save_events(events: Iterable[TraceEvent], path: str | Path) -> Path:
 def load_events(path: str | Path) -> list[TraceEvent]:
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     return events_from_dicts(json.loads(line) for line in lines if line.strip())
-
-
-def plot_timeline(events: Sequence[TraceEvent], path: str | Path, **kwargs: Any) -> Path:
-    """Gantt-chart PNG of ``events``; see :func:`bench.plots.plot_timeline` for options."""
-    from bench.plots import plot_timeline as _plot  # matplotlib only when drawing
-
-    return _plot(events, path, **kwargs)
 
 
 def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

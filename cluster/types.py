@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.request import SamplingParams
 
 
@@ -67,6 +68,11 @@ class TokenDelta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
+    # SamplingParams.logprobs: one per token of token_ids (engine/logprobs.py)
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token (the first None), on the
+    # request's first delta
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

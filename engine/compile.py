@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import COMPILE_MODES
+
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "none", "decode", "all")
 # CPU: "none". Measured on the 2-core development machine (SmolLM2 fp32, one thread,
 # compiled and eager steps interleaved, CPU ms): batch 1 42.7 -> 40.4, batch 4 42.5 -> 40.9,
 # batch 16 76.9 -> 73.7, a 512-token chunk 1367 -> 1331 (3-5%: the GEMMs dominate), for

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.models.llama import AttentionMetadata
+    from engine.attention.base import AttentionMetadata
 
 
 def attend(

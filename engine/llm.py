@@ -10,10 +10,11 @@ from engine.block_manager import BlockManager
 from engine.chat import render_chat
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.device import local_device
+from engine.execute import execute_and_sample
 from engine.loader import load_model_config, load_tokenizer
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
-from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.validation import validate_prompt
 
@@ -28,6 +29,10 @@ class RequestOutput:
     text: str
     finish_reason: FinishReason | None
     finished: bool
+    # SamplingParams.logprobs: one per token; prompt_logprobs: one per prompt token (the
+    # first is None). What they hold: engine/logprobs.py.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class StreamDelta:
     new_token_ids: list[int]
     text_delta: str
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids (SamplingParams.logprobs)
+    prompt_logprobs: PromptLogprobs | None = None  # on a request's first delta
 
 
 class LLM:
@@ -64,7 +71,7 @@ class LLM:
         weights leave of `gpu_memory_utilization x gpu_share` of its memory. `compile`:
         'none', 'decode', 'all' or 'auto' (the device's default; see engine.compile)."""
         model = load_model_config(model_dir)
-        self.config = EngineConfig(
+        config = EngineConfig(
             model_dir=str(model_dir),
             model=model,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
@@ -76,23 +83,36 @@ class LLM:
             device=str(local_device(device)), dtype=dtype, attention_backend=attention_backend,
             compile=compile,
         )
-        self.runner = ModelRunner(self.config, num_blocks)
-        n_blocks = self.runner.num_blocks
+        self._start(config, max_model_len_given=max_model_len is not None)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """The engine of a ready EngineConfig (its device resolved, e.g. by a worker). A
+        max_model_len other than the model's own is an explicit limit (see `_start`)."""
+        llm = cls.__new__(cls)
+        given = config.scheduler.max_model_len != config.model.max_position_embeddings
+        llm._start(config, max_model_len_given=given)
+        return llm
+
+    def _start(self, config: EngineConfig, *, max_model_len_given: bool) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, config.cache.num_blocks)
+        n_blocks, block_size = self.runner.num_blocks, config.cache.block_size
         capacity = n_blocks * block_size
-        if self.config.scheduler.max_model_len > capacity:
+        if config.scheduler.max_model_len > capacity:
             # A sequence longer than the whole KV pool could never be scheduled (it would
             # wait, or be preempted, forever): refuse an explicit limit, clamp the default.
-            if max_model_len is not None:
+            if max_model_len_given:
                 raise ValueError(
-                    f"max_model_len ({max_model_len}) is larger than the KV cache holds "
-                    f"({n_blocks} blocks x {block_size} = {capacity} tokens)"
+                    f"max_model_len ({config.scheduler.max_model_len}) is larger than the KV "
+                    f"cache holds ({n_blocks} blocks x {block_size} = {capacity} tokens)"
                 )
             self.config = replace(
-                self.config, scheduler=replace(self.config.scheduler, max_model_len=capacity)
+                config, scheduler=replace(config.scheduler, max_model_len=capacity)
             )
             self.runner.config = self.config
-        self.tokenizer = load_tokenizer(model_dir)
-        self.block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.block_manager = BlockManager(n_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -131,11 +151,13 @@ class LLM:
         out = self.scheduler.schedule()
         if not out.items:
             return []
-        ids, logits = self.runner.execute(out.chunks())
-        reqs = [self._requests[i] for i in ids]
-        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        sampled = execute_and_sample(self.runner, out.items)
         self.num_steps += 1
-        touched = self.scheduler.update(out, dict(zip(ids, tokens, strict=True)))
+        touched = self.scheduler.update(out, {s.request.request_id: s.token_id for s in sampled})
+        lps = {s.request.request_id: s.logprobs for s in sampled if s.logprobs is not None}
+        for r in touched if lps else ():
+            if r.request_id in lps:  # update gave each touched request its sampled token
+                r.output_logprobs.append(lps[r.request_id])
         for r in touched:
             if r.is_finished:
                 self._requests.pop(r.request_id, None)
@@ -163,10 +185,14 @@ class LLM:
                     delta = text[len(texts[r.request_id]):] if text.startswith(
                         texts[r.request_id]) else text
                     texts[r.request_id] = text
-                    new = r.output_token_ids[sent[r.request_id]:]
+                    done = sent[r.request_id]
+                    new = r.output_token_ids[done:]
                     sent[r.request_id] = len(r.output_token_ids)
+                    lps = r.output_logprobs[done:] if r.sampling_params.logprobs is not None \
+                        else None
                     yield StreamDelta(index[r.request_id], r.request_id, new, delta,
-                                      r.finish_reason)
+                                      r.finish_reason, lps,
+                                      r.prompt_logprobs_tuple() if done == 0 else None)
         finally:
             for r in reqs:
                 if not r.is_finished:
@@ -181,16 +207,22 @@ class LLM:
         tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         reasons: dict[int, FinishReason | None] = {}
         rids: dict[int, str] = {}
+        lps: dict[int, list[TokenLogprobs]] = {}
+        prompt_lps: dict[int, PromptLogprobs] = {}
         for d in self.stream(prompts, params):
             tokens[d.index].extend(d.new_token_ids)
             rids[d.index] = d.request_id
             if d.finish_reason is not None:
                 reasons[d.index] = d.finish_reason
+            if d.logprobs is not None:
+                lps.setdefault(d.index, []).extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                prompt_lps[d.index] = d.prompt_logprobs
         return [
             RequestOutput(
                 rids.get(i, ""), self.encode(p), tokens[i],
                 self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                reasons.get(i), True,
+                reasons.get(i), True, lps.get(i), prompt_lps.get(i),
             )
             for i, p in enumerate(prompts)
         ]

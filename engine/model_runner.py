@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import get_backend
+from engine.attention.base import AttentionMetadata
 from engine.compile import CompiledStep
 from engine.compile_ops import step_context
 from engine.config import EngineConfig, torch_dtype
@@ -27,9 +28,8 @@ from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.linear import can_pack
-from engine.models.llama import AttentionMetadata
 
-__all__ = ["ModelRunner", "SeqChunk", "torch_dtype"]
+__all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
 
 
@@ -42,10 +42,22 @@ class SeqChunk:
     start: int
     block_ids: tuple[int, ...]
     sample: bool  # compute logits at this chunk's last token
+    all_logits: bool = False  # also the logits at every one of its tokens (prompt log-probs)
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What one step computed: fp32 logits of the sampled rows `[N, V]` (`sample_ids[i]`
+    is row i's request) and, for each chunk with `all_logits`, the logits at each of its
+    tokens `[len(chunk), V]`, by request id."""
+
+    sample_ids: list[str]
+    logits: torch.Tensor
+    all_logits: dict[str, torch.Tensor]
 
 
 class _StepBuffer:
@@ -130,6 +142,8 @@ class ModelRunner:
         self._graph_width = -(-max_len // self.block_size)
         if compiled.buckets:
             rows = compiled.buckets[-1]
+            # ids, pos, slots, dlens, tables, and up to 2 rows of logits per decode (sampled +
+            # all_logits), plus alignment
             self._graph_buf = _StepBuffer(self.device, (6 + self._graph_width) * rows + 64)
         self.compiled = compiled
         compiled.warmup(self._run_padding)
@@ -147,11 +161,17 @@ class ModelRunner:
         off, _ = buf.add(flat)
         return off, len(tables), width
 
-    @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> tuple[list[str], torch.Tensor]:
         """Run one flat batch; returns (request ids of sampled rows, fp32 logits [N, V])."""
+        step = self.run(chunks)
+        return step.sample_ids, step.logits
+
+    @torch.inference_mode()
+    def run(self, chunks: list[SeqChunk]) -> StepLogits:
+        """Run one flat batch: the sampled rows' logits, and every token's of the chunks
+        that ask for them (`SeqChunk.all_logits`), from one lm_head pass."""
         if not chunks:
-            return [], torch.empty(0, self.config.model.vocab_size)
+            return StepLogits([], torch.empty(0, self.config.model.vocab_size), {})
         self.bind()
         decodes = [c for c in chunks if len(c.token_ids) == 1]
         prefills = [c for c in chunks if len(c.token_ids) > 1]
@@ -161,6 +181,8 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        full_rows: list[int] = []  # rows after the sampled ones: all_logits chunks' tokens
+        full_ids: list[tuple[str, int]] = []
         for c in ordered:
             assert c.end <= len(c.block_ids) * self.block_size, f"{c.request_id}: no slot"
             ids.extend(c.token_ids)
@@ -169,6 +191,9 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(c.request_id)
+            if c.all_logits:
+                full_rows.extend(range(len(ids) - len(c.token_ids), len(ids)))
+                full_ids.append((c.request_id, len(c.token_ids)))
         compiled = self.compiled
         fn = compiled.forward_for(decode_only=not prefills) if compiled else None
         buf, width = self._buf, None
@@ -189,15 +214,22 @@ class ModelRunner:
         logits = self._forward(fn, buf, ids, pos, slots, dtables, [c.end for c in decodes],
                                [c.block_ids for c in prefills],
                                [len(c.token_ids) for c in prefills],
-                               [c.end for c in prefills], sample_rows, width)
-        return sample_ids, logits
+                               [c.end for c in prefills], sample_rows + full_rows, width)
+        if not full_ids:
+            return StepLogits(sample_ids, logits, {})
+        full, at = {}, len(sample_rows)
+        for rid, n in full_ids:
+            full[rid] = logits[at:at + n]
+            at += n
+        return StepLogits(sample_ids, logits[:len(sample_rows)], full)
 
     def _forward(self, fn, buf: _StepBuffer, ids, pos, slots, dtables, dlens, ptables, qlens,
-                 plens, sample_rows, width) -> torch.Tensor:
+                 plens, rows, width) -> torch.Tensor:
         """Pack, upload and run one step (compiled `fn`, or eager when None); returns the
-        sampled rows' logits. The segments the forward reads come first, in a fixed order:
-        a padded decode batch of one bucket always has the same layout (a CUDA graph
-        reads it in place)."""
+        logits of `rows` (the sampled rows, then those of all_logits chunks; padding rows
+        follow the real ones, so no row index moves). The segments the forward reads come
+        first, in a fixed order: a padded decode batch of one bucket always has the same
+        layout (a CUDA graph reads it in place); `rows`, read outside the graph, comes last."""
         dlens = dlens + [1] * (len(dtables) - len(dlens))  # padding rows see one key
         q_starts = [0]
         for n in qlens:
@@ -205,7 +237,7 @@ class ModelRunner:
         seg = {"ids": buf.add(ids), "pos": buf.add(pos), "slots": buf.add(slots),
                "dlens": buf.add(dlens), "qsl": buf.add(q_starts), "plens": buf.add(plens)}
         dtab, ptab = self._table(buf, dtables, width), self._table(buf, ptables)
-        seg["rows"] = buf.add(sample_rows)
+        seg["rows"] = buf.add(rows)
         dev = buf.upload()
 
         def view(name: str) -> torch.Tensor:

@@ -1,14 +1,12 @@
 """baseline: engine.LLM (colocated, in-process) vs transformers ``generate``, same model.
 
-A thin call of ``bench.engine_vs_hf`` (which owns the comparison: same prompts, same
-threads, greedy with EOS ignored) on the study's model and a workload sized for it;
+A thin call of ``bench.engine_vs_hf.compare`` (which owns the comparison: same prompts,
+same threads, greedy with EOS ignored) on the study's model and a workload sized for it;
 here it becomes a table, a bar chart and ratios. Outputs must be greedy-equal.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import time
 
 from bench.studies.common import Column, StudyContext, StudyResult
@@ -39,10 +37,9 @@ def run(ctx: StudyContext) -> StudyResult:
     t0 = time.monotonic()
     argv = engine_vs_hf_args(ctx)
     threads = torch.get_num_threads()
-    log = io.StringIO()
+    log: list[str] = []
     try:
-        with contextlib.redirect_stdout(log):
-            report = engine_vs_hf.main(argv)
+        report = engine_vs_hf.compare(engine_vs_hf.parse_args(argv), echo=log.append)
     finally:
         torch.set_num_threads(threads)
     peers = report["peers"]
@@ -63,7 +60,7 @@ def run(ctx: StudyContext) -> StudyResult:
         "continuous batching in full runs), same model, prompts and threads "
         "(`python -m bench.engine_vs_hf " + " ".join(argv) + "`).",
         COLUMNS, rows, {n: dict(r) for n, r in peers.items()},
-        extra={"engine_vs_hf": report, "log": log.getvalue().splitlines()})
+        extra={"engine_vs_hf": report, "log": log})
     from bench.plots import plot_grouped_bars
 
     result.plots.append(plot_grouped_bars(

@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from bench.metrics import RequestRecord, jain_index
+from bench.metrics import jain_index
+from bench.records import RequestRecord
 from bench.studies.common import (
     TENANT_WEIGHTS,
     Column,

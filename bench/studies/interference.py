@@ -1,21 +1,30 @@
-"""interference: do long prompts hurt running decodes? (the ``bench.interference`` workload)
+"""interference: do long prompts hurt running decodes? (``pdserve study interference`` and,
+with its own flags and printout, ``python -m bench.interference``)
 
-Layouts, each run twice on the same service (streaming chats alone, then the same
-chats while long prompts arrive): 1P+1D disaggregated (over the emulated link), two
-colocated engines without chunked prefill (vLLM's disaggregation-benchmark baseline),
-and two colocated engines with chunked prefill. ``ratio`` = chat ITL p99 with long
-prompts / without; disaggregation should stay near 1 while colocated grows.
+Each layout serves the same streaming chats twice: alone, then while long prompts arrive
+(``long`` of them, or with ``long=0`` one after the other until the chats end, those
+still running then cancelled: they only interfere). Layouts: 1P+1D disaggregated, two
+colocated engines without chunked prefill (vLLM's disaggregation-benchmark baseline) and,
+in the study, two colocated engines with chunked prefill. ``ratio`` = chat ITL p99 with
+long prompts / alone; disaggregation should stay near 1 while colocated grows.
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import contextlib
+import random
 import time
+from dataclasses import asdict, dataclass
 
-from bench import interference as itf
+import numpy as np
+
+from bench.records import RequestRecord
 from bench.studies.common import Column, StudyContext, StudyResult, config_detail
-from bench.studies.service import DISAGG, Layout
+from bench.studies.service import DISAGG, Drive, Layout, OnDone, Sender
 from bench.workload import WorkloadRequest
+from cluster.config import ServeConfig
+from engine.quantiles import percentile
 
 NAME = "interference"
 LAYOUTS = {
@@ -23,6 +32,100 @@ LAYOUTS = {
     "colocated": Layout("colocated", engines=2, chunked_prefill=False),
     "colocated-chunked": Layout("colocated", engines=2, chunked_prefill=True),
 }
+
+
+@dataclass(frozen=True)
+class InterferenceSpec:
+    """The workload: ``chat`` streaming chats, and long prompts from 0.2 s on."""
+
+    chat: int = 8
+    chat_prompt: int = 128
+    chat_output: int = 256
+    long: int = 6  # long prompts, one every long_every s; 0: until the chats end
+    long_prompt: int = 2048
+    long_every: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("chat", "chat_prompt", "chat_output", "long_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"InterferenceSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.long < 0 or not self.long_every > 0:
+            raise ValueError(f"InterferenceSpec: long must be >= 0 and long_every > 0, got "
+                             f"{self.long} and {self.long_every}")
+
+    def chats(self, tag: str) -> list[WorkloadRequest]:
+        rng = random.Random(self.seed)
+        return [WorkloadRequest(f"{tag}-chat-{i}", 0.05 * i,
+                                [rng.randrange(1, 2000) for _ in range(self.chat_prompt)],
+                                self.chat_output, kind="chat") for i in range(self.chat)]
+
+    def long_request(self, tag: str, i: int) -> WorkloadRequest:
+        rng = random.Random(self.seed * 1000 + i + 1)
+        return WorkloadRequest(f"{tag}-long-{i}", 0.2 + self.long_every * i,
+                               [rng.randrange(1, 2000) for _ in range(self.long_prompt)],
+                               8, kind="long")
+
+
+async def run_phase(send: Sender, spec: InterferenceSpec, tag: str, with_long: bool,
+                    on_done: OnDone | None = None) -> list[RequestRecord]:
+    """The chats, plus (``with_long``) long prompts arriving until the chats end."""
+    t0 = time.monotonic()
+    chats = asyncio.ensure_future(send(spec.chats(tag), on_done))
+    longs: list[asyncio.Task] = []
+
+    async def feed() -> None:
+        i = 0
+        while not spec.long or i < spec.long:
+            req = spec.long_request(tag, i)
+            await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.monotonic()))
+            # send() waits arrival_s again from its own start: long prompt i reaches the
+            # service 2 * arrival_s after the phase starts (the README's figures' schedule)
+            longs.append(asyncio.ensure_future(send([req])))
+            i += 1
+
+    feeder = asyncio.ensure_future(feed()) if with_long else None
+    records = list(await chats)
+    if feeder is not None:
+        feeder.cancel()
+        if spec.long:  # a fixed number: they all finish
+            await asyncio.gather(*longs)
+        for t in longs:
+            if not t.done():
+                t.cancel()  # the client hangs up: the router aborts it on both pools
+        for t in longs:
+            with contextlib.suppress(asyncio.CancelledError):
+                records += await t
+    return records
+
+
+def phase(spec: InterferenceSpec, tag: str, with_long: bool) -> Drive:
+    """One phase as a Drive (its progress counts the chats)."""
+    return Drive(spec.chat, lambda send, on_done: run_phase(send, spec, tag, with_long, on_done))
+
+
+def summarize(records: list[RequestRecord]) -> dict:
+    """Chat ITL p50/p99/max (NaN without gaps), long-prompt TTFT, failed chats."""
+    chat = [r for r in records if r.kind == "chat" and r.success]
+    itl = [g for r in chat for g in r.itls] or [float("nan")]
+    longs = [r.ttft for r in records if r.kind == "long" and r.success and r.ttft]
+    return {"itl_p50_ms": percentile(itl, 50) * 1e3,
+            "itl_p99_ms": percentile(itl, 99) * 1e3,
+            "itl_max_ms": float(np.max(itl) * 1e3),
+            "long_ttft_mean_s": float(np.mean(longs)) if longs else None,
+            "long_completed": len(longs),
+            "failed": sum(not r.success for r in records if r.kind == "chat")}
+
+
+def layout_config(base: ServeConfig, layout: Layout, long_prompt: int) -> ServeConfig:
+    if layout.kind == "colocated" and not layout.chunked_prefill:
+        # whole prompts in one step: the step budget must hold the longest prompt
+        return base.with_values({"scheduler.max_num_batched_tokens": max(long_prompt, 256),
+                                 "scheduler.enable_chunked_prefill": False})
+    return base
+
+
+# ---- the study ------------------------------------------------------------------------
 COLUMNS = [
     Column("config", "layout"),
     Column("base_itl_p50_ms", "ITL p50 alone (ms)"),
@@ -36,75 +139,50 @@ COLUMNS = [
 ]
 
 
-def workload_args(ctx: StudyContext) -> argparse.Namespace:
-    """bench.interference's arguments, sized for the study's model and mode."""
+def workload_spec(ctx: StudyContext) -> InterferenceSpec:
+    """The workload sized for the study's model and mode: the chats must still be
+    decoding while the long prompts arrive (a few seconds of decode on a small model)."""
     quick = ctx.opts.quick
-    args = itf.parse_args(["--seed", str(ctx.opts.seed)])
-    # chats must still be decoding when the long prompts arrive (at 1 s, then every
-    # long_every s): a few seconds of decode on a small model
-    args.chat, args.chat_prompt = (4, 64) if quick else (8, 128)
-    args.chat_output = 256 if quick else 512
-    args.long, args.long_every = (2, 0.4) if quick else (4, 0.75)
-    args.long_prompt = min(1024, ctx.max_model_len - 16)
-    return args
+    return InterferenceSpec(
+        chat=4 if quick else 8, chat_prompt=64 if quick else 128,
+        chat_output=256 if quick else 512, long=2 if quick else 4,
+        long_prompt=min(1024, ctx.max_model_len - 16), long_every=0.4 if quick else 0.75,
+        seed=ctx.opts.seed)
 
 
-def as_workload(reqs: list) -> list[WorkloadRequest]:
-    return [WorkloadRequest(r.request_id, r.arrival_s, list(r.prompt_token_ids), r.max_tokens,
-                            tenant=r.tenant, kind=r.kind) for r in reqs]
-
-
-def itl_max_ms(records: list) -> float | None:
-    """The worst chat token gap: a whole-prompt prefill stalls each chat of its engine
-    once, which a p99 over thousands of gaps can miss."""
-    gaps = [g for r in records if r.kind == "chat" and r.success for g in r.itls]
-    return max(gaps) * 1e3 if gaps else None
-
-
-def layout_config(ctx: StudyContext, layout: Layout, long_prompt: int):
-    base = ctx.base_config()
-    if layout.kind == "colocated" and not layout.chunked_prefill:
-        # whole prompts in one step: the step budget must hold the longest prompt
-        return base.with_values({"scheduler.max_num_batched_tokens": max(long_prompt, 256),
-                                 "scheduler.enable_chunked_prefill": False})
-    return base
+def _defined(v: float | None) -> float | None:
+    return None if v is None or v != v else v  # NaN (no gaps) -> n/a
 
 
 def run(ctx: StudyContext) -> StudyResult:
     t0 = time.monotonic()
-    args = workload_args(ctx)
+    spec = workload_spec(ctx)
     names = ctx.selected(list(LAYOUTS))
     base = ctx.base_config()
     rows, details = [], {}
     for name in names:
         layout = LAYOUTS[name]
-        cfg = layout_config(ctx, layout, args.long_prompt)
-        alone = ctx.run(NAME, f"{name}-alone", cfg,
-                        as_workload(itf.workload(args, False, f"{name}-a")), layout)
-        mixed = ctx.run(NAME, f"{name}-with-long", cfg,
-                        as_workload(itf.workload(args, True, f"{name}-m")), layout)
-        a, m = itf.summarize(alone.records), itf.summarize(mixed.records)
-        a["itl_max_ms"], m["itl_max_ms"] = itl_max_ms(alone.records), itl_max_ms(mixed.records)
+        cfg = layout_config(base, layout, spec.long_prompt)
+        alone = ctx.run(NAME, f"{name}-alone", cfg, phase(spec, f"{name}-a", False), layout)
+        mixed = ctx.run(NAME, f"{name}-with-long", cfg, phase(spec, f"{name}-m", True), layout)
+        a, m = summarize(alone.records), summarize(mixed.records)
         ttft = m["long_ttft_mean_s"]
         rows.append({
             "config": name,
-            "base_itl_p50_ms": a["itl_p50_ms"], "base_itl_p99_ms": a["itl_p99_ms"],
-            "mixed_itl_p50_ms": m["itl_p50_ms"], "mixed_itl_p99_ms": m["itl_p99_ms"],
-            "ratio": m["itl_p99_ms"] / a["itl_p99_ms"] if a["itl_p99_ms"] else None,
-            "base_itl_max_ms": a["itl_max_ms"], "mixed_itl_max_ms": m["itl_max_ms"],
+            **{f"{side}_itl_{k}_ms": _defined(s[f"itl_{k}_ms"])
+               for side, s in (("base", a), ("mixed", m)) for k in ("p50", "p99", "max")},
+            "ratio": _defined(m["itl_p99_ms"] / a["itl_p99_ms"]) if a["itl_p99_ms"] else None,
             "long_ttft_mean_ms": ttft * 1e3 if ttft is not None else None,
             "failed": a["failed"] + m["failed"],
         })
         details[name] = {"alone": config_detail(alone, base),
                          "with_long": config_detail(mixed, base), "files": mixed.files}
-    workload = {k: getattr(args, k) for k in ("chat", "chat_prompt", "chat_output", "long",
-                                              "long_prompt", "long_every", "seed")}
     result = StudyResult(
         NAME, "Interference study",
         "Chat decode ITL alone vs while long prompts arrive, per layout (same model and "
         "workload, one CPU per worker/engine). ratio = ITL p99 with long prompts / alone; "
         "ITL max shows the single worst stall (one per chat and whole-prompt prefill).",
-        COLUMNS, rows, details, extra={"workload": workload})
+        COLUMNS, rows, details, extra={"workload": asdict(spec)})
     if any(LAYOUTS[n].kind == "colocated" for n in names):
         result.notes.append("Colocated engines record no trace events (cluster/colocated_pool.py "
                             "has no tracer), so only the disaggregated layout has a timeline.")

@@ -19,12 +19,12 @@ its bytes occupy the emulated link.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from engine.quantiles import median
 from engine.tracing import TraceEvent
 
 DEFAULT_RATIO = 0.15  # H200 + InfiniBand-like transfer/compute ratio
@@ -151,7 +151,7 @@ def measure_reference(model_dir: str | Path, *, prompt_tokens: int = REFERENCE_P
             pre.append(t1 - t0)
             dec.append(max(1e-6, (t2 - t1) - (t1 - t0)) / decode_tokens)
         per_token = llm.config.model.kv_bytes_per_token * DTYPE_BYTES[dtype] // 4
-        return Reference(prompt_tokens, statistics.median(pre), statistics.median(dec), per_token)
+        return Reference(prompt_tokens, median(pre), median(dec), per_token)
     finally:
         torch.set_num_threads(old)
 

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.studies.common import ConfigRun, StudyContext
-    from cluster.config import ServeConfig
+    from bench.studies.context import StudyContext
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,6 @@ class StudyResult:
         body = ["| " + " | ".join(c.cell(r.get(c.key)) for c in self.columns) + " |"
                 for r in self.rows]
         return "\n".join([head, rule, *body])
-
-
-def config_detail(run: ConfigRun, base: ServeConfig, **extra: Any) -> dict[str, Any]:
-    """The JSON detail of one configuration: knobs, full metrics, files, anything else."""
-    return {"knobs": run.knobs(base), "layout": dict(run.layout.__dict__),
-            "metrics": run.metrics.to_json_dict(), "worker_stats": run.output.worker_stats,
-            "files": dict(run.files), **extra}
 
 
 def write_result(ctx: StudyContext, result: StudyResult) -> dict[str, Path]:

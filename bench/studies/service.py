@@ -19,10 +19,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.metrics import RequestRecord
+from bench.records import RequestRecord
 from bench.workload import WorkloadRequest
 from cluster.config import ServeConfig
 from engine.tracing import TraceEvent, events_from_dicts
@@ -44,6 +44,38 @@ class Layout:
 
 
 DISAGG = Layout()
+OnDone = Callable[[RequestRecord], None]
+# send(requests, on_done=None): each request at its arrival offset from this call's start
+Sender = Callable[..., Awaitable[list[RequestRecord]]]
+
+
+@dataclass(frozen=True)
+class Drive:
+    """A workload that decides as it runs what to send (e.g. long prompts until other
+    requests end): ``run(send, on_done)`` returns every record; ``total`` is what a
+    progress bar counts."""
+
+    total: int
+    run: Callable[[Sender, OnDone | None], Awaitable[list[RequestRecord]]]
+
+    @classmethod
+    def of(cls, requests: Sequence[WorkloadRequest]) -> Drive:
+        """A fixed workload: every request at its arrival offset."""
+        return cls(len(requests), lambda send, on_done: send(requests, on_done))
+
+
+def build_router(cfg: ServeConfig, layout: Layout = DISAGG, *, trace: bool = False):
+    """Start ``layout``'s workers for ``cfg`` on Ray; returns the Router in front of them."""
+    from cluster.launcher import (
+        LaunchOptions,
+        build_colocated_pool_router,
+        build_disaggregated_router,
+    )
+
+    opts = LaunchOptions(trace=trace)
+    if layout.kind == "disagg":
+        return build_disaggregated_router(cfg, opts)
+    return build_colocated_pool_router(cfg, layout.engines, layout.chunked_prefill, opts)
 
 
 def ensure_ray(num_cpus: int = 4) -> bool:
@@ -72,22 +104,12 @@ class Service:
     """One configuration, started; ``close()`` stops the gRPC server, router and actors."""
 
     def __init__(self, cfg: ServeConfig, layout: Layout = DISAGG, *, trace: bool = True):
-        from cluster.launcher import (
-            LaunchOptions,
-            build_colocated_pool_router,
-            build_disaggregated_router,
-        )
         from cluster.server import BackgroundServer
 
         self.cfg = cfg.with_values({"server.port": 0, "limits.drain_timeout_s": 0.0})
         self.layout = layout
-        opts = LaunchOptions(trace=trace)
         t0 = time.monotonic()
-        if layout.kind == "disagg":
-            self.router = build_disaggregated_router(self.cfg, opts)
-        else:
-            self.router = build_colocated_pool_router(self.cfg, layout.engines,
-                                                      layout.chunked_prefill, opts)
+        self.router = build_router(self.cfg, layout, trace=trace)
         self.server = BackgroundServer(self.router, self.cfg, health_poll_s=0.5)
         self.address = self.server.start()
         self.startup_s = time.monotonic() - t0
@@ -105,27 +127,35 @@ class Service:
         stats = self.run(self.router.stats(), 60)
         return {w.worker_id: {"role": w.role, **w.extra} for w in stats.workers}
 
-    def run_workload(self, requests: Sequence[WorkloadRequest], *, transport: str = "inproc",
-                     max_concurrency: int | None = None,
-                     on_done: Callable[[RequestRecord], None] | None = None,
-                     timeout: float = 1800.0) -> RunOutput:
-        """Send ``requests`` (in-process or over gRPC) and collect records, this run's
-        trace events and per-worker step statistics."""
+    def run_workload(self, work: Sequence[WorkloadRequest] | Drive, *,
+                     transport: str = "inproc", max_concurrency: int | None = None,
+                     on_done: OnDone | None = None, timeout: float = 1800.0) -> RunOutput:
+        """Send ``work`` (a workload, or a :class:`Drive` that decides as it runs) in-process
+        or over gRPC and collect records, this run's trace events and per-worker step
+        statistics."""
         from bench.router_driver import run_workload, timed_requests
 
+        drive = work if isinstance(work, Drive) else Drive.of(work)
         self.drain_events()  # leftovers of an earlier run on this service
         before = self.worker_stats()
         if transport == "inproc":
-            records = self.run(run_workload(self.router, timed_requests(requests),
-                                            max_concurrency=max_concurrency,
-                                            on_done=on_done), timeout)
+            async def send_inproc(reqs: Sequence[WorkloadRequest],
+                                  done: OnDone | None = None) -> list[RequestRecord]:
+                return await run_workload(self.router, timed_requests(reqs),
+                                          max_concurrency=max_concurrency, on_done=done)
+
+            records = self.run(drive.run(send_inproc, on_done), timeout)
         elif transport == "grpc":
             from bench.client import AsyncPdserveClient, run_requests
 
             async def go() -> list[RequestRecord]:
                 async with AsyncPdserveClient(self.address, timeout=timeout) as client:
-                    return await run_requests(client, requests, max_concurrency=max_concurrency,
-                                              on_done=on_done)
+                    async def send_grpc(reqs: Sequence[WorkloadRequest],
+                                        done: OnDone | None = None) -> list[RequestRecord]:
+                        return await run_requests(client, reqs, max_concurrency=max_concurrency,
+                                                  on_done=done)
+
+                    return await drive.run(send_grpc, on_done)
 
             records = asyncio.run(go())
         else:

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 from engine.tracing import TraceEvent
 
 if TYPE_CHECKING:
-    from bench.studies.common import ConfigRun
+    from bench.studies.config_run import ConfigRun
 
 
 def write_trace_files(out: Path, study: str, config: str,
                       events: Sequence[TraceEvent]) -> dict[str, str]:
     """``STUDY-CONFIG.trace.json`` (Perfetto) and ``STUDY-CONFIG.timeline.png``."""
-    from bench.trace import plot_timeline, write_chrome_trace
+    from bench.plots import plot_timeline
+    from bench.trace import write_chrome_trace
 
     stem = f"{study}-{slug(config)}"
     trace = write_chrome_trace(events, out / f"{stem}.trace.json")

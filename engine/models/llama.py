@@ -7,30 +7,14 @@ names match the HF checkpoints, so `load_state_dict` takes safetensors as they a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention.base import AttentionMetadata
 from engine.compile_ops import attend, paged_attention
 from engine.config import ModelConfig
 from engine.models.linear import pack, project
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one flat batch; built by ModelRunner only."""
-
-    backend: AttentionBackend
-    slot_mapping: torch.Tensor  # [T] int64
-    num_decode_tokens: int  # the first N tokens are single-token decodes
-    decode_block_tables: torch.Tensor  # [N, max_blocks] int32
-    decode_seq_lens: torch.Tensor  # [N] int32
-    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
-    prefill_query_start_loc: torch.Tensor  # [P + 1] int32, relative to the prefill part
-    prefill_seq_lens: torch.Tensor  # [P] int32
 
 
 class RMSNorm(nn.Module):

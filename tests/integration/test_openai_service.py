@@ -21,7 +21,7 @@ from cluster.local_backend import LocalBackend
 from cluster.metrics import ServiceMetrics
 from cluster.server import BackgroundServer
 from engine import LLM, SamplingParams
-from tests.integration.test_grpc_server import _self_signed_cert
+from tests.tls_cert import self_signed_cert
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_client_leaving_mid_stream_frees_both_pools(pd_http):
 
 
 def test_https_with_the_grpc_certificate_and_token(tiny_model, tmp_path):
-    cert, key = _self_signed_cert(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     token_file = tmp_path / "token"
     token_file.write_text("tls-token")
     cfg = ServeConfig().with_values({

@@ -1,4 +1,5 @@
-"""Serving metrics and fairness (bench/metrics.py) against hand-computed values."""
+"""Request records (bench/records.py), serving metrics and fairness (bench/metrics.py)
+against hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import pytest
 
 from bench.metrics import (
     Dist,
-    RequestRecord,
     compute_metrics,
     jain_index,
     meets_slos,
     parse_slo,
     slowdowns,
 )
+from bench.records import RequestRecord
 
 
 def rec(rid: str, send: float, times: list[float], prompt: int = 10, **kw: object) -> RequestRecord:

@@ -1,4 +1,4 @@
-"""Trace export (Chrome JSON, timeline PNG) and summaries (bench/trace.py)."""
+"""Trace export (Chrome JSON) and summaries (bench/trace.py), the timeline PNG (bench/plots.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.plots import plot_timeline
 from bench.trace import (
     assign_lanes,
     link_utilization,
     load_events,
-    plot_timeline,
     save_events,
     step_times,
     summarize,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.compile import COMPILE_MODES, decode_buckets, resolve_mode
+from engine.compile import decode_buckets, resolve_mode
+from engine.config import COMPILE_MODES
 from tests.unit.test_engine_exactness import hf_greedy, prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -23,18 +24,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def _counting(llm: LLM) -> dict[str, int]:
     """Count compiled and eager forwards of `llm` from now on."""
     calls = {"compiled": 0, "steps": 0}
-    run, execute = llm.runner.compiled.run, llm.runner.execute
+    run, step = llm.runner.compiled.run, llm.runner.run  # run(): the runner's one entry
 
     def counted_run(*a, **kw):
         calls["compiled"] += 1
         return run(*a, **kw)
 
-    def counted_execute(chunks):
+    def counted_step(chunks):
         calls["steps"] += 1
-        return execute(chunks)
+        return step(chunks)
 
     llm.runner.compiled.run = counted_run
-    llm.runner.execute = counted_execute
+    llm.runner.run = counted_step
     return calls
 
 
@@ -90,6 +91,44 @@ def test_decode_batches_padded_to_buckets_match_transformers(tiny_model, monkeyp
         assert o.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens), f"prompt len {len(p)}"
     assert 8 in rows and set(rows) <= set(compiled.buckets)
     assert llm.runner._graph_buf.fixed and llm.block_manager.num_used_blocks == 0
+
+
+def test_padded_decode_steps_carry_logprobs_and_prompt_logprobs(tiny_model, monkeypatch):
+    """Log-probs with the CUDA-graph layout on the CPU: one-token prompt chunks (which run
+    as decode rows) ask for every row's logits; padding rows follow the real ones, so the
+    sampled rows and the prompt rows are transformers' (fp32) in padded steps too."""
+    from dataclasses import replace
+
+    from engine import compile as compile_mod
+    from tests.logprobs_ref import check_entry, check_prompt, hf_logprobs
+
+    monkeypatch.setattr(compile_mod, "PADDED_DECODE", {"cpu", "cuda"})
+    llm = LLM(str(tiny_model), compile="decode", max_num_seqs=4, max_prefill_chunk=1,
+              block_size=4)
+    calls, rows = _counting(llm), []
+    run = llm.runner.compiled.run
+
+    def spy(fn, ids, pos):
+        rows.append(len(ids))
+        return run(fn, ids, pos)
+
+    llm.runner.compiled.run = spy
+    prompts = [prompt(n, seed=n) for n in (5, 9, 2)]  # 3 rows pad to 4
+    params = [replace(GREEDY, logprobs=2, prompt_logprobs=3), GREEDY,
+              replace(GREEDY, logprobs=1, prompt_logprobs=0)]
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens), f"prompt len {len(p)}"
+    for o, n, pn in ((outs[0], 2, 3), (outs[2], 1, 0)):
+        ref = hf_logprobs(tiny_model, o.prompt_token_ids + o.token_ids)
+        check_prompt(o.prompt_logprobs, ref, o.prompt_token_ids, pn)
+        start = len(o.prompt_token_ids) - 1
+        for i, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
+            check_entry(lp, ref[start + i], tok, n)
+    assert outs[1].logprobs is None and outs[1].prompt_logprobs is None
+    assert calls["compiled"] == calls["steps"] > 0 and 4 in rows  # all padded, compiled
+    assert llm.runner.compiled.mode == "decode" and llm.block_manager.num_used_blocks == 0
+    llm.block_manager.check_integrity()
 
 
 def test_decode_mode_compiles_decode_steps_only(tiny_model):
@@ -159,11 +198,13 @@ def test_padding_rows_write_no_kv():
 
 
 def test_modes_and_buckets():
-    from cluster.config import COMPILE_MODES as SERVE_MODES
-    from engine.config import COMPILE_MODES as CONFIG_MODES
+    from dataclasses import fields
+
+    from cluster.config import ModelSection
     from engine.config import EngineConfig
 
-    assert CONFIG_MODES == COMPILE_MODES == SERVE_MODES  # the copies that avoid torch imports
+    key = next(f for f in fields(ModelSection) if f.name == "compile")
+    assert key.metadata["choices"] is COMPILE_MODES  # one list, from the engine
     assert resolve_mode("auto", torch.device("cuda", 0)) == "decode"
     assert resolve_mode("none", torch.device("cpu")) == "none"
     with pytest.raises(ValueError, match="compile must be one of"):
@@ -177,14 +218,27 @@ def test_modes_and_buckets():
 
 def test_the_compile_key_reaches_the_workers_engine_config(tiny_model):
     from cluster.config import ServeConfig
-    from cluster.worker_spec import WorkerSpec, engine_config
+    from cluster.worker_specs import engine_config
 
     cfg = ServeConfig().with_values({"model.compile": "decode"})
     assert cfg.model.compile == "decode"
     with pytest.raises(ValueError, match="model.compile must be one of"):
         ServeConfig().with_values({"model.compile": "fast"})
-    spec = WorkerSpec("p0", "prefill", str(tiny_model), compile=cfg.model.compile)
-    assert engine_config(spec)[0].compile == "decode"
+    for role in ("prefill", "decode", "colocated"):
+        assert engine_config(cfg, str(tiny_model), role).compile == "decode"
+
+
+def test_the_compile_choices_load_no_torch():
+    """`pdserve serve --help` lists the compile modes without importing torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom cluster.cli import main\ntry:\n    main(['serve', '--help'])\n"
+            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch loaded'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--compile" in out.stdout and "decode" in out.stdout
 
 
 def test_rms_norm_is_one_op_and_bit_equal_to_transformers_fp32():

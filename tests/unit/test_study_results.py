@@ -3,6 +3,7 @@ and the `pdserve bench` / `pdserve study` command lines."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -97,8 +98,8 @@ def test_teaching_timings_and_claims_from_traces() -> None:
 
 
 def test_cli_parsers_and_plugin_registration(capsys) -> None:
-    from bench.cli import parse_length, parse_tenants
-    from cluster.cli import build_parser
+    from bench.workload_args import parse_length, parse_tenants
+    from cluster.cli import COMMANDS, PLUGIN_MODULES, build_parser
 
     assert parse_length("128").kind == "fixed"
     u = parse_length("64:256")
@@ -117,6 +118,9 @@ def test_cli_parsers_and_plugin_registration(capsys) -> None:
         parser.parse_args(["study", "chunk-size", "--out", "x", "--link-gbps", "1",
                            "--transfer-compute-ratio", "0.3"])
     capsys.readouterr()
+    # every plug-in module named exists (one named a module that did not), and registers
+    assert all(importlib.util.find_spec(m) is not None for m in PLUGIN_MODULES)
+    assert {"bench", "study"} <= set(COMMANDS)
 
 
 def offline_ctx(tmp_path: Path, tiny_model: Path, quick: bool):
@@ -148,11 +152,23 @@ def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, 
         policy, queue = name.split("+")
         cfgs[f"fairness-{name}"] = base.with_values({"scheduler.fairness_policy": policy,
                                                      "transfer.send_queue": queue})
-    args = interference.workload_args(ctx)
+    spec = interference.workload_spec(ctx)
     for layout in interference.LAYOUTS.values():
-        interference.layout_config(ctx, layout, args.long_prompt)
+        interference.layout_config(base, layout, spec.long_prompt)
     shared = [n for n, c in cfgs.items() if config_key(c, DISAGG) == config_key(base, DISAGG)]
     assert shared == ["chunk-256", "pacing-eager", "fairness-fcfs+fcfs"]
     assert cfgs["pacing-at_end-raw"].transfer.link_gbps is None
     assert not pacing.credit_can_bind(ctx)  # tiny: 2048 tokens of KV are 1 MiB
     assert len(fairness.config_names(False)) == 10 and len(cfgs) == len(set(map(str, cfgs)))
+
+
+def test_study_all_and_run_all_reject_bad_selections_before_launching(tmp_path, capsys) -> None:
+    from bench import run_all
+    from bench.cli import study_main
+
+    out = str(tmp_path / "out")
+    assert study_main(["all", "--out", out, "--configs", "chunk-64"]) == 2
+    assert run_all.main(["--out", out, "--studies", "chunk-size,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--configs picks configurations of one study" in err and "unknown ['nope']" in err
+    assert not (tmp_path / "out").exists()  # nothing was started or written
