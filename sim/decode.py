@@ -1,0 +1,240 @@
+"""A simulated decode worker: the real DecodeScheduler (promises, admission per arriving
+chunk, continuous batching, preemption of the newest) over the real BlockManager. Around
+it, what decode_worker/engine.py DecodeEngine does: take the arrived KV pieces at the
+start of a step (allocation per chunk, credit back to the link), start legs whose KV is
+complete, one decode step, tokens out, finished legs freed.
+
+Fast stepping: between two events that concern this worker, consecutive steps differ only
+by one token per running leg. When the real ``schedule()`` has run a step and the next
+``k - 1`` steps can neither finish a leg nor need more blocks than nobody was promised
+(so the scheduler can preempt no one), the k steps are taken as one: durations from the
+cost model, one ``BlockManager.allocate`` per leg. A command or a KV piece that arrives
+meanwhile cuts the run at the first step boundary after it, exactly where the real loop
+would take it. ``--decode-stepping exact`` calls ``schedule()`` for every step; the
+tests check both give the same run.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sim.adapters import (
+    BlockManager,
+    DecodeScheduler,
+    DecodeTask,
+    RequestStatus,
+    ScheduledItem,
+    simulated_token,
+    startable,
+    take_kv_piece,
+)
+from sim.worker import SimWorker
+
+if TYPE_CHECKING:
+    from sim.cluster import Simulation
+    from sim.link import Piece
+
+MAX_RUN = 1024  # most steps taken as one
+
+
+class SimDecode(SimWorker):
+    role = "decode"
+
+    def __init__(self, sim: Simulation, worker_id: str):
+        super().__init__(sim, worker_id)
+        plan = sim.plan
+        self.bm = BlockManager(plan.decode_blocks, plan.decode_block_size,
+                               enable_prefix_caching=False)
+        self.sched = DecodeScheduler(plan.decode, self.bm)
+        self.max_len = min(plan.max_model_len, self.sched.max_len)
+        self.num_layers = plan.num_layers
+        self.fast = sim.options.decode_stepping == "fast"
+        self.inbox: list[Piece] = []
+        self.started: dict[str, float] = {}
+        self.first_step: dict[str, int] = {}  # leg -> index of its first decode step
+        self._aborted_early: set[str] = set()
+        self.step_times = array("d")  # end of every step that ran the model
+        self.step_batch = array("i")
+        self._items: list[ScheduledItem] = []
+        self._ends = np.empty(0)
+        self._run = 0  # steps in the current (macro) step
+        self._out: list[tuple] = []  # legs that left, reported at the end of the step
+        self._t0 = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.sched.pending or self.sched.running)
+
+    def pending_io(self) -> bool:
+        return bool(self.inbox)
+
+    # ---- commands and I/O ---------------------------------------------------------
+    def command(self, fn, *args) -> None:
+        self._cut()
+        super().command(fn, *args)
+
+    def reserve(self, task: DecodeTask, reply) -> None:
+        if task.request_id in self._aborted_early:
+            self._aborted_early.discard(task.request_id)
+            reply(False, None)
+            return
+        try:
+            ok = self.sched.reserve(task)
+        except ValueError as e:  # can never fit: the router says so at once
+            reply(False, str(e))
+            return
+        reply(ok, None)
+
+    def abort(self, leg_id: str) -> None:
+        if not self._end(leg_id):
+            self._aborted_early.add(leg_id)
+
+    def _end(self, leg_id: str) -> bool:
+        self.started.pop(leg_id, None)
+        self.first_step.pop(leg_id, None)
+        return self.sched.abort(leg_id) is not None
+
+    def deliver(self, pieces: list[Piece]) -> None:
+        self.inbox.extend(pieces)
+        self._cut()
+        self.io_ready()
+
+    def _cut(self) -> None:
+        """End a multi-step run at the first step boundary from now on."""
+        if not self.stepping or self._run <= 1:
+            return
+        j = bisect.bisect_left(self._ends, self.loop.now, 0, self._run)
+        if j + 1 < self._run:
+            self._run = j + 1
+            self.reschedule_end(float(self._ends[j]))
+
+    # ---- the step -----------------------------------------------------------------
+    def _take_kv(self, now: float) -> float:
+        """DecodeEngine._take_kv: write every arrived piece, return its credit, start the
+        legs whose KV is complete; returns the seconds the imports take."""
+        seconds = 0.0
+        inbox, self.inbox = self.inbox, []
+        for p in inbox:
+            kept = take_kv_piece(self.sched, p.leg_id, p.token_start, p.token_end,
+                                 p.layer_end, self.num_layers, p.first_token)
+            if kept and p.token_end > p.token_start:
+                seconds += self.costs.kv_import_s(p.token_end - p.token_start)
+            self.loop.at(now + p.link.cost.latency_s, p.link.ack, p, kept)
+        tracer = self.sim.tracer
+        for leg in startable(self.sched):
+            self.sched.start(leg)
+            self.started[leg] = now + seconds
+            if tracer is not None:
+                tracer.span(leg, "decode_admit", self.worker_id, now + seconds, now + seconds)
+        return seconds
+
+    def start_step(self) -> tuple[float, bool] | None:
+        now = self._t0 = self.loop.now
+        import_s = self._take_kv(now) if self.inbox else 0.0
+        items, preempted = self.sched.schedule()
+        for r in preempted:  # reported with the step's events, at its end
+            self._out.append(self._leg_out(r.request_id, r, finished=False))
+        if not items:
+            self._flush(now)
+            return (import_s, False) if import_s > 0 else None
+        n = len(self.step_times)
+        ctx = 0
+        for it in items:
+            self.first_step.setdefault(it.request.request_id, n)
+            ctx += it.start + 1
+        k = self._run_length(items) if self.fast else 1
+        b = len(items)
+        fixed = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
+        durations = self.costs.decode_run_s(b, ctx, k) + fixed
+        durations[0] += import_s
+        durations[0] += now  # cumsum from now: the same additions as step by step
+        self._ends = np.cumsum(durations)
+        if self._out:  # preemptions are reported with the first step's events
+            self._flush(float(self._ends[0]))
+        self._items, self._run = items, k
+        return float(self._ends[-1]) - now, True
+
+    def _run_length(self, items: list[ScheduledItem]) -> int:
+        """Steps that can go as one after this one: none finishes a leg before the last,
+        and their blocks fit what nobody was promised (so no preemption can happen)."""
+        k = MAX_RUN
+        for it in items:
+            r = it.request
+            left = min(r.sampling_params.max_tokens - len(r.output_token_ids),
+                       self.max_len - r.num_tokens)
+            if left < k:
+                k = max(1, left)
+        if k <= 1:
+            return 1
+        free = self.sched.promised_free_blocks()
+        bm = self.bm
+
+        def need(steps: int) -> int:
+            return sum(bm.blocks_needed(it.request, it.request.num_cached_tokens + steps)
+                       for it in items)
+
+        if need(k) <= free:
+            return k
+        lo, hi = 1, k  # need(lo) <= free < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
+
+    def end_step(self) -> None:
+        items, j = self._items, self._run
+        self._items = []
+        ends = self._ends[:j]
+        self.step_times.extend(ends.tolist())
+        self.step_batch.extend([len(items)] * j)
+        self.num_steps += j
+        self.busy_s += float(ends[-1]) - self._t0
+        tracer, token = self.sim.tracer, simulated_token()
+        if tracer is not None:
+            starts = [self._t0, *ends[:-1].tolist()]
+            for s, e in zip(starts, ends.tolist(), strict=True):
+                for it in items:
+                    tracer.span(it.request.request_id, "decode_step", self.worker_id, s, e,
+                                batch_num_seqs=len(items), batch_num_tokens=len(items),
+                                tenant=it.request.tenant)
+        for it in items:
+            r = it.request
+            if r.status != RequestStatus.RUNNING:
+                continue  # aborted while the steps ran: already freed
+            if j > 1 and not self.bm.allocate(r, r.num_cached_tokens + j):
+                raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
+            r.num_cached_tokens += j
+            if j > 1:
+                r.output_token_ids.extend([token] * (j - 1))
+            r.append_token(token)
+            if not r.is_finished and r.num_tokens >= self.max_len:
+                r.status = RequestStatus.FINISHED_LENGTH
+            if r.is_finished:
+                self.sched.finish(r)
+                self._out.append(self._leg_out(r.request_id, r, finished=True))
+        self._flush(self.loop.now)
+
+    def _leg_out(self, leg_id: str, r, finished: bool) -> tuple:
+        """A leg left this worker (finished or preempted): what the router hears of it."""
+        first = self.first_step.pop(leg_id, len(self.step_times))
+        count = len(r.output_token_ids) - 1  # the first came from the prefill worker
+        start = self.started.pop(leg_id, self.loop.now)
+        return (leg_id, first, count, finished, self.loop.now - start)
+
+    def _flush(self, at: float) -> None:
+        """Report the legs that left with the events of the step ending ``at``."""
+        out, self._out = self._out, []
+        for leg_id, first, count, finished, decode_s in out:
+            self.loop.at(at + self.sim.rpc_s, self.sim.router.on_decode_end, self, leg_id,
+                         first, count, finished, decode_s)
+
+    def stats(self) -> dict[str, float]:
+        return {"role": self.role, "steps": self.num_steps,
+                "mean_step_s": self.busy_s / self.num_steps if self.num_steps else None,
+                "busy_s": self.busy_s, "kv_bytes_sent": 0.0,
+                "mean_batch": (sum(self.step_batch) / len(self.step_batch)
+                               if self.step_batch else None)}

@@ -1,0 +1,327 @@
+"""The simulated router: cluster/router.py's request lifecycle on the simulated clock.
+
+Reproduced: the bounded admission queue in arrival order (re-dispatched legs keep their
+request's arrival), where only the head asks the decode workers for room, one reserve
+call at a time, in the order of cluster/routing_policies.py (least KV usage as the router
+last saw it), and retries when a leg ends or after ``RETRY_S``; prefill placement by a
+registered policy over outstanding prefill tokens; legs (a preemption or a failure
+starts a new leg that recomputes prompt + tokens so far); request deadlines; the
+adaptive-chunk pressure loop.
+
+Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``),
+router <-> client is ``client_s``; the router's own CPU time is not (its event loop is
+assumed never to be the bottleneck); worker death, restarts and KV-wait expiry are not.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sim.adapters import (
+    ADMISSION_RETRY_S,
+    DecodeLoad,
+    PrefillLoad,
+    decode_order,
+    decode_task,
+    simulated_token,
+)
+
+if TYPE_CHECKING:
+    from bench.workload import WorkloadRequest
+    from sim.cluster import Simulation
+    from sim.decode import SimDecode
+    from sim.prefill import SimPrefill
+
+PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
+
+
+@dataclass(eq=False)
+class Flight:
+    req: WorkloadRequest
+    arrival: float  # at the router
+    leg: int = 0
+    leg_id: str = ""
+    failures: int = 0
+    preemptions: int = 0
+    prefill: SimPrefill | None = None
+    decode: SimDecode | None = None
+    leg_prompt_len: int = 0
+    generated: int = 0
+    tokens: list = field(default_factory=list)  # router times (float) and decode segments
+    timing: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    error: str = ""
+    finish_reason: str = ""
+    end_time: float | None = None
+    prefill_done: bool = False
+    leg_first_seen: bool = False
+
+
+class SimRouter:
+    def __init__(self, sim: Simulation):
+        self.sim, self.loop = sim, sim.loop
+        self.cfg = sim.plan.router
+        self.flights: dict[str, Flight] = {}
+        self.legs: dict[str, Flight] = {}
+        self.finished: list[Flight] = []
+        self.placement = sim.placement
+        self.outstanding = {w.worker_id: 0 for w in sim.prefill}
+        self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
+        self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
+        self._queue: list[tuple[float, int, Flight]] = []
+        self._seq = itertools.count()
+        self._dispatches = itertools.count(1)
+        self._round: Flight | None = None
+        self._woken = False
+        self._retry_version = 0
+        self._decode_by_id = {w.worker_id: w for w in sim.decode}
+        self.rejected = 0
+
+    # ---- arrivals -------------------------------------------------------------------
+    def arrive(self, req: WorkloadRequest) -> None:
+        now = self.loop.now
+        flight = Flight(req, now)
+        if len(self._queue) >= self.cfg.max_queue_len:
+            return self._reject(flight, "RESOURCE_EXHAUSTED: admission queue is full "
+                                f"({self.cfg.max_queue_len} waiting)")
+        cap = max(w.bm.num_blocks * w.bm.block_size for w in self.sim.decode)
+        if req.prompt_len + 1 > cap:
+            return self._reject(flight, f"RESOURCE_EXHAUSTED: prompt of {req.prompt_len} "
+                                f"tokens cannot fit any decode worker's KV cache ({cap} tokens)")
+        self.flights[req.request_id] = flight
+        self.loop.at(now + self.cfg.request_timeout_s, self._deadline, flight)
+        self.dispatch(flight)
+
+    def _reject(self, flight: Flight, error: str) -> None:
+        flight.done, flight.error = True, error
+        self.rejected += 1
+        self.finished.append(flight)
+
+    def _deadline(self, flight: Flight) -> None:
+        self.fail(flight, f"DEADLINE_EXCEEDED: request exceeded {self.cfg.request_timeout_s:g}s")
+
+    # ---- dispatch: admission queue, decode reservation, prefill placement -----------
+    def dispatch(self, flight: Flight) -> None:
+        if flight.done:
+            return
+        if flight.failures >= self.cfg.max_legs:
+            return self.fail(flight, f"UNAVAILABLE: gave up after {flight.failures} attempts")
+        flight.leg += 1
+        flight.leg_id = f"{flight.req.request_id}#{next(self._dispatches):x}#{flight.leg}"
+        flight.leg_prompt_len = flight.req.prompt_len + flight.generated
+        flight.prefill_done = flight.leg_first_seen = False
+        self.legs[flight.leg_id] = flight
+        bisect.insort(self._queue, (flight.arrival, next(self._seq), flight),
+                      key=lambda w: (w[0], w[1]))
+        self.wake_head()
+
+    def wake_head(self) -> None:
+        if self._round is not None:
+            self._woken = True
+        elif self._queue:
+            self._retry_version += 1
+            self.loop.at(self.loop.now, self._try_head, self._retry_version)
+
+    def _try_head(self, version: int) -> None:
+        if version != self._retry_version or self._round is not None:
+            return
+        while self._queue and self._queue[0][2].done:
+            self._queue.pop(0)
+        if not self._queue:
+            return
+        head = self._queue[0][2]
+        self._round, self._woken = head, False
+        loads = [DecodeLoad(w, self.kv_view[w]) for w in self.kv_view]
+        self._ask(head, head.leg_id, decode_order(self.sim.options.decode_order, loads), 0)
+
+    def _ask(self, flight: Flight, leg: str, order: list[str], i: int) -> None:
+        w = self._decode_by_id[order[i]]
+        task = decode_task(leg, flight.leg_prompt_len, flight.req.max_tokens - flight.generated,
+                           flight.req.tenant)
+
+        def reply(ok: bool, error: str | None) -> None:
+            self.sim.emit(self._reply, flight, leg, order, i, ok, error)
+
+        self.sim.emit(w.command, w.reserve, task, reply)
+
+    def _reply(self, flight: Flight, leg: str, order: list[str], i: int, ok: bool,
+               error: str | None) -> None:
+        w = self._decode_by_id[order[i]]
+        stale = flight.done or flight.leg_id != leg
+        if ok and stale:
+            self.abort_on(w, leg)
+        if error is not None and not stale:
+            self._end_round(flight)
+            return self.fail(flight, f"RESOURCE_EXHAUSTED: {error}")
+        if stale or ok:
+            self._end_round(flight)
+            if ok and not stale:
+                self._place(flight, w)
+            return
+        if i + 1 < len(order):
+            return self._ask(flight, leg, order, i + 1)
+        self._round = None  # nobody had room: retry on a wake-up, or after RETRY_S
+        if self._woken:
+            self.wake_head()
+        else:
+            self._retry_version += 1
+            self.loop.at(self.loop.now + ADMISSION_RETRY_S, self._try_head, self._retry_version)
+
+    def _end_round(self, flight: Flight) -> None:
+        self._round = None
+        self._queue = [e for e in self._queue if e[2] is not flight]
+        self.wake_head()
+
+    def _place(self, flight: Flight, decode: SimDecode) -> None:
+        flight.decode = decode
+        self.held[decode.worker_id].add(flight.leg_id)
+        req = flight.req
+        prompt = list(req.prompt_token_ids)
+        if flight.generated:
+            prompt += [simulated_token()] * flight.generated
+        loads = [PrefillLoad(w.worker_id, self.outstanding[w.worker_id]) for w in self.sim.prefill]
+        wid = self.placement.pick(loads, prompt)
+        p = self.sim.prefill_by_id[wid]
+        flight.prefill = p
+        self.held[wid].add(flight.leg_id)
+        self.outstanding[wid] += len(prompt)
+        deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
+        self.sim.emit(p.command, p.add, flight.leg_id, prompt, req.max_tokens - flight.generated,
+                      req.tenant, decode, deadline)
+
+    # ---- worker events --------------------------------------------------------------
+    def _current(self, leg: str, w: Any, role: str) -> Flight | None:
+        f = self.legs.get(leg)
+        if f is None or f.done or f.leg_id != leg or getattr(f, role) is not w:
+            return None
+        return f
+
+    def on_first_token(self, w: SimPrefill, leg: str, ended: bool, timing: dict) -> None:
+        f = self._current(leg, w, "prefill")
+        if f is None:
+            return
+        f.timing.update(timing)
+        f.leg_first_seen = True
+        f.generated += 1
+        f.tokens.append(self.loop.now)
+        if ended:
+            self._finish(f, (w,))
+
+    def on_prefill_done(self, w: SimPrefill, leg: str, transfer_s: float) -> None:
+        f = self._current(leg, w, "prefill")
+        if f is None:
+            return
+        f.timing["transfer_s"] = f.timing.get("transfer_s", 0.0) + transfer_s
+        if leg in self.held[w.worker_id] and not f.prefill_done:
+            f.prefill_done = True
+            self.outstanding[w.worker_id] = max(0, self.outstanding[w.worker_id] - f.leg_prompt_len)
+            self.held[w.worker_id].discard(leg)
+
+    def on_decode_end(self, w: SimDecode, leg: str, first: int, count: int, finished: bool,
+                      decode_s: float) -> None:
+        f = self._current(leg, w, "decode")
+        if f is None:
+            return
+        if count:
+            f.tokens.append((w, first, count))
+            f.generated += count
+        if finished:
+            f.timing["decode_s"] = f.timing.get("decode_s", 0.0) + decode_s
+            self._finish(f, (w, f.prefill))
+        else:  # preempted: a leg that streamed its first token made progress
+            self.redispatch(f, failed=not f.leg_first_seen, ended=(w,))
+
+    def on_failed(self, w: Any, leg: str, message: str) -> None:
+        f = self.legs.get(leg)
+        if f is None or f.done or f.leg_id != leg or w not in (f.prefill, f.decode):
+            return
+        self.redispatch(f, failed=True, ended=(w,))
+
+    def on_add_rejected(self, w: SimPrefill, leg: str, message: str) -> None:
+        f = self._current(leg, w, "prefill")
+        if f is not None:
+            self.fail(f, f"INVALID_ARGUMENT: {message}")
+
+    # ---- endings --------------------------------------------------------------------
+    def _finish(self, f: Flight, ended: tuple) -> None:
+        f.finish_reason = "length"
+        f.end_time = self.loop.now
+        self.release(f)
+        self.end_leg(f, ended)
+
+    def redispatch(self, f: Flight, *, failed: bool, ended: tuple = ()) -> None:
+        if failed:
+            f.failures += 1
+        else:
+            f.preemptions += 1
+        self.end_leg(f, ended)
+        self.loop.at(self.loop.now, self.dispatch, f)
+
+    def end_leg(self, f: Flight, ended: tuple = ()) -> None:
+        leg = f.leg_id
+        self.legs.pop(leg, None)
+        p = f.prefill
+        if p is not None and leg in self.held[p.worker_id] and not f.prefill_done:
+            self.outstanding[p.worker_id] = max(0, self.outstanding[p.worker_id] - f.leg_prompt_len)
+        for w in dict.fromkeys(x for x in (p, f.decode) if x is not None):
+            if leg in self.held[w.worker_id] and not any(w is e for e in ended):
+                self.abort_on(w, leg)
+            self.held[w.worker_id].discard(leg)
+        f.prefill = f.decode = None
+        self.wake_head()
+
+    def abort_on(self, w: Any, leg: str) -> None:
+        """Abort ``leg`` on ``w``; the queue's head retries once that is done."""
+        def run() -> None:
+            w.abort(leg)
+            self.sim.emit(self.wake_head)
+
+        self.sim.emit(w.command, run)
+
+    def release(self, f: Flight) -> None:
+        f.done = True
+        if self.flights.get(f.req.request_id) is f:
+            del self.flights[f.req.request_id]
+            self.finished.append(f)
+        if self._round is not f:
+            self._queue = [e for e in self._queue if e[2] is not f]
+
+    def fail(self, f: Flight, error: str) -> None:
+        if f.done:
+            return
+        f.error = error
+        self.release(f)
+        self.end_leg(f)
+
+    # ---- periodic views ---------------------------------------------------------------
+    def refresh_stats(self, period: float) -> None:
+        for w in self.sim.decode:
+            self.kv_view[w.worker_id] = w.bm.usage
+        if self.flights or self.sim.arrivals_left:
+            self.loop.at(self.loop.now + period, self.refresh_stats, period)
+
+    def pressure_loop(self) -> None:
+        """cluster/router_events.py _pressure_loop: decode ITL p90 over the last window
+        against the target, to every prefill worker's chunk policy."""
+        now = self.loop.now
+        gaps = []
+        for w in self.sim.decode:
+            t, b = w.step_times, w.step_batch
+            i = bisect.bisect_left(t, now - PRESSURE_WINDOW_S)
+            if len(t) - i >= 2:
+                ends = np.frombuffer(t, dtype=float)[max(i - 1, 0):]
+                gaps.append(np.repeat(np.diff(ends), np.frombuffer(b, dtype=np.int32)[max(i, 1):]))
+        if gaps:
+            g = np.sort(np.concatenate(gaps))
+            pressure = float(g[int(0.9 * (len(g) - 1))]) / self.cfg.itl_target_s if len(g) else 0.0
+        else:
+            pressure = 0.0
+        for p in self.sim.prefill:
+            self.sim.emit(p.command, p.set_decode_pressure, pressure)
+        if self.flights or self.sim.arrivals_left:
+            self.loop.at(now + PRESSURE_PERIOD_S, self.pressure_loop)
