@@ -14,7 +14,11 @@ Prefill placement (``PREFILL_PLACEMENTS``):
 
 Decode order (``DECODE_ORDERS``):
   least-kv-usage     every worker, least KV usage first (stable among equals): the order
-                     cluster/admission.py asks them to reserve
+                     cluster/admission.py asks them to reserve. The usage is the workers'
+                     last reported stats, which the router refreshes only when asked
+                     (GetStats, the /metrics refresher): unrefreshed, every worker looks
+                     empty and the first one takes every request it has room for
+  least-legs         least legs the router itself has placed there (always current)
 
     policy = make_placement("length-buckets", thresholds=(256, 1024, 4096))
     wid = policy.pick([PrefillLoad("prefill-0", 900), PrefillLoad("prefill-1", 0)], prompt)
@@ -25,29 +29,27 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.block_manager import block_hashes
 
 MAX_AFFINITY_KEYS = 1 << 16  # first blocks remembered (they come from clients' prompts)
 
 
-@dataclass(frozen=True)
-class PrefillLoad:
-    """The router's view of one live prefill worker."""
+class PrefillLoad(NamedTuple):
+    """The router's view of one live prefill worker (a tuple: built per decision)."""
 
     worker_id: str
     outstanding_tokens: int  # prompt tokens dispatched to it, prefill not done yet
 
 
-@dataclass(frozen=True)
-class DecodeLoad:
+class DecodeLoad(NamedTuple):
     """The router's view of one live decode worker (``kv_usage`` as last reported)."""
 
     worker_id: str
     kv_usage: float
+    legs: int = 0  # legs the router has placed there and not ended
 
 
 def least_outstanding(loads: Sequence[PrefillLoad]) -> PrefillLoad:
@@ -190,8 +192,13 @@ def least_kv_usage(loads: Sequence[DecodeLoad]) -> list[str]:
     return [w.worker_id for w in sorted(loads, key=lambda w: w.kv_usage)]
 
 
+def least_legs(loads: Sequence[DecodeLoad]) -> list[str]:
+    return [w.worker_id for w in sorted(loads, key=lambda w: w.legs)]
+
+
 DECODE_ORDERS: dict[str, Callable[[Sequence[DecodeLoad]], list[str]]] = {
     "least-kv-usage": least_kv_usage,
+    "least-legs": least_legs,
 }
 
 

@@ -221,3 +221,34 @@ def startable(sched: DecodeScheduler) -> list[str]:
 
 def simulated_token() -> int:
     return SIM_TOKEN
+
+
+# ---- calibration: the real engine pieces, imported when `pdserve calibrate` runs ----------
+def engine_tools():
+    """The engine, sampler, KV cache, connectors and worker engines calibration times."""
+    from types import SimpleNamespace
+
+    from decode_worker.engine import DecodeEngine
+    from engine.loader import load_model_config
+    from engine.messages import PrefillTask
+    from engine.model_runner import ModelRunner, SeqChunk
+    from engine.sampler import sample
+    from kv_transfer.base import KVChunk
+    from kv_transfer.registry import make_receiver, make_sender
+    from prefill_worker.engine import PrefillEngine
+
+    return SimpleNamespace(
+        DecodeEngine=DecodeEngine, PrefillEngine=PrefillEngine, ModelRunner=ModelRunner,
+        SeqChunk=SeqChunk, sample=sample, KVChunk=KVChunk, make_sender=make_sender,
+        make_receiver=make_receiver, load_model_config=load_model_config,
+        PrefillTask=PrefillTask, DecodeTask=DecodeTask, SamplingParams=SamplingParams,
+        EngineConfig=EngineConfig, CacheConfig=CacheConfig, SchedulerConfig=SchedulerConfig,
+        PrefillSchedulerConfig=PrefillSchedulerConfig, DecodeSchedulerConfig=DecodeSchedulerConfig,
+        TransferConfig=TransferConfig)
+
+
+def resolve_model_dir(path: str) -> str:
+    """'tiny', 'smollm2' or a directory, as `pdserve serve --model` takes it."""
+    from cluster.config import ModelSection
+
+    return str(ModelSection(path=path).resolve_path())

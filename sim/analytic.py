@@ -155,10 +155,16 @@ class RooflineCosts(CostModel):
         return self._step(flops, self.dense_bytes + self.head_bytes + kv * self.kv_bytes)
 
     def decode_run_s(self, batch: int, context: int, steps: int) -> np.ndarray:
+        # one formula for one step and for many: the same float operations, bit for bit
+        c0 = 2 * batch * self.dense + batch * self.head_flops
+        m0 = self.dense_bytes + self.head_bytes
+        if steps == 1:
+            ctx = float(context)
+            return np.array([max((c0 + self.attn * ctx) / self.flops,
+                                 (m0 + (ctx + batch) * self.kv_bytes) / self.bw, self.floor)])
         ctx = context + batch * np.arange(steps, dtype=float)
-        flops = 2 * batch * self.dense + self.attn * ctx + batch * self.head_flops
-        nbytes = self.dense_bytes + self.head_bytes + (ctx + batch) * self.kv_bytes
-        return np.maximum(np.maximum(flops / self.flops, nbytes / self.bw), self.floor)
+        flops, nbytes = (c0 + self.attn * ctx) / self.flops, (m0 + (ctx + batch) * self.kv_bytes) / self.bw
+        return np.maximum(np.maximum(flops, nbytes), self.floor)
 
     def sample_s(self, rows: int) -> float:
         return self.a["sample_fixed_s"] + rows * self.a["sample_per_row_s"]

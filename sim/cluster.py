@@ -12,6 +12,7 @@ calibration. Nothing here reads the wall clock except to report how fast it ran.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ class Simulation:
         self.links: list[SimLink] = []
         self.router = SimRouter(self)
         self.arrivals_left = 0
+        self._inflight = 0
+        self._held: deque = deque()
 
     def emit(self, fn: Callable[..., Any], *args: Any) -> None:
         """A message between router and worker: delivered ``rpc_s`` from now."""
@@ -69,10 +72,26 @@ class Simulation:
         return link
 
     def _arrive(self, requests: Sequence, i: int) -> None:
-        self.arrivals_left -= 1
-        self.router.arrive(requests[i])
+        """The client's turn to send request i (bench: it waits while ``max_concurrency``
+        requests are in flight, and its send time is when it is actually sent)."""
         if i + 1 < len(requests):
-            self.loop.at(requests[i + 1].arrival_s + self.client_s, self._arrive, requests, i + 1)
+            self.loop.at(requests[i + 1].arrival_s, self._arrive, requests, i + 1)
+        cap = self.options.max_concurrency
+        if cap is not None and self._inflight >= cap:
+            self._held.append(requests[i])
+            return
+        self._send(requests[i])
+
+    def _send(self, req) -> None:
+        self._inflight += 1
+        self.arrivals_left -= 1
+        self.loop.at(self.loop.now + self.client_s, self.router.arrive, req, self.loop.now)
+
+    def client_done(self) -> None:
+        """A request's last word reached the client: a held request may go."""
+        self._inflight -= 1
+        if self._held:
+            self._send(self._held.popleft())
 
     def run(self, requests: Sequence) -> SimResult:
         """Simulate the workload (``bench.workload.WorkloadRequest``s) to the end."""
@@ -81,7 +100,7 @@ class Simulation:
         reqs = sorted(requests, key=lambda r: r.arrival_s)
         self.arrivals_left = len(reqs)
         wall0 = time.perf_counter()
-        self.loop.at(reqs[0].arrival_s + self.client_s, self._arrive, reqs, 0)
+        self.loop.at(reqs[0].arrival_s, self._arrive, reqs, 0)
         refresh = self.options.stats_refresh_s
         if refresh is None and self.cfg.server.metrics_port is not None:
             refresh = 1.0  # cluster/metrics.py refresh_loop

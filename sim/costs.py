@@ -205,8 +205,8 @@ class TableCosts(CostModel):
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         total = self._t0(sum(c for c, _ in chunks))
         for c, p in chunks:
-            if p:
-                total += self.prefill(c, p) - self._t0(c)
+            if p:  # attention over earlier context (noise can make it look negative)
+                total += max(0.0, self.prefill(c, p) - self._t0(c))
         return total
 
     def decode_run_s(self, batch: int, context: int, steps: int) -> np.ndarray:

@@ -140,6 +140,7 @@ class SimDecode(SimWorker):
             self._out.append(self._leg_out(r.request_id, r, finished=False))
         if not items:
             self._flush(now)
+            self._items, self._run = [], 0
             return (import_s, False) if import_s > 0 else None
         n = len(self.step_times)
         ctx = 0
@@ -188,8 +189,11 @@ class SimDecode(SimWorker):
     def end_step(self) -> None:
         items, j = self._items, self._run
         self._items = []
+        if not j:  # a step that only took KV in
+            self.busy_s += self.loop.now - self._t0
+            return
         ends = self._ends[:j]
-        self.step_times.extend(ends.tolist())
+        self.step_times.frombytes(ends.tobytes())
         self.step_batch.extend([len(items)] * j)
         self.num_steps += j
         self.busy_s += float(ends[-1]) - self._t0

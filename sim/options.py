@@ -25,6 +25,7 @@ class SimOptions:
     decode_stepping: str = "fast"
     stats_refresh_s: float | None = None
     trace: bool = False
+    max_concurrency: int | None = None  # the client's cap on requests in flight (bench's)
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -39,5 +40,7 @@ class SimOptions:
                              f"{self.decode_stepping!r}")
         if self.stats_refresh_s is not None and not self.stats_refresh_s > 0:
             raise ValueError(f"stats_refresh_s must be > 0, got {self.stats_refresh_s}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not 1 <= len(self.length_buckets) < len(BUCKET_NAMES):
             raise ValueError(f"length_buckets takes 1..{len(BUCKET_NAMES) - 1} thresholds")

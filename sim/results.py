@@ -29,7 +29,7 @@ class SimResult:
         self.options = sim.options
         self.wall_s = wall_s
         self.events_run = sim.loop.events_run
-        self.sim_end_s = sim.loop.now
+        self.sim_end_s = sim.router.last_end
         self.requests = requests
         self.rejected = sim.router.rejected
         by_id = {f.req.request_id: f for f in sim.router.finished}
@@ -47,7 +47,7 @@ class SimResult:
 
     @property
     def simulated_s(self) -> float:
-        """Simulated time from the first arrival to the last event."""
+        """Simulated time from the first arrival to the end of the last request."""
         return self.sim_end_s - self.requests[0].arrival_s
 
     @property
@@ -80,7 +80,7 @@ class SimResult:
             t = self.token_times(f).tolist()
             r = f.req
             out.append(RequestRecord(
-                r.request_id, r.prompt_len, r.arrival_s, tuple(t),
+                r.request_id, r.prompt_len, f.send_s, tuple(t),
                 end_time=t[-1] if t else None, tenant=r.tenant, kind=r.kind,
                 success=not f.error, finish_reason=f.finish_reason, error=f.error,
                 **self._phases(f)))
@@ -102,7 +102,7 @@ class SimResult:
                 if v is not None:
                     phases[p[:-2]][i] = v
         return Timelines(
-            send=np.array([r.arrival_s for r in self.requests], dtype=float),
+            send=np.array([f.send_s for f in self.flights], dtype=float),
             first=first, end=end, n_out=n_out,
             prompt_len=np.array([r.prompt_len for r in self.requests], dtype=np.int64),
             success=np.array([not f.error for f in self.flights], dtype=bool),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
 class Flight:
     req: WorkloadRequest
     arrival: float  # at the router
+    send_s: float  # when the client sent it
     leg: int = 0
     leg_id: str = ""
     failures: int = 0
@@ -79,13 +81,16 @@ class SimRouter:
         self._round: Flight | None = None
         self._woken = False
         self._retry_version = 0
+        self._due = -1.0
         self._decode_by_id = {w.worker_id: w for w in sim.decode}
+        self._deadlines: deque[Flight] = deque()
         self.rejected = 0
+        self.last_end = 0.0  # when the last request ended
 
     # ---- arrivals -------------------------------------------------------------------
-    def arrive(self, req: WorkloadRequest) -> None:
+    def arrive(self, req: WorkloadRequest, send_s: float) -> None:
         now = self.loop.now
-        flight = Flight(req, now)
+        flight = Flight(req, now, send_s)
         if len(self._queue) >= self.cfg.max_queue_len:
             return self._reject(flight, "RESOURCE_EXHAUSTED: admission queue is full "
                                 f"({self.cfg.max_queue_len} waiting)")
@@ -94,16 +99,26 @@ class SimRouter:
             return self._reject(flight, f"RESOURCE_EXHAUSTED: prompt of {req.prompt_len} "
                                 f"tokens cannot fit any decode worker's KV cache ({cap} tokens)")
         self.flights[req.request_id] = flight
-        self.loop.at(now + self.cfg.request_timeout_s, self._deadline, flight)
+        self._deadlines.append(flight)  # in arrival order: one timer for the oldest
+        if len(self._deadlines) == 1:
+            self.loop.at(now + self.cfg.request_timeout_s, self._deadline_tick)
         self.dispatch(flight)
 
     def _reject(self, flight: Flight, error: str) -> None:
         flight.done, flight.error = True, error
+        self.last_end = self.loop.now
         self.rejected += 1
         self.finished.append(flight)
+        self.loop.at(self.loop.now + self.sim.client_s, self.sim.client_done)
 
-    def _deadline(self, flight: Flight) -> None:
-        self.fail(flight, f"DEADLINE_EXCEEDED: request exceeded {self.cfg.request_timeout_s:g}s")
+    def _deadline_tick(self) -> None:
+        """Fail every request older than the timeout; re-arm for the oldest one left."""
+        limit, q = self.cfg.request_timeout_s, self._deadlines
+        while q and (q[0].done or q[0].arrival + limit <= self.loop.now):
+            f = q.popleft()
+            self.fail(f, f"DEADLINE_EXCEEDED: request exceeded {limit:g}s")
+        if q:
+            self.loop.at(q[0].arrival + limit, self._deadline_tick)
 
     # ---- dispatch: admission queue, decode reservation, prefill placement -----------
     def dispatch(self, flight: Flight) -> None:
@@ -123,11 +138,13 @@ class SimRouter:
     def wake_head(self) -> None:
         if self._round is not None:
             self._woken = True
-        elif self._queue:
+        elif self._queue and self._due != self.loop.now:
+            self._due = self.loop.now  # one try per instant is enough
             self._retry_version += 1
             self.loop.at(self.loop.now, self._try_head, self._retry_version)
 
     def _try_head(self, version: int) -> None:
+        self._due = -1.0
         if version != self._retry_version or self._round is not None:
             return
         while self._queue and self._queue[0][2].done:
@@ -136,7 +153,7 @@ class SimRouter:
             return
         head = self._queue[0][2]
         self._round, self._woken = head, False
-        loads = [DecodeLoad(w, self.kv_view[w]) for w in self.kv_view]
+        loads = [DecodeLoad(w, self.kv_view[w], len(self.held[w])) for w in self.kv_view]
         self._ask(head, head.leg_id, decode_order(self.sim.options.decode_order, loads), 0)
 
     def _ask(self, flight: Flight, leg: str, order: list[str], i: int) -> None:
@@ -285,9 +302,11 @@ class SimRouter:
 
     def release(self, f: Flight) -> None:
         f.done = True
+        self.last_end = self.loop.now
         if self.flights.get(f.req.request_id) is f:
             del self.flights[f.req.request_id]
             self.finished.append(f)
+            self.loop.at(self.loop.now + self.sim.client_s, self.sim.client_done)
         if self._round is not f:
             self._queue = [e for e in self._queue if e[2] is not f]
 

@@ -37,7 +37,6 @@ class SimWorker:
         self._nap_origin = 0.0  # ticks of the current nap: origin + k * period
         self._tick_version = 0  # a pending tick event is stale once this moves
         self._tick_at: float | None = None
-        self._kick_due = False
         self._end_version = 0
         self._ran = False
         self.num_steps = 0
@@ -61,14 +60,7 @@ class SimWorker:
             self._commands.append((fn, args))
             return
         fn(*args)
-        if not self._kick_due:  # commands of the same instant are drained together
-            self._kick_due = True
-            self.loop.at(self.loop.now, self._kick)
-
-    def _kick(self) -> None:
-        self._kick_due = False
-        if not self.stepping:
-            self._run_step()
+        self._run_step()
 
     def io_ready(self) -> None:
         """Something the next step() would take arrived (KV frames, acks)."""

@@ -29,7 +29,7 @@ class _Handle:  # what PrefixAffinity reads of a WorkerHandle
 
 def test_registry_names_and_unknown_name_is_an_error_naming_the_choices() -> None:
     assert set(PREFILL_PLACEMENTS) == {"least-outstanding", "prefix-affinity", "length-buckets"}
-    assert set(DECODE_ORDERS) == {"least-kv-usage"}
+    assert set(DECODE_ORDERS) == {"least-kv-usage", "least-legs"}
     for name in PREFILL_PLACEMENTS:
         assert make_placement(name).name == name
     with pytest.raises(ValueError, match="unknown prefill placement 'nope'.*length-buckets"):
@@ -106,3 +106,9 @@ def test_decode_order_is_least_kv_usage_first_and_stable() -> None:
     loads = [DecodeLoad("d0", 0.5), DecodeLoad("d1", 0.0), DecodeLoad("d2", 0.0),
              DecodeLoad("d3", 0.2)]
     assert decode_order("least-kv-usage", loads) == ["d1", "d2", "d3", "d0"]
+
+
+def test_decode_order_least_legs_uses_the_routers_own_counts() -> None:
+    loads = [DecodeLoad("d0", 0.0, legs=3), DecodeLoad("d1", 0.9, legs=1),
+             DecodeLoad("d2", 0.0, legs=1)]
+    assert decode_order("least-legs", loads) == ["d1", "d2", "d0"]
