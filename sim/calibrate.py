@@ -89,9 +89,9 @@ def _hardware(device: str) -> dict[str, Any]:
 
 
 def _engine() -> dict[str, Any]:
-    import torch
-
     from importlib.metadata import PackageNotFoundError, version
+
+    import torch
 
     try:
         v = version("pdserve")
@@ -115,11 +115,11 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
               threads: int = 1,
               log: Callable[[str], None] = print) -> Calibration:
     """Measure and write the calibration file; returns it (checked by loading its model)."""
+    import torch
+
     from sim.adapters import IDLE_WAIT_S, engine_tools, resolve_model_dir
     from sim.measure import Measurer
     from sim.measure_runtime import measure_link, measure_overheads, measure_rpc
-
-    import torch
 
     t_start = time.perf_counter()
     torch.set_num_threads(threads)  # as a worker with cpus_per_worker=threads sets it
