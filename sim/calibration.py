@@ -3,8 +3,8 @@
 A calibration is JSON (``pdserve calibrate --out cal.json`` writes one):
 
     {"format": "pdserve-calibration/1",
-     "kind": "measured" | "analytic",
-     "label": "measured on ..." | "analytic, not measured: ...",
+     "kind": "measured" | "analytic" | "synthetic",
+     "label": "measured on ..." | "analytic, not measured: ..." | "synthetic, not measured",
      "hardware": {...}, "engine": {...}, "model": {...}, "dtype": "float32",
      "workload": {... the calibration grid, repeats, limits covered ...},
      "prefill": {"chunk": [C..], "context": [P..], "seconds": [[...]], "fit": {...}},
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "pdserve-calibration/1"
-KINDS = ("measured", "analytic")
+KINDS = ("measured", "analytic", "synthetic")
 ANALYTIC_LABEL = "analytic, not measured"
+SYNTHETIC_LABEL = "synthetic, not measured"
 
 
 class CalibrationError(ValueError):
@@ -48,9 +49,10 @@ class Calibration:
             raise CalibrationError(f"{source}: format is {fmt!r}, expected {FORMAT!r}")
         if self.kind not in KINDS:
             raise CalibrationError(f"{source}: kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "analytic" and ANALYTIC_LABEL not in self.label:
-            raise CalibrationError(f"{source}: an analytic calibration's label must say "
-                                   f"{ANALYTIC_LABEL!r}, got {self.label!r}")
+        must = {"analytic": ANALYTIC_LABEL, "synthetic": SYNTHETIC_LABEL}.get(self.kind)
+        if must is not None and must not in self.label:
+            raise CalibrationError(f"{source}: a {self.kind} calibration's label must say "
+                                   f"{must!r}, got {self.label!r}")
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:

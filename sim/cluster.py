@@ -117,6 +117,29 @@ class Simulation:
         return SimResult(self, reqs, wall)
 
 
+    def check_quiescent(self) -> None:
+        """After a run: nothing held anywhere (the leak check of every lifecycle test)."""
+        problems = []
+        for w in self.prefill:
+            if w.sched.has_work or w.jobs or w.bm.num_used_blocks:
+                problems.append(f"{w.worker_id}: {len(w.jobs)} jobs, "
+                                f"{w.bm.num_used_blocks} blocks in use")
+        for w in self.decode:
+            if w.has_work or w.bm.num_used_blocks or w.sched.promises:
+                problems.append(f"{w.worker_id}: {len(w.sched.pending)} pending, "
+                                f"{len(w.sched.running)} running, {w.bm.num_used_blocks} blocks")
+        for w in self.prefill + self.decode:
+            w.bm.check_integrity()
+        for link in self.links:
+            if link.sched.has_pending or link.sched.inflight_bytes or link._outstanding:
+                problems.append(f"{link.name}: frames still queued or unacked")
+        r = self.router
+        if r.flights or r.legs or any(r.outstanding.values()) or any(r.held.values()):
+            problems.append("router: legs or outstanding tokens left")
+        if problems:
+            raise AssertionError("simulation left state behind: " + "; ".join(problems))
+
+
 def _default_placement(prefix_caching: bool) -> str:
     from sim.adapters import default_placement
 

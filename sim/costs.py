@@ -184,8 +184,9 @@ class TableCosts(CostModel):
     """Costs measured on a machine (``pdserve calibrate``), interpolated."""
 
     def __init__(self, cal: Calibration):
-        if cal.kind != "measured":
-            raise CalibrationError(f"{cal.source}: TableCosts needs a measured calibration")
+        if cal.kind not in ("measured", "synthetic"):
+            raise CalibrationError(f"{cal.source}: TableCosts needs tables (a measured or "
+                                   f"synthetic calibration), not {cal.kind!r}")
         self.calibration = cal
         self.label = cal.label
         self.prefill = Grid2D(cal, "prefill", "chunk", "context")
@@ -251,7 +252,7 @@ class TableCosts(CostModel):
 
 def load_costs(cal: Calibration) -> CostModel:
     """The cost model a calibration file describes (measured tables or analytic)."""
-    if cal.kind == "measured":
+    if cal.kind != "analytic":
         return TableCosts(cal)
     from sim.analytic import RooflineCosts
 
