@@ -63,6 +63,9 @@ class SimDecode(SimWorker):
         self._ends = np.empty(0)
         self._run = 0  # steps in the current (macro) step
         self._out: list[tuple] = []  # legs that left, reported at the end of the step
+        self._rest: np.ndarray | None = None  # step ends left by a soft cut
+        self._prev: list[ScheduledItem] = []
+        self._hard = False
         self._t0 = 0.0
 
     @property
@@ -74,7 +77,8 @@ class SimDecode(SimWorker):
 
     # ---- commands and I/O ---------------------------------------------------------
     def command(self, fn, *args) -> None:
-        self._cut()
+        # a reservation changes no running leg: the run may go on after it (see _resume)
+        self._cut(hard=fn != self.reserve)
         super().command(fn, *args)
 
     def reserve(self, task: DecodeTask, reply) -> None:
@@ -103,12 +107,15 @@ class SimDecode(SimWorker):
         self._cut()
         self.io_ready()
 
-    def _cut(self) -> None:
-        """End a multi-step run at the first step boundary from now on."""
+    def _cut(self, hard: bool = True) -> None:
+        """End a multi-step run at the first step boundary from now on. After a soft cut
+        (only reservations came) the rest of the run may resume without a new schedule()."""
+        self._hard = self._hard or hard
         if not self.stepping or self._run <= 1:
             return
         j = bisect.bisect_left(self._ends, self.loop.now, 0, self._run)
         if j + 1 < self._run:
+            self._rest = self._ends[j + 1:]
             self._run = j + 1
             self.reschedule_end(float(self._ends[j]))
 
@@ -132,8 +139,33 @@ class SimDecode(SimWorker):
                 tracer.span(leg, "decode_admit", self.worker_id, now + seconds, now + seconds)
         return seconds
 
+    def _resume(self) -> tuple[float, bool] | None:
+        """Go on with the steps a soft cut left, if the scheduler would decide them the
+        same way: the same legs run and their blocks still fit what nobody was promised
+        (the reservations just taken included), so schedule() could preempt no one."""
+        rest, items = self._rest, self._prev
+        self._rest = None
+        if rest is None or self._hard or self.inbox or not items:
+            return None
+        if any(it.request.status != RequestStatus.RUNNING for it in items):
+            return None
+        free = self.sched.promised_free_blocks()
+        k = len(rest)
+        if sum(self.bm.blocks_needed(it.request, it.request.num_cached_tokens + k)
+               for it in items) > free:
+            return None
+        for it in items:  # this step's blocks, as schedule() takes them at a step's start
+            it.start = it.request.num_cached_tokens
+            self.bm.allocate(it.request, it.start + 1)
+        self._items, self._ends, self._run = items, rest, k
+        return float(rest[-1]) - self._t0, True
+
     def start_step(self) -> tuple[float, bool] | None:
         now = self._t0 = self.loop.now
+        resumed = self._resume()
+        self._hard = False
+        if resumed is not None:
+            return resumed
         import_s = self._take_kv(now) if self.inbox else 0.0
         items, preempted = self.sched.schedule()
         for r in preempted:  # reported with the step's events, at its end
@@ -188,7 +220,7 @@ class SimDecode(SimWorker):
 
     def end_step(self) -> None:
         items, j = self._items, self._run
-        self._items = []
+        self._items, self._prev = [], items
         if not j:  # a step that only took KV in
             self.busy_s += self.loop.now - self._t0
             return
