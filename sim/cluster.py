@@ -154,3 +154,14 @@ def _gpu_memory(cal) -> float | None:
     if str(cal.get("hardware.device")).startswith("cuda"):
         return cal.number("hardware.memory_bytes", minimum=1)
     return None
+
+
+def simulate_config(cfg: ServeConfig, requests: Sequence, costs: CostModel,
+                    options: SimOptions | None = None):
+    """Run one study configuration in the simulator; returns the record a real run gives
+    (bench/studies/service.py RunOutput: records, trace events, per-worker step stats),
+    so a study can swap the service for the simulator (`pdserve study --simulate`)."""
+    sim = Simulation(cfg, costs, options)
+    out = sim.run(requests).run_output()
+    sim.check_quiescent()
+    return out

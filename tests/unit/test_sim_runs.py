@@ -90,3 +90,22 @@ def test_a_run_is_the_same_under_any_hash_seed() -> None:
         assert out.returncode == 0, out.stderr
         digests.add(out.stdout.strip())
     assert len(digests) == 1
+
+
+def test_a_study_configuration_runs_in_the_simulator_and_gives_a_real_runs_record() -> None:
+    from bench.studies.config_run import ConfigRun
+    from bench.studies.service import DISAGG, RunOutput
+    from sim.cluster import simulate_config
+    from sim.synthetic import synthetic_calibration
+
+    cfg = ServeConfig().with_values({"transfer.connector": "inproc", "cache.num_blocks": 512,
+                                     "model.max_model_len": 2048})
+    costs = load_costs(synthetic_calibration(prefill=lambda c, p: 0.001 + 1e-5 * c,
+                                             decode=lambda b, L: 0.003, rpc_s=1e-4))
+    work = build_workload(WorkloadSpec(num_requests=20, request_rate=10, vocab_range=(1, 1000)))
+    out = simulate_config(cfg, work, costs, SimOptions(trace=True))
+    assert isinstance(out, RunOutput) and len(out.records) == 20
+    run = ConfigRun("sim", cfg, DISAGG, out)  # the studies' own figures from it
+    assert run.metrics.completed == 20
+    assert {s["role"] for s in out.worker_stats.values()} == {"prefill", "decode"}
+    assert {e.phase for e in out.events} >= {"prefill_chunk", "kv_send", "decode_step"}
