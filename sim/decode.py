@@ -52,6 +52,7 @@ class SimDecode(SimWorker):
         self.sched = DecodeScheduler(plan.decode, self.bm)
         self.max_len = min(plan.max_model_len, self.sched.max_len)
         self.num_layers = plan.num_layers
+        self.kvb = plan.kv_bytes_per_token
         self.fast = sim.options.decode_stepping == "fast"
         self.inbox: list[Piece] = []
         self.started: dict[str, float] = {}
@@ -128,8 +129,9 @@ class SimDecode(SimWorker):
         for p in inbox:
             kept = take_kv_piece(self.sched, p.leg_id, p.token_start, p.token_end,
                                  p.layer_end, self.num_layers, p.first_token)
-            if kept and p.token_end > p.token_start:
-                seconds += self.costs.kv_import_s(p.token_end - p.token_start)
+            n = p.token_end - p.token_start
+            if kept and n:  # a piece split by layer carries a share of the tokens' bytes
+                seconds += self.costs.kv_import_s(max(1, round(p.nbytes / self.kvb)))
             self.loop.at(now + p.link.cost.latency_s, p.link.ack, p, kept)
         tracer = self.sim.tracer
         for leg in startable(self.sched):

@@ -119,6 +119,8 @@ class SimPrefill(SimWorker):
 
     def start_step(self) -> tuple[float, bool] | None:
         self._poll_sender()
+        if not self.sched.has_work:  # schedule() of an empty scheduler decides nothing
+            return None
         items = self.sched.schedule()
         if not items:
             return None

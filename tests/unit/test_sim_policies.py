@@ -74,3 +74,20 @@ def test_length_buckets_keep_short_prompts_off_the_long_prompts_workers() -> Non
     # least-outstanding spread the two long prompts, so every short waits behind one
     assert short_ttft(buckets) < short_ttft(least) / 3
     assert max(buckets["long-0"], buckets["long-1"]) > max(least["long-0"], least["long-1"])
+
+
+def test_streaming_kv_sends_start_decode_earlier_than_holding_them_to_the_end() -> None:
+    """Over an emulated slow link, eager sends overlap the long prompt's KV transfer with
+    its later chunks; at_end (the real send policy's hold) starts it after the last."""
+    second = {}
+    for policy in ("eager", "at_end"):
+        # 2000 tokens x 512 B at 2.5 MB/s: 0.4 s on the wire (a 64 KiB pacer burst)
+        cfg = {"scheduler.max_prefill_chunk": 256, "transfer.send_policy": policy,
+               "transfer.link_gbps": 0.02, "transfer.burst_mb": 0.0625}
+        _, sim = run(cfg)
+        long = next(f for f in sim.router.finished if f.req.request_id == "long-0")
+        w, first, _ = long.tokens[1]  # the decode leg's tokens: (worker, first step, n)
+        second[policy] = w.step_times[first]
+    # the prefill takes 8 steps of 26.6 ms: at_end sends after them, eager during them
+    assert second["at_end"] > 0.2 + 0.4
+    assert second["eager"] < second["at_end"] - 0.1
