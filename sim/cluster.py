@@ -85,7 +85,10 @@ class Simulation:
     def _send(self, req) -> None:
         self._inflight += 1
         self.arrivals_left -= 1
-        self.loop.at(self.loop.now + self.client_s, self.router.arrive, req, self.loop.now)
+        if self.client_s:
+            self.loop.at(self.loop.now + self.client_s, self.router.arrive, req, self.loop.now)
+        else:  # an in-process client: the router has it now
+            self.router.arrive(req, self.loop.now)
 
     def client_done(self) -> None:
         """A request's last word reached the client: a held request may go."""

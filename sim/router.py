@@ -109,7 +109,11 @@ class SimRouter:
         self.last_end = self.loop.now
         self.rejected += 1
         self.finished.append(flight)
-        self.loop.at(self.loop.now + self.sim.client_s, self.sim.client_done)
+        self._client_done()
+
+    def _client_done(self) -> None:
+        if self.sim.options.max_concurrency is not None:  # the client waits for the end
+            self.loop.at(self.loop.now + self.sim.client_s, self.sim.client_done)
 
     def _deadline_tick(self) -> None:
         """Fail every request older than the timeout; re-arm for the oldest one left."""
@@ -306,7 +310,7 @@ class SimRouter:
         if self.flights.get(f.req.request_id) is f:
             del self.flights[f.req.request_id]
             self.finished.append(f)
-            self.loop.at(self.loop.now + self.sim.client_s, self.sim.client_done)
+            self._client_done()
         if self._round is not f:
             self._queue = [e for e in self._queue if e[2] is not f]
 

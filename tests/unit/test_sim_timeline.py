@@ -67,3 +67,19 @@ def test_a_request_that_ends_at_its_first_token_releases_its_decode_reservation(
     assert rec.token_times == pytest.approx((3 * RPC_S + PREFILL_S + RPC_S,), abs=1e-12)
     sim.check_quiescent()  # the router aborted the decode promise; the link sent nothing
     assert sum(link.frames_sent for link in sim.links) == 0
+
+
+def test_max_concurrency_holds_later_requests_until_one_ends_as_the_bench_client_does() -> None:
+    cal = synthetic_calibration(prefill=lambda c, p: PREFILL_S, decode=lambda b, L: DECODE_S,
+                                rpc_s=RPC_S, idle_wait_s=IDLE_S)
+    cfg = ServeConfig().with_values({"transfer.connector": "inproc", "cache.num_blocks": 256,
+                                     "model.max_model_len": 2048})
+    sim = Simulation(cfg, load_costs(cal), SimOptions(max_concurrency=1))
+    reqs = [WorkloadRequest(f"r{i}", 0.0, list(range(1, PROMPT + 1)), max_tokens=3)
+            for i in range(3)]
+    recs = sim.run(reqs).records()
+    assert recs[0].send_time == 0.0
+    # each one is sent when the previous one's last token reached the client
+    assert [r.send_time for r in recs[1:]] == [recs[0].end_time, recs[1].end_time]
+    assert len({round(r.ttft, 12) for r in recs}) == 1  # each alone on an idle cluster
+    sim.check_quiescent()
