@@ -151,12 +151,12 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
     if rpc_ms is None:
         log("  measuring Ray actor call latency ...")
         rpc_s = measure_rpc()
-        sources["control.rpc_s"] = "measured: half the median Ray actor round trip"
+        sources["control.rpc_s"] = "measured: half the fastest Ray actor round trip"
     else:
         rpc_s = rpc_ms / 1000
         sources["control.rpc_s"] = f"assumed: --rpc-ms {rpc_ms:g}"
     for key in ("prefill", "decode", "sampling", "kv_export", "kv_import", "overheads", "links"):
-        sources.setdefault(key, f"measured on this machine, median of {repeats}")
+        sources.setdefault(key, f"measured on this machine, fastest of {repeats}")
     shape = {k: getattr(mc, k) for k in (
         "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
         "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",

@@ -1,7 +1,8 @@
 """Timings for `pdserve calibrate`, taken with the real engine on this machine.
 
-Every figure is the median of ``repeats`` runs after one warm-up, with the device
-synchronised around it on CUDA. Prefill and decode steps run ``ModelRunner.execute`` on
+Every figure is the fastest of ``repeats`` runs after one warm-up, with the device
+synchronised around it on CUDA: the machine's cost without interference from other
+processes (on a shared machine the median is whatever the neighbours were doing). Prefill and decode steps run ``ModelRunner.execute`` on
 chunks with real block tables (KV contents are whatever the cache holds: the cost does
 not depend on them); decode sequences get distinct blocks while ``kv_budget_bytes``
 allows, then share them cyclically. Step overheads run the real PrefillEngine and
@@ -11,7 +12,6 @@ time measured inside the same steps.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,7 +58,7 @@ class Measurer:
             fn()
             self._sync()
             out.append(time.perf_counter() - t0)
-        return statistics.median(out)
+        return min(out)
 
     def _table(self, n_tokens: int, offset: int = 0) -> tuple[int, ...]:
         nb = -(-n_tokens // self.block_size)

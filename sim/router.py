@@ -1,10 +1,7 @@
 """The simulated router: cluster/router.py's request lifecycle on the simulated clock.
 
-Reproduced: the bounded admission queue in arrival order (re-dispatched legs keep their
-request's arrival), where only the head asks the decode workers for room, one reserve
-call at a time, in the order of cluster/routing_policies.py (least KV usage as the router
-last saw it), and retries when a leg ends or after ``RETRY_S``; prefill placement by a
-registered policy over outstanding prefill tokens; legs (a preemption or a failure
+Reproduced: the bounded admission queue (sim/admission.py); prefill placement by a
+registered policy over outstanding prefill tokens (cluster/routing_policies.py); legs (a preemption or a failure
 starts a new leg that recomputes prompt + tokens so far); request deadlines; the
 adaptive-chunk pressure loop.
 
@@ -23,14 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sim.adapters import (
-    ADMISSION_RETRY_S,
-    DecodeLoad,
-    PrefillLoad,
-    decode_order,
-    decode_task,
-    simulated_token,
-)
+from sim.adapters import PrefillLoad, simulated_token
+from sim.admission import SimAdmission
 
 if TYPE_CHECKING:
     from bench.workload import WorkloadRequest
@@ -75,14 +66,9 @@ class SimRouter:
         self.outstanding = {w.worker_id: 0 for w in sim.prefill}
         self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
-        self._queue: list[tuple[float, int, Flight]] = []
-        self._seq = itertools.count()
         self._dispatches = itertools.count(1)
-        self._round: Flight | None = None
-        self._woken = False
-        self._retry_version = 0
-        self._due = -1.0
-        self._decode_by_id = {w.worker_id: w for w in sim.decode}
+        self.decode_by_id = {w.worker_id: w for w in sim.decode}
+        self.admission = SimAdmission(self)
         self._deadlines: deque[Flight] = deque()
         self.rejected = 0
         self.last_end = 0.0  # when the last request ended
@@ -91,7 +77,7 @@ class SimRouter:
     def arrive(self, req: WorkloadRequest, send_s: float) -> None:
         now = self.loop.now
         flight = Flight(req, now, send_s)
-        if len(self._queue) >= self.cfg.max_queue_len:
+        if len(self.admission) >= self.cfg.max_queue_len:
             return self._reject(flight, "RESOURCE_EXHAUSTED: admission queue is full "
                                 f"({self.cfg.max_queue_len} waiting)")
         cap = max(w.bm.num_blocks * w.bm.block_size for w in self.sim.decode)
@@ -135,70 +121,13 @@ class SimRouter:
         flight.leg_prompt_len = flight.req.prompt_len + flight.generated
         flight.prefill_done = flight.leg_first_seen = False
         self.legs[flight.leg_id] = flight
-        bisect.insort(self._queue, (flight.arrival, next(self._seq), flight),
-                      key=lambda w: (w[0], w[1]))
-        self.wake_head()
+        self.admission.enqueue(flight)
 
     def wake_head(self) -> None:
-        if self._round is not None:
-            self._woken = True
-        elif self._queue and self._due != self.loop.now:
-            self._due = self.loop.now  # one try per instant is enough
-            self._retry_version += 1
-            self.loop.at(self.loop.now, self._try_head, self._retry_version)
+        self.admission.wake_head()
 
-    def _try_head(self, version: int) -> None:
-        self._due = -1.0
-        if version != self._retry_version or self._round is not None:
-            return
-        while self._queue and self._queue[0][2].done:
-            self._queue.pop(0)
-        if not self._queue:
-            return
-        head = self._queue[0][2]
-        self._round, self._woken = head, False
-        loads = [DecodeLoad(w, self.kv_view[w], len(self.held[w])) for w in self.kv_view]
-        self._ask(head, head.leg_id, decode_order(self.sim.options.decode_order, loads), 0)
-
-    def _ask(self, flight: Flight, leg: str, order: list[str], i: int) -> None:
-        w = self._decode_by_id[order[i]]
-        task = decode_task(leg, flight.leg_prompt_len, flight.req.max_tokens - flight.generated,
-                           flight.req.tenant)
-
-        def reply(ok: bool, error: str | None) -> None:
-            self.sim.emit(self._reply, flight, leg, order, i, ok, error)
-
-        self.sim.emit(w.command, w.reserve, task, reply)
-
-    def _reply(self, flight: Flight, leg: str, order: list[str], i: int, ok: bool,
-               error: str | None) -> None:
-        w = self._decode_by_id[order[i]]
-        stale = flight.done or flight.leg_id != leg
-        if ok and stale:
-            self.abort_on(w, leg)
-        if error is not None and not stale:
-            self._end_round(flight)
-            return self.fail(flight, f"RESOURCE_EXHAUSTED: {error}")
-        if stale or ok:
-            self._end_round(flight)
-            if ok and not stale:
-                self._place(flight, w)
-            return
-        if i + 1 < len(order):
-            return self._ask(flight, leg, order, i + 1)
-        self._round = None  # nobody had room: retry on a wake-up, or after RETRY_S
-        if self._woken:
-            self.wake_head()
-        else:
-            self._retry_version += 1
-            self.loop.at(self.loop.now + ADMISSION_RETRY_S, self._try_head, self._retry_version)
-
-    def _end_round(self, flight: Flight) -> None:
-        self._round = None
-        self._queue = [e for e in self._queue if e[2] is not flight]
-        self.wake_head()
-
-    def _place(self, flight: Flight, decode: SimDecode) -> None:
+    def place(self, flight: Flight, decode: SimDecode) -> None:
+        """The head's decode reservation held: pick its prefill worker and queue it."""
         flight.decode = decode
         self.held[decode.worker_id].add(flight.leg_id)
         req = flight.req
@@ -311,8 +240,7 @@ class SimRouter:
             del self.flights[f.req.request_id]
             self.finished.append(f)
             self._client_done()
-        if self._round is not f:
-            self._queue = [e for e in self._queue if e[2] is not f]
+        self.admission.forget(f)
 
     def fail(self, f: Flight, error: str) -> None:
         if f.done:
