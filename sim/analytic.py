@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from sim.calibration import ANALYTIC_LABEL, FORMAT, Calibration, CalibrationError
-from sim.costs import ROLES, CostModel, Limits, LinkCost
+from sim.costs import ROLES, SMALL_RUN, CostModel, Limits, LinkCost
 
 GB, Gbit = 1e9, 1e9 / 8
 PROFILES: dict[str, dict[str, Any]] = {
@@ -154,14 +154,17 @@ class RooflineCosts(CostModel):
         flops = 2 * n * self.dense + self.attn * pairs + self.head_flops
         return self._step(flops, self.dense_bytes + self.head_bytes + kv * self.kv_bytes)
 
-    def decode_run_s(self, batch: int, context: int, steps: int) -> np.ndarray:
+    def decode_run_s(self, batch: int, context: int, steps: int) -> Sequence[float]:
         # one formula for one step and for many: the same float operations, bit for bit
         c0 = 2 * batch * self.dense + batch * self.head_flops
         m0 = self.dense_bytes + self.head_bytes
-        if steps == 1:
-            ctx = float(context)
-            return np.array([max((c0 + self.attn * ctx) / self.flops,
-                                 (m0 + (ctx + batch) * self.kv_bytes) / self.bw, self.floor)])
+        if steps <= SMALL_RUN:  # plain floats: numpy's overhead dominates short runs
+            attn, kvb, fl, bw, floor = self.attn, self.kv_bytes, self.flops, self.bw, self.floor
+            out = []
+            for i in range(steps):
+                ctx = float(context + batch * i)
+                out.append(max((c0 + attn * ctx) / fl, (m0 + (ctx + batch) * kvb) / bw, floor))
+            return out
         ctx = context + batch * np.arange(steps, dtype=float)
         flops, nbytes = (c0 + self.attn * ctx) / self.flops, (m0 + (ctx + batch) * self.kv_bytes) / self.bw
         return np.maximum(np.maximum(flops, nbytes), self.floor)

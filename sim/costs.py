@@ -25,6 +25,7 @@ import numpy as np
 from sim.calibration import Calibration, CalibrationError
 
 ROLES = ("prefill", "decode")
+SMALL_RUN = 32  # runs of decode steps up to this long are computed on plain floats
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,10 @@ class CostModel(ABC):
         """Compute of one prefill step over chunks ``(C, P)``: C new tokens after P."""
 
     @abstractmethod
-    def decode_run_s(self, batch: int, context: int, steps: int) -> np.ndarray:
+    def decode_run_s(self, batch: int, context: int, steps: int) -> Sequence[float]:
         """Durations of ``steps`` consecutive decode steps of ``batch`` requests whose
-        attended tokens total ``context`` in the first step (+``batch`` each step)."""
+        attended tokens total ``context`` in the first step (+``batch`` each step); the
+        same figures, bit for bit, whether asked one step at a time or as a run."""
 
     @abstractmethod
     def sample_s(self, rows: int) -> float: ...

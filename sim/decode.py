@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +33,7 @@ from sim.adapters import (
     startable,
     take_kv_piece,
 )
+from sim.costs import SMALL_RUN
 from sim.worker import SimWorker
 
 if TYPE_CHECKING:
@@ -64,7 +66,7 @@ class SimDecode(SimWorker):
         self._ends = np.empty(0)
         self._run = 0  # steps in the current (macro) step
         self._out: list[tuple] = []  # legs that left, reported at the end of the step
-        self._rest: np.ndarray | None = None  # step ends left by a soft cut
+        self._rest = None  # step ends left by a soft cut (list or array)
         self._prev: list[ScheduledItem] = []
         self._hard = False
         self._t0 = 0.0
@@ -184,10 +186,17 @@ class SimDecode(SimWorker):
         k = self._run_length(items) if self.fast else 1
         b = len(items)
         fixed = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
-        durations = self.costs.decode_run_s(b, ctx, k) + fixed
-        durations[0] += import_s
-        durations[0] += now  # cumsum from now: the same additions as step by step
-        self._ends = np.cumsum(durations)
+        run = self.costs.decode_run_s(b, ctx, k)
+        if k <= SMALL_RUN:  # the same float operations as the numpy path, without numpy
+            durations = [x + fixed for x in run]
+            durations[0] += import_s
+            durations[0] += now  # summed from now: the same additions as step by step
+            self._ends = list(accumulate(durations))
+        else:
+            durations = np.asarray(run) + fixed
+            durations[0] += import_s
+            durations[0] += now
+            self._ends = np.cumsum(durations)
         if self._out:  # preemptions are reported with the first step's events
             self._flush(float(self._ends[0]))
         self._items, self._run = items, k
@@ -227,14 +236,18 @@ class SimDecode(SimWorker):
             self.busy_s += self.loop.now - self._t0
             return
         ends = self._ends[:j]
-        self.step_times.frombytes(ends.tobytes())
+        if isinstance(ends, list):
+            self.step_times.extend(ends)
+        else:
+            self.step_times.frombytes(ends.tobytes())
+            ends = ends.tolist()
         self.step_batch.extend([len(items)] * j)
         self.num_steps += j
         self.busy_s += float(ends[-1]) - self._t0
         tracer, token = self.sim.tracer, simulated_token()
         if tracer is not None:
-            starts = [self._t0, *ends[:-1].tolist()]
-            for s, e in zip(starts, ends.tolist(), strict=True):
+            starts = [self._t0, *ends[:-1]]
+            for s, e in zip(starts, ends, strict=True):
                 for it in items:
                     tracer.span(it.request.request_id, "decode_step", self.worker_id, s, e,
                                 batch_num_seqs=len(items), batch_num_tokens=len(items),

@@ -69,6 +69,7 @@ class SimRouter:
         self._dispatches = itertools.count(1)
         self.decode_by_id = {w.worker_id: w for w in sim.decode}
         self.admission = SimAdmission(self)
+        self.decode_capacity = max(w.bm.num_blocks * w.bm.block_size for w in sim.decode)
         self._deadlines: deque[Flight] = deque()
         self.rejected = 0
         self.last_end = 0.0  # when the last request ended
@@ -80,7 +81,7 @@ class SimRouter:
         if len(self.admission) >= self.cfg.max_queue_len:
             return self._reject(flight, "RESOURCE_EXHAUSTED: admission queue is full "
                                 f"({self.cfg.max_queue_len} waiting)")
-        cap = max(w.bm.num_blocks * w.bm.block_size for w in self.sim.decode)
+        cap = self.decode_capacity
         if req.prompt_len + 1 > cap:
             return self._reject(flight, f"RESOURCE_EXHAUSTED: prompt of {req.prompt_len} "
                                 f"tokens cannot fit any decode worker's KV cache ({cap} tokens)")
