@@ -1,9 +1,12 @@
 """The simulator's one window into pdserve's internals (schedulers, BlockManager, link
 scheduler, config derivation, router constants, engine bookkeeping).
 
-Every other sim/ module imports pdserve code only through this file, so when those
-internals move (the worker runtime to ``runtime/``, request ids below the router to
-``leg_id``, registries as the source of names) the imports are fixed here alone. Where
+Every other sim/ module imports pdserve code only through this file (besides bench's
+workload, metrics and trace helpers, and sim/cli.py reading `serve`'s flags from
+cluster/config_cli.py at parser-build time, where this module's torch import would make
+`pdserve --help` slow), so when those internals move (the worker runtime to
+``runtime/``, request ids below the router to ``leg_id``, registries as the source of
+names) the imports are fixed here alone. Where
 the simulator must reproduce what a Ray-bound or torch-bound component does (the
 launcher's worker sizing, the decode engine's KV intake), the mirror lives here, next to
 the name of the function it mirrors.
@@ -52,8 +55,9 @@ __all__ = [
     "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus",
     "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "WorkerPlan",
     "add_cli_flags", "config_from_args", "decode_order", "decode_task", "default_placement",
-    "kv_bytes_per_token", "make_placement", "model_config", "piece_layout", "plan_workers",
-    "prefill_request", "take_kv_piece", "startable",
+    "engine_tools", "kv_bytes_per_token", "make_placement", "model_config", "piece_layout",
+    "plan_workers", "prefill_request", "resolve_model_dir", "simulated_token", "startable",
+    "take_kv_piece", "weight_bytes",
 ]
 
 # The worker loop's nap while it waits on I/O (cluster/worker_runtime.py WorkerLoop).
