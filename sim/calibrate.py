@@ -49,13 +49,15 @@ def make_grid(max_len: int, max_bt: int, max_seqs: int, quick: bool) -> Grid:
         return Grid(_axis([1, 16], max_bt), sorted({0, max_len // 2, max_len}),
                     _axis([1], max_seqs), _axis([1, max_len // 2], max_len),
                     _axis([1], max_seqs), _axis([1, 16], max_len), [16, 256], 3)
-    pw = [2 ** i for i in range(13)]
+    # dense where caches overflow: a decode step's KV reads jump in cost once they leave
+    # the last-level cache (on a CPU), so contexts are sampled at 1.5x steps too
+    pw = sorted({*(2 ** i for i in range(13)), *(3 * 2 ** i for i in range(11))})
     return Grid(_axis([1, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048], max_bt),
-                sorted({0, *[p for p in (64, 128, 256, 512, 1024, 2048, 4096, 8192)
-                             if p < max_len], max_len}),
-                _axis(pw, max_seqs), _axis([1, 16, 64, 128, 256, 512, 1024, 2048, 4096], max_len),
-                _axis(pw, max_seqs), _axis([1, 16, 64, 256, 1024, 4096], max_len),
-                [16, 256, 2048], 12)
+                sorted({0, *[p for p in pw if 64 <= p < max_len], max_len}),
+                _axis([p for p in pw if p <= 64 or p in (128, 256, 512)], max_seqs),
+                _axis([1, 16, *[p for p in pw if p >= 64]], max_len),
+                _axis([2 ** i for i in range(13)], max_seqs),
+                _axis([1, 16, 64, 256, 1024, 4096], max_len), [16, 256, 2048], 12)
 
 
 def _rel(measured: float, model: float) -> float:
