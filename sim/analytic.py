@@ -9,7 +9,8 @@ file (``sources``) and printed with every result.
 Step time = max(FLOPs / (peak * mfu), bytes / (HBM bandwidth * mbu), launch floor):
 FLOPs = 2 * tokens * dense params + 2 * sampled rows * hidden * vocab + attention
 (4 * layers * heads * head_dim * query x key pairs, causal inside a chunk); bytes = dense
-weights (+ the LM head when a row is sampled) + KV read (context + new) + KV written.
+weights (+ the LM head when a row is sampled) + KV read (context + new) + KV written; the
+attention is taken to be paged (cost by total context, as pdserve's Triton kernels).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class RooflineCosts(CostModel):
         flops = 2 * n * self.dense + self.attn * pairs + self.head_flops
         return self._step(flops, self.dense_bytes + self.head_bytes + kv * self.kv_bytes)
 
-    def decode_run_s(self, batch: int, context: int, steps: int) -> Sequence[float]:
+    def decode_run_s(self, batch: int, context: int, longest: int,
+                     steps: int) -> Sequence[float]:
         # one formula for one step and for many: the same float operations, bit for bit
         c0 = 2 * batch * self.dense + batch * self.head_flops
         m0 = self.dense_bytes + self.head_bytes

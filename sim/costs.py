@@ -62,10 +62,12 @@ class CostModel(ABC):
         """Compute of one prefill step over chunks ``(C, P)``: C new tokens after P."""
 
     @abstractmethod
-    def decode_run_s(self, batch: int, context: int, steps: int) -> Sequence[float]:
+    def decode_run_s(self, batch: int, context: int, longest: int,
+                     steps: int) -> Sequence[float]:
         """Durations of ``steps`` consecutive decode steps of ``batch`` requests whose
-        attended tokens total ``context`` in the first step (+``batch`` each step); the
-        same figures, bit for bit, whether asked one step at a time or as a run."""
+        attended tokens total ``context`` (the longest: ``longest``) in the first step,
+        each step one token more each; the same figures, bit for bit, whether asked one
+        step at a time or as a run."""
 
     @abstractmethod
     def sample_s(self, rows: int) -> float: ...
@@ -87,8 +89,10 @@ class CostModel(ABC):
     def check_covers(self, limits: Limits) -> None:
         """CalibrationError naming the first entry that cannot answer ``limits``."""
 
-    def decode_s(self, batch: int, context: int) -> float:
-        return float(self.decode_run_s(batch, context, 1)[0])
+    def decode_s(self, batch: int, context: int, longest: int | None = None) -> float:
+        """One step; ``longest`` defaults to the mean context (a uniform batch)."""
+        longest = -(-context // batch) if longest is None else longest
+        return float(self.decode_run_s(batch, context, longest, 1)[0])
 
     @property
     def rpc_s(self) -> float:
@@ -193,6 +197,11 @@ class TableCosts(CostModel):
         self.label = cal.label
         self.prefill = Grid2D(cal, "prefill", "chunk", "context")
         self.decode = Grid2D(cal, "decode", "batch", "context")
+        stat = cal.get("decode.context_stat")
+        if stat not in ("mean", "max"):
+            raise CalibrationError(f"{cal.source}: decode.context_stat must be 'mean' (paged "
+                                   f"attention) or 'max' (padded to the longest), got {stat!r}")
+        self.padded = stat == "max"
         self.sampling = Curve(cal, "sampling")
         self.export = Curve(cal, "kv_export")
         self.import_ = Curve(cal, "kv_import")
@@ -212,7 +221,10 @@ class TableCosts(CostModel):
                 total += max(0.0, self.prefill(c, p) - self._t0(c))
         return total
 
-    def decode_run_s(self, batch: int, context: int, steps: int) -> np.ndarray:
+    def decode_run_s(self, batch: int, context: int, longest: int,
+                     steps: int) -> np.ndarray:
+        if self.padded:  # the attention pads every sequence to the longest one
+            return self.decode.along_y(batch, longest + np.arange(steps, dtype=float))
         mean = (context + batch * np.arange(steps, dtype=float)) / batch
         return self.decode.along_y(batch, mean)
 

@@ -179,14 +179,15 @@ class SimDecode(SimWorker):
             self._items, self._run = [], 0
             return (import_s, False) if import_s > 0 else None
         n = len(self.step_times)
-        ctx = 0
+        ctx = longest = 0
         for it in items:
             self.first_step.setdefault(it.request.request_id, n)
             ctx += it.start + 1
+            longest = max(longest, it.start + 1)
         k = self._run_length(items) if self.fast else 1
         b = len(items)
         fixed = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
-        run = self.costs.decode_run_s(b, ctx, k)
+        run = self.costs.decode_run_s(b, ctx, longest, k)
         if k <= SMALL_RUN:  # the same float operations as the numpy path, without numpy
             durations = [x + fixed for x in run]
             durations[0] += import_s

@@ -29,7 +29,7 @@ def synthetic_calibration(
     link_latency_s: float = 0.0, link_bytes_per_s: float = 1e12, rpc_s: float = 0.0,
     client_s: float = 0.0, idle_wait_s: float = 0.002,
     model: Mapping[str, Any] = TINY_SHAPE, dtype: str = "float32",
-    links: Sequence[str] = ("inproc", "tcp"),
+    links: Sequence[str] = ("inproc", "tcp"), context_stat: str = "mean",
 ) -> Calibration:
     """``prefill(C, P)`` and ``decode(B, L)`` in seconds, sampled on the given grids (the
     model interpolates between grid points, so linear functions are reproduced exactly)."""
@@ -42,7 +42,8 @@ def synthetic_calibration(
         "prefill": {"chunk": list(chunks), "context": list(contexts),
                     "seconds": [[prefill(c, p) for p in contexts] for c in chunks]},
         "decode": {"batch": list(batches), "context": list(decode_contexts),
-                   "seconds": [[decode(b, L) for L in decode_contexts] for b in batches]},
+                   "seconds": [[decode(b, L) for L in decode_contexts] for b in batches],
+                   "context_stat": context_stat},
         "sampling": {"x": xs, "seconds": [sample_s, sample_s]},
         "kv_export": {"x": xs, "seconds": [kv_copy_s_per_token * x for x in xs]},
         "kv_import": {"x": xs, "seconds": [kv_copy_s_per_token * x for x in xs]},

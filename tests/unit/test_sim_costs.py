@@ -31,8 +31,12 @@ def test_tables_are_exact_on_the_grid_and_bilinear_between() -> None:
     batch = [(100, 0), (50, 2000)]
     assert costs.prefill_s(batch) == pytest.approx(
         0.001 + 150e-5 + 1e-7 * 50 * 2000, rel=1e-12)
-    run = costs.decode_run_s(4, 4 * 100, 3)  # mean context 100, 101, 102
+    run = costs.decode_run_s(4, 4 * 100, 130, 3)  # mean context 100, 101, 102
     assert list(run) == pytest.approx([0.002 + 4e-4 + 4e-7 * L for L in (100, 101, 102)])
+    # an attention that pads the batch to its longest sequence pays for that one
+    padded = TableCosts(linear_cal(context_stat="max"))
+    assert list(padded.decode_run_s(4, 4 * 100, 130, 2)) == pytest.approx(
+        [0.002 + 4e-4 + 4e-7 * L for L in (130, 131)])
 
 
 def test_a_query_outside_the_table_is_an_error_naming_the_entry() -> None:
@@ -100,3 +104,11 @@ def test_analytic_profiles_are_labelled_not_measured_and_follow_the_roofline() -
         analytic_calibration("tpu9", "llama-3-8b")
     with pytest.raises(CalibrationError, match=r"links.tcp.*--interconnect"):
         costs.link("tcp")
+
+
+def test_calibration_tables_are_made_monotone_against_interference() -> None:
+    from sim.calibrate import monotone
+
+    raw = [[1.0, 2.0, 9.0], [1.5, 8.0, 4.0], [2.0, 3.0, None]]
+    # 9.0 and 8.0 sit above cells of more work (4.0, 3.0): interference, not cost
+    assert monotone(raw) == [[1.0, 2.0, 4.0], [1.5, 3.0, 4.0], [2.0, 3.0, None]]
