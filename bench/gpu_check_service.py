@@ -51,19 +51,16 @@ class _Flight:
 
 def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> dict[str, Any]:
     """1P+1D in this process (see module doc); returns tok/s, TTFT and a leak check."""
+    from cluster.config import ServeConfig
     from cluster.placement import plan_pools
-    from cluster.worker_runtime import WorkerLoop
-    from cluster.worker_spec import (
-        WorkerSpec,
-        decode_sched_config,
-        engine_config,
-        prefill_sched_config,
-    )
+    from cluster.worker_specs import decode_config, engine_config, prefill_config
     from decode_worker.engine import DecodeEngine
-    from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, TOKENS, DecodeTask, PrefillTask
     from kv_transfer.config import TransferConfig
     from kv_transfer.registry import make_receiver, make_sender
     from prefill_worker.engine import PrefillEngine
+    from runtime.loop import WorkerLoop
+    from runtime.messages import DecodeTask, EventKind, PrefillTask
+    from runtime.spec import resolve_engine
 
     cuda = device.startswith("cuda")
     plan = plan_pools(1, 1, device=device, gpus_per_worker=1.0, cpus_per_worker=1.0,
@@ -71,17 +68,17 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
     tcfg = TransferConfig(connector="tcp", secret=secrets.token_bytes(32),
                           credit_window_bytes=256 << 20)
     receiver, sender = make_receiver(tcfg), make_sender(tcfg, name="prefill-0")
-    specs = {w.role: WorkerSpec(w.worker_id, w.role, model_dir, device=device, dtype=dtype,
-                                gpu_share=w.gpu_share, num_blocks=None if cuda else 512,
-                                max_num_batched_tokens=2048, max_model_len=4096,
-                                max_num_seqs=128, prefill={"max_chunk": 512})
-             for w in plan.workers}
-    pcfg, pblocks = engine_config(specs["prefill"])
-    prefill = PrefillEngine("prefill-0", pcfg, prefill_sched_config(specs["prefill"]), sender,
-                            pblocks)
-    dcfg, dblocks = engine_config(specs["decode"])
-    decode = DecodeEngine("decode-0", dcfg, decode_sched_config(
-        specs["decode"], dcfg.scheduler.max_model_len), receiver, dblocks)
+    cfg = ServeConfig.from_dict({
+        "model": {"path": model_dir, "device": device, "dtype": dtype, "max_model_len": 4096},
+        "cache": {"num_blocks": None if cuda else 512},
+        "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 128,
+                      "max_prefill_chunk": 512}})
+    share = {w.role: w.gpu_share for w in plan.workers}
+    pcfg, pblocks = resolve_engine(engine_config(cfg, model_dir, "prefill", share["prefill"]))
+    prefill = PrefillEngine("prefill-0", pcfg, prefill_config(cfg), sender, pblocks)
+    dcfg, dblocks = resolve_engine(engine_config(cfg, model_dir, "decode", share["decode"]))
+    decode = DecodeEngine("decode-0", dcfg, decode_config(cfg, dcfg.scheduler.max_model_len),
+                          receiver, dblocks)
     loops = [WorkerLoop(prefill, thread_init=prefill.runner.bind),
              WorkerLoop(decode, thread_init=decode.runner.bind)]
     eos = pcfg.model.eos_token_ids
@@ -101,18 +98,18 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
                 ptask = PrefillTask(rid, tuple(p), wl.params, receiver.endpoint, eos)
                 loops[0].call(lambda t=ptask: prefill.add(t))
             for ev in loops[0].poll(0.001) + loops[1].poll(0.01):
-                f = flights.get(ev.request_id)
+                f = flights.get(ev.leg_id)
                 if f is None:
                     continue
-                if ev.kind in (FIRST_TOKEN, TOKENS):
+                if ev.kind in (EventKind.FIRST_TOKEN, EventKind.TOKENS):
                     f.first = f.first or time.monotonic()
                     f.tokens.extend(ev.token_ids)
                     if ev.finish_reason is not None:
                         f.done = True
-                        if ev.kind == FIRST_TOKEN:  # ended at its first token
-                            loops[1].call(lambda r=ev.request_id: decode.abort(r))
-                elif ev.kind in (FAILED, PREEMPTED):
-                    failures.append(f"{ev.request_id}: {ev.kind} {ev.message}")
+                        if ev.kind == EventKind.FIRST_TOKEN:  # ended at its first token
+                            loops[1].call(lambda r=ev.leg_id: decode.abort(r))
+                elif ev.kind in (EventKind.FAILED, EventKind.PREEMPTED):
+                    failures.append(f"{ev.leg_id}: {ev.kind} {ev.message}")
                     f.done = True
             if time.monotonic() - t0 > 600:
                 raise TimeoutError("in-process P/D did not finish in 600 s")
@@ -127,13 +124,13 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
     ttft = sorted(f.first - f.start for f in flights.values() if f.first is not None)
     return {
         "layout": "in-process 1P+1D (WorkerLoop threads, tcp connector; no Ray)",
-        "gpu_share": specs["decode"].gpu_share, "plan_note": plan.note,
+        "gpu_share": share["decode"], "plan_note": plan.note,
         "kv_blocks": {"prefill": pblocks, "decode": dblocks},
         "output_tokens": sum(len(f.tokens) for f in flights.values()),
         "wall_s": wall, "output_tok_s": sum(len(f.tokens) for f in flights.values()) / wall,
         "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "failures": failures[:10],
-        "kv_blocks_used_at_end": {"prefill": stats[0]["kv_blocks_used"],
-                                  "decode": stats[1]["kv_blocks_used"]},
+        "kv_blocks_used_at_end": {"prefill": stats[0].kv_blocks_used,
+                                  "decode": stats[1].kv_blocks_used},
         "tokens": [flights[f"r{i}"].tokens for i in range(len(wl.prompts))],
     }
 
@@ -182,7 +179,7 @@ def run_ray_pd(model_dir: str, dtype: str, wl: Workload) -> dict[str, Any]:
         ray.shutdown()
     n = sum(len(t) for t in tokens)
     return {"layout": "Ray 1P+1D via cluster.launcher (defaults)", "plan_note": notes,
-            "workers": {w: {k: i.get(k) for k in ("device", "gpu_ids", "num_blocks")}
+            "workers": {w: {k: getattr(i, k) for k in ("device", "gpu_ids", "num_blocks")}
                         for w, i in gpus.items()},
             "output_tokens": n, "wall_s": wall, "output_tok_s": n / wall, "tokens": tokens}
 

@@ -2,6 +2,8 @@
 # The long soak of the README on one machine: a local Ray head, `pdserve serve` on the tiny
 # model joined to it, then `pdserve soak` (1,000 requests, 30% cancels, a worker kill every
 # 20 s). Usage: bench/soak_local.sh [OUT_DIR]   (needs `make setup`; ~4 min on 2 cores)
+#        bench/soak_local.sh OUT_DIR pressure  the 1,000-request `pdserve soak --pressure`
+#        (it runs its own service with 24 x 16-token KV blocks per worker; ~7 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/pdserve-soak}
@@ -9,6 +11,10 @@ export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p "$OUT"
 MODEL=$OUT/tiny-llama
 [ -d "$MODEL" ] || pdserve make-model --preset tiny --arch llama --out "$MODEL" >/dev/null
+if [ "${2:-}" = pressure ]; then
+  exec pdserve soak --pressure --requests 1000 --rate 3 --deadline 60 --model "$MODEL" \
+    --seed 1 --json "$OUT/pressure-1000.json"
+fi
 ray stop --force >/dev/null 2>&1 || true
 ray start --head --num-cpus 4 --include-dashboard false --disable-usage-stats >"$OUT/ray.log" 2>&1
 trap 'kill -INT $SERVE 2>/dev/null; wait $SERVE 2>/dev/null; ray stop --force >/dev/null 2>&1' EXIT

@@ -14,17 +14,43 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.convert import stats_from_proto
 from cluster.types import ClusterStats
+from engine.quantiles import percentile
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
-    from bench.soak import SoakRunner
-    from bench.soak_plan import SoakRequest
+    from bench.soak_plan import SoakRequest, SoakRun
 
 # per worker: counters that must be zero once the service is idle
 IDLE_FIELDS = ("kv_blocks_used", "num_running", "num_waiting", "queue_depth", "send_queue_depth")
 IDLE_EXTRA = ("jobs", "kv_inflight_bytes", "kv_queued_bytes", "kv_rx_active_requests")
 METRIC_GAUGES = ("pdserve:kv_cache_usage_perc", "pdserve:num_requests_running",
                  "pdserve:num_requests_waiting", "pdserve:kv_inflight_bytes")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    kind: str
+    key: str = ""
+    outcome: str = "pending"  # a TERMINAL value, "hang" or "unexpected:<why>"
+    message: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    terminal_count: int = 0
+    violations: list[str] = field(default_factory=list)
+    start_s: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    cancel_planned: str | None = None
+    cancel_sent: bool = False
+    cancel_observed: str | None = None  # phase at the moment of the cancel (or abort)
+    abort_planned: str | None = None
+    abort_sent: bool = False
+    abort_found: bool | None = None  # the Abort RPC's answer
+    max_leg: int | None = None  # highest leg seen (in-process): > 1 means redispatched
+    client_deadline_s: float | None = None
+    reuses: str | None = None  # key of the request whose (ended) id this one sent again
+    after_drain: bool = False
 
 
 @dataclass
@@ -64,12 +90,16 @@ class SoakReport:
         if s["phase_source"] == "seen by the client":
             lines.append("(client view: queued/prefill = cancelled before the first token, at "
                          "the planned moment; transfer = after exactly one token)")
+        if "pressure" in s:
+            from bench.soak_pressure import pressure_lines
+
+            lines += [""] + pressure_lines(s["pressure"])
         lines += ["", f"kills: {len(self.kills)}, survived {s['kills_survived']}"]
         lines += [f"  {k['at_s']:7.1f}s  {k['role']:<8}{k['worker_id']:<12}" + (
             f"back after {k['back_after_s']:.1f}s" if k["back_after_s"] is not None
             else "DID NOT COME BACK") for k in self.kills]
         idle = (f"service idle {s['quiesce_s']:.1f} s after the last request ended"
-                if not (self.leaks or self.hangs) else "service NOT idle at the end")
+                if not s.get("idle_problems") else "service NOT idle at the end")
         lines += ["", idle, f"exact-token check: {s['tokens_checked']} greedy requests compared "
                   f"({s['tokens_skipped']})",
                   f"leaks found: {len(self.leaks)}   hangs found: {len(self.hangs)}   "
@@ -100,14 +130,16 @@ def idle_problems(st: ClusterStats) -> list[str]:
     return out
 
 
-async def wait_quiescent(stub, md, timeout_s: float) -> tuple[ClusterStats | None, list[str]]:
-    """Poll GetStats until the service is idle (or `timeout_s`); (last stats, problems)."""
+async def wait_quiescent(stub, md, timeout_s: float,
+                         stats_fn=None) -> tuple[ClusterStats | None, list[str]]:
+    """Poll GetStats (or ``stats_fn()``, e.g. the router itself once a drain stopped the
+    gRPC server) until the service is idle (or `timeout_s`); (last stats, problems)."""
     end = time.monotonic() + timeout_s
     st, problems = None, ["GetStats never answered"]
     while True:
         try:
-            st = stats_from_proto(await stub.GetStats(pb.GetStatsRequest(), metadata=md,
-                                                      timeout=30))
+            st = await stats_fn() if stats_fn is not None else stats_from_proto(
+                await stub.GetStats(pb.GetStatsRequest(), metadata=md, timeout=30))
             problems = idle_problems(st)
         except Exception as e:  # noqa: BLE001 - reported as a problem, retried
             problems = [f"GetStats failed: {e}"]
@@ -152,42 +184,43 @@ def reference_tokens(model: str, reqs: list[SoakRequest]) -> dict[str, list[int]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
               for r in reqs]
     outs = llm.generate([list(r.prompt) for r in reqs], params)
-    return {r.request_id: list(o.token_ids) for r, o in zip(reqs, outs, strict=True)}
+    return {r.key: list(o.token_ids) for r, o in zip(reqs, outs, strict=True)}
 
 
-async def finish_report(runner: SoakRunner, plan: list[SoakRequest], stub, md,
-                        traffic_s: float) -> SoakReport:
+async def finish_report(runner: SoakRun, plan: list[SoakRequest], stub, md,
+                        traffic_s: float, pools: dict[str, int] | None = None,
+                        drained: str | None = None) -> SoakReport:
     cfg, records = runner.cfg, runner.records
     config = asdict(cfg)
     config["token"] = "***" if cfg.token else None  # never the secret itself
     report = SoakReport(config=config, summary={})
     for rec in records.values():
         if rec.outcome == "hang" or rec.e2e_s > cfg.deadline_s:
-            report.hangs.append(f"{rec.request_id}: {rec.outcome} after {rec.e2e_s:.1f}s")
+            report.hangs.append(f"{rec.key}: {rec.outcome} after {rec.e2e_s:.1f}s")
         if rec.terminal_count != 1:
-            report.violations.append(f"{rec.request_id}: {rec.terminal_count} terminal statuses")
+            report.violations.append(f"{rec.key}: {rec.terminal_count} terminal statuses")
         if rec.outcome.startswith("unexpected") or rec.outcome == "pending":
-            report.violations.append(f"{rec.request_id}: {rec.outcome} {rec.message}")
-        report.violations += [f"{rec.request_id}: {v}" for v in rec.violations]
+            report.violations.append(f"{rec.key}: {rec.outcome} {rec.message}")
+        report.violations += [f"{rec.key}: {v}" for v in rec.violations]
     t0 = time.monotonic()
-    _, problems = await wait_quiescent(stub, md, cfg.quiesce_timeout_s)
+    _, problems = await wait_quiescent(stub, md, cfg.quiesce_timeout_s, runner.hooks.stats)
     quiesce_s = time.monotonic() - t0
     for p in problems:
         (report.hangs if "in flight" in p or "num_running" in p else report.leaks).append(p)
-    if cfg.metrics_url:
+    if cfg.metrics_url and not drained:  # a drained service's endpoint may be gone
         loop = asyncio.get_running_loop()
         report.leaks += await loop.run_in_executor(None, metrics_problems, cfg.metrics_url)
     checked, skipped = 0, "no --model given"
     if cfg.model:
-        greedy = [r for r in plan if r.greedy and records[r.request_id].tokens]
+        greedy = [r for r in plan if r.greedy and records[r.key].tokens]
         loop = asyncio.get_running_loop()
         ref = await loop.run_in_executor(None, reference_tokens, cfg.model, greedy)
         for r in greedy:
-            rec, want = records[r.request_id], ref[r.request_id]
+            rec, want = records[r.key], ref[r.key]
             complete = rec.outcome == "finished"
             if (rec.tokens != want) if complete else (rec.tokens != want[: len(rec.tokens)]):
                 report.mismatches.append(
-                    f"{r.request_id} ({rec.outcome}, {len(rec.tokens)} tokens): got "
+                    f"{r.key} ({rec.outcome}, {len(rec.tokens)} tokens): got "
                     f"{rec.tokens[:12]}..., engine.LLM gives {want[:12]}...")
             checked += 1
         skipped = "complete outputs equal, cancelled/failed ones a prefix"
@@ -195,10 +228,15 @@ async def finish_report(runner: SoakRunner, plan: list[SoakRequest], stub, md,
     report.requests = [asdict(r) for r in records.values()]
     report.summary = _summary(runner, plan, traffic_s, checked, skipped)
     report.summary["quiesce_s"] = quiesce_s
+    report.summary["idle_problems"] = problems
+    if cfg.pressure:
+        from bench.soak_pressure import pressure_summary
+
+        report.summary["pressure"] = pressure_summary(runner, plan, pools or {}, drained)
     return report
 
 
-def _summary(runner: SoakRunner, plan: list[SoakRequest], traffic_s: float, checked: int,
+def _summary(runner: SoakRun, plan: list[SoakRequest], traffic_s: float, checked: int,
              skipped: str) -> dict[str, Any]:
     from bench.soak_plan import PHASES, TERMINAL
 
@@ -229,4 +267,4 @@ def _summary(runner: SoakRunner, plan: list[SoakRequest], traffic_s: float, chec
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    return sorted(xs)[int(q * (len(xs) - 1))] if xs else None
+    return percentile(xs, 100 * q) if xs else None

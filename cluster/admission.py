@@ -21,15 +21,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
 from cluster.types import ErrorCode, RouterError
-from engine.messages import DecodeTask
-
-if TYPE_CHECKING:
-    from cluster.flight import Flight
-    from cluster.router import Router
+from runtime.messages import DecodeTask
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.25  # the head re-asks even when no event said "freed" (e.g. a KV-wait expiry)
@@ -82,7 +79,7 @@ class AdmissionQueue:
 class DecodeAdmission:
     """The router's decode admission: the queue plus the reserve calls of its head."""
 
-    def __init__(self, router: Router):
+    def __init__(self, router: RouterCore):
         self.router = router
         self.queue = AdmissionQueue()
 
@@ -113,7 +110,7 @@ class DecodeAdmission:
         try:
             while True:
                 waiter.event.clear()  # before the checks: a wake-up from here on is kept
-                if flight.done or flight.leg_id != task.request_id:
+                if flight.done or flight.leg_id != task.leg_id:
                     return None
                 if self.queue.is_head(waiter):
                     w = await self._reserve(flight, task, grace_end)
@@ -141,19 +138,19 @@ class DecodeAdmission:
             try:
                 ok = await w.actor.reserve.remote(task)
             except asyncio.CancelledError:  # the client left mid-reserve
-                self.router.abort_on(w, task.request_id)
+                self.router.abort_on(w, task.leg_id)
                 raise
             except ValueError as e:  # can never fit: say so now, not after a wait
                 raise RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e)) from e
             except Exception as e:  # dead worker: skip it (a reserve that landed is undone)
                 log.warning("decode %s failed on reserve: %s", w.worker_id, e)
-                self.router.abort_on(w, task.request_id)
-                self.router.pump.mark_dead(w)
+                self.router.abort_on(w, task.leg_id)
+                self.router.mark_dead(w)
                 continue
             if not ok:
                 continue
-            if flight.done or flight.leg_id != task.request_id:
-                self.router.abort_on(w, task.request_id)  # ended while the reserve was in flight
+            if flight.done or flight.leg_id != task.leg_id:
+                self.router.abort_on(w, task.leg_id)  # ended while the reserve was in flight
                 return None
             flight.admitted = True
             return w

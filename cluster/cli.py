@@ -14,10 +14,9 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
 
-from cluster.config import ServeConfig
-from cluster.config_cli import keys_epilog
+from cluster.config_cli import add_cli_flags, keys_epilog
+from cluster.console import config_or_exit, fail, format_stats, setup_logging
 from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
     StartupError,
     build_router,
@@ -61,27 +60,9 @@ def _load_plugins() -> None:
             register(name, help_, add_args, run)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def fail(message: str) -> NoReturn:
-    print(f"pdserve: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def config_or_exit(args: argparse.Namespace) -> ServeConfig:
-    """ServeConfig from --config and flags; a bad key/value exits 2 with the message."""
-    try:
-        return ServeConfig.from_args(args)
-    except (ValueError, OSError) as e:
-        fail(str(e))
-
-
 # ---- serve --------------------------------------------------------------------------
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    ServeConfig.add_cli_flags(p)
+    add_cli_flags(p)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -154,7 +135,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", help="comma-separated extra stop token ids")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
     p.add_argument("--tenant", default="", help="fairness key (default 'default')")
-    p.add_argument("--priority", type=int, default=0, help="scheduling priority")
+    p.add_argument("--priority", type=int, default=0,
+                   help="scheduling priority: lower is served first by the 'priority' "
+                   "fairness policy (as vLLM's); other policies ignore it (default 0)")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--show-token-ids", action="store_true", help="print token ids at the end")
     _add_conn(p)
@@ -206,21 +189,6 @@ def _run_generate(args: argparse.Namespace) -> int:
               f"ttft={u.ttft_s * 1e3:.1f}ms queue={u.queue_s * 1e3:.1f}ms "
               f"e2e={u.e2e_s * 1e3:.1f}ms", file=sys.stderr)
     return 0
-
-
-def format_stats(stats) -> str:
-    """A fixed-width table of a ClusterStats."""
-    head = ("WORKER", "ROLE", "ALIVE", "RUNNING", "WAITING", "KV_USED", "KV_FREE", "QUEUE",
-            "SEND_Q")
-    rows = [head] + [(w.worker_id, w.role, "yes" if w.alive else "NO", w.num_running,
-                      w.num_waiting, w.kv_blocks_used, w.kv_blocks_free, w.queue_depth,
-                      w.send_queue_depth) for w in stats.workers]
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(str(v).ljust(n) for v, n in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
-    lines.append(f"router: queue={stats.router_queue_depth} inflight={stats.num_inflight} "
-                 f"serving={'yes' if stats.serving else 'no'}")
-    return "\n".join(lines)
 
 
 def _run_stats(args: argparse.Namespace) -> int:

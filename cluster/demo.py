@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cluster.config import ServeConfig
+from cluster.config_cli import add_cli_flags
 
 CHATS = {
     "short-0": "What is the capital of France?",
@@ -39,7 +40,7 @@ DEFAULT_MODEL = "smollm2"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    ServeConfig.add_cli_flags(p)  # includes --colocated / --no-colocated
+    add_cli_flags(p)  # includes --colocated / --no-colocated
     p.add_argument("--disaggregated", dest="pools.colocated", action="store_const",
                    const=False, default=argparse.SUPPRESS,
                    help="use the prefill/decode pools (default when cluster.launcher exists)")
@@ -54,7 +55,7 @@ def long_text() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import config_or_exit, fail, setup_logging
+    from cluster.console import config_or_exit, fail, setup_logging
     from cluster.startup import StartupError, launcher_available
 
     defaults = {"pools.colocated": not launcher_available(),
@@ -126,8 +127,8 @@ async def _demo(cfg: ServeConfig, max_tokens: int | None) -> int:
     import openai
 
     from cluster.auth import read_token
-    from cluster.cli import format_stats
     from cluster.client import AsyncPdserveClient
+    from cluster.console import format_stats
     from cluster.server import GenerationServer
     from cluster.startup import build_router
     from engine.chat import has_chat_template

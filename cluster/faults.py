@@ -1,47 +1,20 @@
-"""Chaos for tests and soak runs: the worker side of fault injection, and finding and
-killing the worker actors of a running service.
+"""Chaos for tests and soak runs: finding and killing the worker actors of a running
+service (the worker side of fault injection is runtime/spec.py).
 
-Fault injection is OFF unless a plan is given, by `LaunchOptions(fault_injection=...)`
-(-> `WorkerSpec.fault_injection`) or by the `PDSERVE_FAULTS` environment variable (a
-JSON plan, see kv_transfer/faults.py) in the worker actors' environment, e.g.
-`PDSERVE_FAULTS='{"faults": [{"kind": "delay", "probability": 0.1}]}' ray start ...`.
-Production never sets either; without a plan no wrapper is installed and nothing runs.
-
-Killing: the launcher names every worker actor `pdserve-<6 hex>-<role>-<n>` in the
-job's namespace. `find_worker_actors` lists them over all namespaces of the Ray cluster
-this process is connected to (`ray.init(address=...)`), grouped by service tag;
-`kill_worker` is `ray.kill(actor, no_restart=False)`, so Ray restarts the actor
-(`pools.max_restarts`) and the router re-adopts it.
+The launcher names every worker actor `pdserve-<6 hex>-<role>-<n>` in the job's
+namespace. `find_worker_actors` lists them over all namespaces of the Ray cluster this
+process is connected to (`ray.init(address=...)`), grouped by service tag; `kill_worker`
+is `ray.kill(actor, no_restart=False)`, so Ray restarts the actor (`pools.max_restarts`)
+and the router re-adopts it.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from kv_transfer.faults import ENV_VAR, FaultInjector, FaultPlan
 
 ACTOR_NAME = re.compile(r"^(?P<tag>pdserve-[0-9a-f]+)-(?P<worker>(?P<role>prefill|decode)-\d+)$")
-
-
-def fault_plan(spec_faults: Mapping[str, Any] | None,
-               environ: Mapping[str, str] | None = None) -> FaultPlan:
-    """The plan of a worker: its spec's `fault_injection` plus `$PDSERVE_FAULTS`."""
-    env = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    return FaultPlan.parse(dict(spec_faults or {})).merged(FaultPlan.parse(env))
-
-
-def worker_fault_injector(spec, environ: Mapping[str, str] | None = None
-                          ) -> FaultInjector | None:
-    """A FaultInjector for this worker (a WorkerSpec), or None when no fault applies."""
-    if not spec.fault_injection and not (os.environ if environ is None else environ).get(ENV_VAR):
-        return None  # the production path: no parsing, no wrapper
-    plan = fault_plan(spec.fault_injection, environ).for_worker(spec.worker_id)
-    return FaultInjector(plan, spec.worker_id) if plan.faults else None
 
 
 # ---- finding and killing the worker actors of a running service ------------------------

@@ -1,13 +1,17 @@
-"""RouterConfig and Flight: the router's settings and its state for one request."""
+"""RouterConfig and Flight: the router's settings and its state for one request, and
+RouterCore: what the router's helpers (admission, event pump) may call on the router."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from cluster.pool import WorkerHandle
-from cluster.types import GenerateSpec, Usage
+from cluster.types import GenerateSpec, RouterError, Usage
+from runtime.messages import EventKind, LegTiming
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,22 @@ class Flight:
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    timing: dict[str, float] = field(default_factory=dict)
+    timing: LegTiming = field(default_factory=LegTiming)  # summed over its legs
     done: bool = False
     admitted: bool = False
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
     leg_first_seen: bool = False  # the current leg's first token was streamed
     held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
+
+    def add_timing(self, kind: EventKind, t: LegTiming) -> None:
+        """A worker's phase times: the first token sets queue, prefill and cache figures
+        (of the leg that streamed it); transfer and decode times add up over legs."""
+        if kind == EventKind.FIRST_TOKEN:
+            self.timing = replace(self.timing, queue_s=t.queue_s, prefill_s=t.prefill_s,
+                                  cached_tokens=t.cached_tokens)
+        else:
+            self.timing = replace(self.timing, transfer_s=self.timing.transfer_s + t.transfer_s,
+                                  decode_s=self.timing.decode_s + t.decode_s)
 
     def usage(self) -> Usage:
         """The request's usage so far (intervals on this process's monotonic clock)."""
@@ -67,9 +81,38 @@ class Flight:
         return Usage(
             prompt_tokens=len(self.spec.prompt_token_ids),
             completion_tokens=len(self.generated),
-            cached_prompt_tokens=int(t.get("cached_tokens", 0)),
+            cached_prompt_tokens=t.cached_tokens,
             ttft_s=(self.first_token_at or now) - self.arrival,
-            queue_s=t.get("queue_s", 0.0), prefill_s=t.get("prefill_s", 0.0),
-            transfer_s=t.get("transfer_s", 0.0), decode_s=t.get("decode_s", 0.0),
-            e2e_s=now - self.arrival,
+            queue_s=t.queue_s, prefill_s=t.prefill_s, transfer_s=t.transfer_s,
+            decode_s=t.decode_s, e2e_s=now - self.arrival,
         )
+
+
+class RouterCore(Protocol):
+    """The router as its helpers see it (cluster/admission.py, cluster/router_events.py):
+    its pools and live legs, and the lifecycle steps they may take."""
+
+    config: RouterConfig
+    prefill: list[WorkerHandle]
+    decode: list[WorkerHandle]
+    legs: dict[str, Flight]  # leg id -> its flight (current legs only)
+    metrics: Any  # cluster.metrics.ServiceMetrics or None
+
+    @property
+    def workers(self) -> list[WorkerHandle]: ...
+
+    async def dispatch(self, flight: Flight) -> None: ...
+
+    def release(self, flight: Flight) -> None: ...
+
+    def fail(self, flight: Flight, err: RouterError) -> None: ...
+
+    def end_leg(self, flight: Flight, ended: tuple[WorkerHandle | None, ...] = ()) -> None: ...
+
+    def abort_on(self, w: WorkerHandle, leg_id: str) -> None: ...
+
+    def mark_dead(self, w: WorkerHandle) -> None: ...
+
+    def wake_admission(self) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task: ...

@@ -9,7 +9,7 @@ import math
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -17,11 +17,10 @@ from cluster.config import ServeConfig
 from cluster.placement import PoolPlan, actor_options, plan_colocated, plan_pools
 from cluster.pool import WorkerHandle
 from cluster.router import Router, RouterConfig
-from cluster.worker_spec import WorkerSpec
+from cluster.worker_specs import worker_specs
 from decode_worker.worker import RemoteDecodeWorker
-from engine.config import ModelConfig, torch_dtype
-from engine.kv_cache import KVCache
 from engine.loader import load_model_config, load_tokenizer
+from prefill_worker.policies import CHUNK_POLICIES
 from prefill_worker.worker import RemotePrefillWorker
 
 log = logging.getLogger(__name__)
@@ -63,67 +62,6 @@ def _init_ray(cfg: ServeConfig, plan_cpus: float) -> bool:
     return True
 
 
-def credit_window_bytes(cfg: ServeConfig, model: ModelConfig) -> int:
-    """`transfer.credit_window_mb`, raised to `credit_window_chunks` of the model's
-    largest prefill chunk: a window smaller than one chunk's KV (an 8B model's 1,000
-    tokens are 125 MiB) would turn every chunk into stop-and-wait frames."""
-    t, s = cfg.transfer, cfg.scheduler
-    chunk_tokens = min(s.max_prefill_chunk, s.max_num_batched_tokens)
-    chunk = chunk_tokens * KVCache.bytes_per_token(model, torch_dtype(cfg.model.dtype))
-    return max(int(t.credit_window_mb * (1 << 20)), math.ceil(t.credit_window_chunks * chunk))
-
-
-def _transfer_kwargs(cfg: ServeConfig, secret: bytes, window: int) -> dict:
-    t = cfg.transfer
-    return {
-        "connector": t.connector,
-        "send_policy": t.send_policy,
-        "rate_bytes_per_s": (t.rate_gbps or 0.0) * 1e9 / 8,
-        # link emulation caps every policy (at_end and eager too) without changing it
-        "link_rate_bytes_per_s": (t.link_gbps or 0.0) * 1e9 / 8,
-        "burst_bytes": int(t.burst_mb * (1 << 20)),
-        "credit_window_bytes": window,
-        # a frame never exceeds the window, so small windows can be studied
-        "max_frame_bytes": max(64 << 10, min(64 << 20, window)),
-        "queue_discipline": t.send_queue,
-        "tenant_weights": dict(cfg.scheduler.tenant_weights or {}),
-        "failure_timeout_s": t.failure_timeout_s,
-        "tcp_host": t.bind_host,
-        "secret": secret,
-    }
-
-
-def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, opts: LaunchOptions,
-                 tag: str) -> list[WorkerSpec]:
-    secret = secrets.token_bytes(32)  # per cluster, never logged (repr=False downstream)
-    c, s = cfg.cache, cfg.scheduler
-    window = credit_window_bytes(cfg, load_model_config(model_dir))
-    specs = []
-    for w in plan.workers:
-        block = (c.prefill_block_size if w.role == "prefill" else c.decode_block_size)
-        specs.append(WorkerSpec(
-            worker_id=w.worker_id, role=w.role, model_dir=model_dir,
-            device=cfg.model.device, dtype=cfg.model.dtype,
-            attention_backend=cfg.model.attention_backend,
-            block_size=block or c.block_size, num_blocks=c.num_blocks,
-            kv_cache_memory_bytes=int(c.kv_cache_memory_gb * (1 << 30)),
-            gpu_memory_utilization=c.gpu_memory_utilization, gpu_share=w.gpu_share,
-            enable_prefix_caching=c.enable_prefix_caching,
-            max_model_len=cfg.model.max_model_len,
-            max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
-            num_threads=w.torch_threads,
-            prefill={"max_chunk": s.max_prefill_chunk, "fairness": s.fairness_policy,
-                     "chunk_policy": s.chunk_policy, "aging_s": s.aging_s,
-                     "tenant_weights": dict(s.tenant_weights or {})},
-            decode={"kv_wait_timeout_s": cfg.limits.kv_wait_timeout_s},
-            transfer=_transfer_kwargs(cfg, secret, window),
-            actor_name=f"{tag}-{w.worker_id}",
-            trace=opts.trace,
-            fault_injection=dict(opts.fault_injection or {}),
-        ))
-    return specs
-
-
 def options_from_config(cfg: ServeConfig) -> LaunchOptions:
     p = cfg.pools
     return LaunchOptions(prefill_resources=dict(p.prefill_resources or {}) or None,
@@ -149,8 +87,9 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
         log.warning("placement: %s", plan.note)
     tag = f"pdserve-{secrets.token_hex(3)}"
     handles: list[WorkerHandle] = []
-    for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
-                       strict=True):
+    specs = worker_specs(cfg, plan, model_dir, tag, trace=opts.trace,
+                         fault_injection=opts.fault_injection)
+    for spec, w in zip(specs, plan.workers, strict=True):
         cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
         actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts)).remote(spec)
         handles.append(WorkerHandle(w.worker_id, w.role, actor))
@@ -162,7 +101,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                      prefix_affinity=cfg.cache.enable_prefix_caching,
                      affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
                      unavailable_grace_s=cfg.limits.restart_grace_s,
-                     adaptive_chunks=cfg.scheduler.chunk_policy == "adaptive",
+                     adaptive_chunks=CHUNK_POLICIES.get(cfg.scheduler.chunk_policy).uses_decode_pressure,
                      itl_target_s=cfg.scheduler.itl_target_ms / 1000),
         load_tokenizer(model_dir), model.vocab_size,
         cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
@@ -232,11 +171,14 @@ def build_colocated_pool_router(cfg: ServeConfig, num_engines: int,
         log.warning("placement: %s", plan.note)
     tag = f"pdserve-{secrets.token_hex(3)}"
     handles = []
-    for spec, w in zip(worker_specs(cfg, plan, model_dir, opts, tag), plan.workers,
-                       strict=True):
+    specs = worker_specs(cfg, plan, model_dir, tag, trace=opts.trace)
+    for spec, w in zip(specs, plan.workers, strict=True):
+        e = spec.engine
+        spec = replace(spec, engine=replace(e, scheduler=replace(
+            e.scheduler, enable_chunked_prefill=enable_chunked_prefill)))
         actor = RemoteColocatedWorker.options(
             **actor_options(w, spec.actor_name, opts.max_restarts)
-        ).remote(spec, enable_chunked_prefill)
+        ).remote(spec)
         handles.append(WorkerHandle(spec.worker_id, "colocated", actor))
     _wait_ready(handles, plan)
     router = Router(handles, handles, RouterConfig(

@@ -1,57 +1,66 @@
-"""LocalBackend: the colocated baseline as a RouterAPI (`pdserve serve --colocated`).
+"""LocalBackend: the colocated engine in the server process as a RouterAPI
+(`pdserve serve --colocated`).
 
-One `engine.LLM` runs its step loop in a background thread that alone touches the
-engine. The asyncio side talks to it through a command queue (add / abort / stop) and
-gets tokens back through one asyncio.Queue per request, fed with
-`loop.call_soon_threadsafe`. Requests submitted but not yet scheduled count against
-`max_queue_len`; past it, submission fails with RESOURCE_EXHAUSTED instead of waiting.
+One `engine.LLM` runs as a runtime.colocated.ColocatedEngine on a runtime.loop.WorkerLoop,
+the same engine loop that a Ray colocated worker runs (cluster/colocated_pool.py). The
+asyncio side submits adds and aborts to the loop; the loop hands each step's events to
+`_publish` (on its thread), which feeds one asyncio.Queue per request with
+`loop.call_soon_threadsafe`. Every submission is its own leg (`<request_id>#<n>`), so an
+id is free again the moment its request ended, whatever its old leg still reports.
+Requests without their first token yet count against `max_queue_len`; past it,
+submission fails with RESOURCE_EXHAUSTED instead of waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
+from cluster.flight import Flight
 from cluster.types import (
     ClusterStats,
     ErrorCode,
     GenerateSpec,
     RouterError,
     TokenDelta,
-    Usage,
     WorkerStats,
 )
-from engine.request import Request, RequestStatus
+from engine.device import local_device
+from engine.llm import LLM
+from runtime.colocated import ColocatedEngine
+from runtime.loop import WorkerLoop
+from runtime.messages import EventKind, PrefillTask, WorkerEvent
+from runtime.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
-MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is declared dead (healthy() -> False)
 
-
-@dataclass
+@dataclass(eq=False)
 class _Stream:
-    """One request's link between the engine thread and its asyncio consumer."""
+    """One request's link between the loop thread and its asyncio consumer."""
 
-    spec: GenerateSpec
+    flight: Flight
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    request: Request | None = None  # engine thread only, from here down
-    started: float | None = None  # first scheduled
-    sent: int = 0  # output tokens already delivered
+    leg_id: str
     closed: bool = False  # its last item was sent
+
+    @property
+    def queued(self) -> bool:
+        return self.flight.first_token_at is None
 
 
 class LocalBackend:
     """RouterAPI over one engine.LLM (see module docstring); thread-safe submit/abort."""
 
-    def __init__(self, llm, *, max_queue_len: int = 256, worker_id: str = "colocated-0",
-                 idle_wait_s: float = 0.05):
+    def __init__(self, llm: LLM, *, max_queue_len: int = 256, worker_id: str = "colocated-0",
+                 idle_wait_s: float = 0.002):
         if max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {max_queue_len}")
         self.llm = llm
@@ -60,32 +69,23 @@ class LocalBackend:
         self.max_model_len: int = llm.config.scheduler.max_model_len
         self.max_queue_len = max_queue_len
         self.worker_id = worker_id
-        self.idle_wait_s = idle_wait_s
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _active, _queued, _accepting
-        self._active: dict[str, _Stream] = {}
-        self._queued: set[str] = set()  # submitted, not scheduled yet
+        self.engine = ColocatedEngine(worker_id, llm)
+        self._lock = threading.Lock()  # guards _active, _legs, _accepting
+        self._active: dict[str, _Stream] = {}  # by request id
+        self._legs: dict[str, _Stream] = {}  # by leg id, until its last item was sent
+        self._leg_no = itertools.count(1)
         self._accepting = True
-        self._fatal: str | None = None
-        self._snapshot: dict[str, float] = dict(llm.stats())
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        self._last_stats: EngineStats = self.engine.stats()
+        self._loop = WorkerLoop(self.engine, idle_wait_s=idle_wait_s,
+                                thread_init=llm.runner.bind, on_events=self._publish)
 
     @classmethod
     def from_config(cls, cfg) -> LocalBackend:
         """Build the engine from a ServeConfig (model, cache, scheduler and limits keys)."""
-        from engine.llm import LLM
+        from cluster.worker_specs import engine_config
 
-        m, c, s = cfg.model, cfg.cache, cfg.scheduler
-        llm = LLM(str(m.resolve_path()), block_size=c.block_size,
-                  max_num_batched_tokens=s.max_num_batched_tokens,
-                  max_prefill_chunk=s.max_prefill_chunk,
-                  enable_chunked_prefill=s.enable_chunked_prefill,
-                  enable_prefix_caching=c.enable_prefix_caching, num_blocks=c.num_blocks,
-                  device=m.resolved_device, dtype=m.dtype, attention_backend=m.attention_backend,
-                  max_num_seqs=s.max_num_seqs, max_model_len=m.max_model_len,
-                  kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-                  gpu_memory_utilization=c.gpu_memory_utilization)
+        ecfg = engine_config(cfg, str(cfg.model.resolve_path()), "colocated")
+        llm = LLM.from_config(replace(ecfg, device=str(local_device(ecfg.device))))
         return cls(llm, max_queue_len=cfg.limits.max_queue_len)
 
     # ---- RouterAPI: asyncio side ------------------------------------------------------
@@ -100,7 +100,7 @@ class LocalBackend:
         done = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.flight.queue.get()
                 if isinstance(item, RouterError):
                     done = True
                     raise item
@@ -113,23 +113,44 @@ class LocalBackend:
                 self._detach(stream)
 
     def _submit(self, spec: GenerateSpec) -> _Stream:
-        stream = _Stream(spec, asyncio.get_running_loop())
         rid = spec.request_id
+        leg_id = f"{rid}#{next(self._leg_no)}"
+        stream = _Stream(Flight(spec, asyncio.Queue(), time.monotonic()),
+                         asyncio.get_running_loop(), leg_id)
         with self._lock:
-            if self._fatal is not None:
-                raise RouterError(ErrorCode.UNAVAILABLE, f"engine is down: {self._fatal}")
+            if self._loop.fatal is not None:
+                raise RouterError(ErrorCode.UNAVAILABLE, f"engine is down: {self._loop.fatal}")
             if not self._accepting:
                 raise RouterError(ErrorCode.UNAVAILABLE, "backend is shutting down")
             if rid in self._active:
                 raise RouterError(ErrorCode.ALREADY_EXISTS, f"request_id {rid!r} is in flight")
-            if len(self._queued) >= self.max_queue_len:
+            queued = sum(s.queued for s in self._active.values())
+            if queued >= self.max_queue_len:
                 raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
-                                  f"waiting queue is full ({len(self._queued)} requests, "
+                                  f"waiting queue is full ({queued} requests, "
                                   f"limits.max_queue_len={self.max_queue_len}); retry later")
             self._active[rid] = stream
-            self._queued.add(rid)
-        self._cmds.put(("add", stream))
+            self._legs[leg_id] = stream
+        task = PrefillTask(leg_id, tuple(spec.prompt_token_ids), spec.sampling, "",
+                           self.llm.config.model.eos_token_ids, spec.tenant, spec.priority)
+        self._on_loop(stream, lambda: self.engine.add(task), self._added)
         return stream
+
+    def _on_loop(self, stream: _Stream, fn, done) -> None:
+        """Run `fn` on the engine loop; `done(stream, future)` follows there."""
+        try:
+            fut = self._loop.submit(fn)
+        except RuntimeError as e:  # the loop ended meanwhile
+            self._close(stream, RouterError(ErrorCode.UNAVAILABLE, str(e)))
+            return
+        fut.add_done_callback(lambda f: done(stream, f))
+
+    def _added(self, stream: _Stream, fut: Future) -> None:
+        e = fut.exception()
+        if e is not None:
+            code = ErrorCode.INVALID_ARGUMENT if isinstance(e, ValueError) else \
+                ErrorCode.UNAVAILABLE
+            self._close(stream, RouterError(code, str(e)))
 
     async def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -139,187 +160,95 @@ class LocalBackend:
         return stream is not None
 
     def _detach(self, stream: _Stream) -> None:
-        """The request ended for its client: its id is free at once; the engine thread
-        aborts it (commands run in order: before any later request with the same id)."""
+        """The request ended for its client: its id is free at once; the engine aborts
+        its leg (and the stream ends with finish_reason "abort" unless it ended first)."""
         self._forget(stream)
-        self._cmds.put(("abort", stream))
+        self._on_loop(stream, lambda: self.engine.abort(stream.leg_id), self._aborted)
+
+    def _aborted(self, stream: _Stream, fut: Future) -> None:
+        self._close(stream, self._delta(stream, (), "abort"))
 
     def _forget(self, stream: _Stream) -> None:
-        rid = stream.spec.request_id
+        rid = stream.flight.spec.request_id
         with self._lock:
             if self._active.get(rid) is stream:  # not a newer request with the same id
                 del self._active[rid]
-                self._queued.discard(rid)
 
     async def stats(self) -> ClusterStats:
-        snap = self._snapshot  # replaced atomically by the engine thread
+        s = self._last_stats
+        if self._loop.alive:
+            with contextlib.suppress(RuntimeError):  # stopped meanwhile: the last ones
+                s = await asyncio.wrap_future(self._loop.submit(self.engine.stats))
+                self._last_stats = s
         with self._lock:
-            queued, inflight = len(self._queued), len(self._active)
+            queued = sum(st.queued for st in self._active.values())
+            inflight = len(self._active)
         worker = WorkerStats(
-            worker_id=self.worker_id, role="colocated", alive=self._alive(),
-            num_running=int(snap["num_requests_running"]),
-            num_waiting=int(snap["num_requests_waiting"]),
-            kv_blocks_used=int(snap["kv_blocks_used"]),
-            kv_blocks_free=int(snap["kv_blocks_free"]), queue_depth=queued,
-            extra={k: float(v) for k, v in snap.items() if not k.startswith(("num_", "kv_b"))})
+            worker_id=self.worker_id, role="colocated", alive=self._loop.alive,
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
+            queue_depth=queued, extra=s.figures())
         return ClusterStats(workers=(worker,), router_queue_depth=queued,
                             num_inflight=inflight, serving=self.healthy())
 
-    def _alive(self) -> bool:
-        return self._thread.is_alive() and self._fatal is None
-
     def healthy(self) -> bool:
-        return self._alive() and self._accepting
+        return self._loop.alive and self._accepting
 
     async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
         """Stop accepting, let running requests finish up to the timeout, abort the rest."""
         with self._lock:
             self._accepting = False
         end = time.monotonic() + drain_timeout_s
-        while self._active and time.monotonic() < end and self._thread.is_alive():
+        while self._active and time.monotonic() < end and self._loop.alive:
             await asyncio.sleep(0.02)
-        self._cmds.put(("stop", None))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
-
-    # ---- engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        failures = 0
-        try:
-            self.llm.runner.bind()  # Triton launches on this thread's current CUDA device
-            while True:
-                if not self._handle_commands(block=not self.llm.has_unfinished()):
-                    break
-                if self.llm.has_unfinished():
-                    step_start = time.monotonic()
-                    try:
-                        touched = self.llm.step()
-                        failures = 0
-                    except Exception as e:  # never let one bad step kill the loop
-                        failures += 1
-                        log.exception("engine step failed (%d in a row)", failures)
-                        self._fail_all(ErrorCode.INTERNAL, f"engine step failed: {e}")
-                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                            raise
-                        continue
-                    self._publish(touched, step_start)
-                self._snapshot = dict(self.llm.stats())
-        except BaseException as e:
-            self._fatal = f"{type(e).__name__}: {e}"
-            log.exception("engine loop died")
-        finally:
-            self._fail_all(ErrorCode.UNAVAILABLE, "backend shut down", finish="abort")
-            self._end_detached()
-            self._snapshot = dict(self.llm.stats())
-
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands; False on stop."""
-        try:
-            cmd = self._cmds.get(timeout=self.idle_wait_s) if block else self._cmds.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            kind, arg = cmd
-            if kind == "stop":
-                return False
-            (self._add if kind == "add" else self._abort)(arg)
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _add(self, stream: _Stream) -> None:
-        spec = stream.spec
-        try:
-            req = self.llm.add_request(list(spec.prompt_token_ids), spec.sampling,
-                                       request_id=spec.request_id)
-        except ValueError as e:
-            self._close(stream, RouterError(ErrorCode.INVALID_ARGUMENT, str(e)))
-            return
-        req.tenant = spec.tenant
-        stream.request = req
-
-    def _abort(self, stream: _Stream) -> None:
-        if stream.request is None or stream.request.is_finished or stream.closed:
-            return
-        self.llm.abort(stream.spec.request_id)
-        self._close(stream, self._delta(stream, "abort"))
-
-    def _publish(self, touched: list[Request], step_start: float) -> None:
         with self._lock:
-            waiting = [self._active[r] for r in self._queued if r in self._active]
-        for stream in waiting:
-            r = stream.request
-            if r is not None and (r.status != RequestStatus.WAITING or r.num_computed_tokens):
-                stream.started = step_start
-                with self._lock:
-                    self._queued.discard(stream.spec.request_id)
-        for r in touched:
-            stream = self._active.get(r.request_id)
-            if stream is None or stream.request is not r:
-                continue
-            if r.is_finished:
-                self._close(stream, self._delta(stream, r.finish_reason.value))
-            elif len(r.output_token_ids) > stream.sent:
-                if not self._send(stream, self._delta(stream, None)):
-                    self._abort(stream)  # nobody is listening any more
+            left = list(self._legs.values())
+        for stream in left:
+            self._detach(stream)
+        await asyncio.get_running_loop().run_in_executor(None, self._loop.stop)
+        for stream in left:  # aborts the stopped loop never ran still end their streams
+            self._close(stream, self._delta(stream, (), "abort"))
 
-    def _delta(self, stream: _Stream, finish: str | None) -> TokenDelta:
-        r = stream.request
-        new = tuple(r.output_token_ids[stream.sent:]) if r is not None else ()
-        stream.sent += len(new)
-        usage = None
-        if finish is not None and r is not None:
-            usage = _usage(r, stream.arrival, stream.started, time.monotonic())
-        return TokenDelta(stream.spec.request_id, new, finish is not None, finish, usage)
+    # ---- loop thread --------------------------------------------------------------------
+    def _publish(self, events: list[WorkerEvent]) -> None:
+        for ev in events:
+            with self._lock:
+                stream = self._legs.get(ev.leg_id)
+            if stream is None or stream.closed:
+                continue
+            f = stream.flight
+            if ev.kind in (EventKind.FIRST_TOKEN, EventKind.TOKENS):
+                f.add_timing(ev.kind, ev.timing)
+                if ev.kind == EventKind.FIRST_TOKEN:
+                    f.first_token_at = time.monotonic()
+                f.generated.extend(ev.token_ids)
+                reason = ev.finish_reason.value if ev.finished else None
+                delta = self._delta(stream, ev.token_ids, reason)
+                if ev.finished:
+                    self._close(stream, delta)
+                elif not self._send(stream, delta):
+                    self._detach(stream)  # nobody is listening any more
+            elif ev.kind == EventKind.FAILED:
+                self._close(stream, RouterError(ErrorCode.INTERNAL, ev.message))
+
+    def _delta(self, stream: _Stream, tokens: tuple[int, ...], finish: str | None) -> TokenDelta:
+        usage = stream.flight.usage() if finish is not None else None
+        return TokenDelta(stream.flight.spec.request_id, tuple(tokens), finish is not None,
+                          finish, usage)
 
     def _send(self, stream: _Stream, item) -> bool:
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.flight.queue.put_nowait, item)
             return True
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
             return False
 
     def _close(self, stream: _Stream, item) -> None:
-        """Deliver the last item of a stream and forget it."""
+        """Deliver the last item of a stream (once) and forget it."""
         self._forget(stream)
-        stream.closed = True
-        self._send(stream, item)
-
-    def _fail_all(self, code: ErrorCode, message: str, finish: str | None = None) -> None:
         with self._lock:
-            streams = list(self._active.values())
-        for stream in streams:
-            rid = stream.spec.request_id
-            if stream.request is not None and not stream.request.is_finished:
-                try:
-                    self.llm.abort(rid)
-                except Exception:
-                    log.exception("abort of %s failed", rid)
-            item = self._delta(stream, finish) if finish else RouterError(code, message)
-            self._close(stream, item)
-
-
-    def _end_detached(self) -> None:
-        """After the loop: a detached stream whose abort never ran still gets its end."""
-        while True:
-            try:
-                kind, arg = self._cmds.get_nowait()
-            except queue.Empty:
+            if stream.closed:
                 return
-            if kind == "abort" and not arg.closed:
-                self._close(arg, self._delta(arg, "abort"))
-
-
-def _usage(r: Request, arrival: float, started: float | None, now: float) -> Usage:
-    """Usage of a finished request; all intervals on this process's monotonic clock."""
-    first = r.first_token_time
-    started = started if started is not None else (first or now)
-    return Usage(
-        prompt_tokens=r.num_prompt_tokens, completion_tokens=len(r.output_token_ids),
-        cached_prompt_tokens=r.prefix_hit_tokens,
-        ttft_s=(first - arrival) if first else 0.0,
-        queue_s=max(0.0, started - arrival),
-        prefill_s=max(0.0, first - started) if first else 0.0,
-        decode_s=(now - first) if first else 0.0,
-        e2e_s=now - arrival,
-    )
+            stream.closed = True
+            self._legs.pop(stream.leg_id, None)
+        self._send(stream, item)

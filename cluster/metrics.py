@@ -136,7 +136,7 @@ async def refresh_loop(router, metrics: ServiceMetrics, interval_s: float = 1.0)
         try:
             stats = await router.stats()
             metrics.update_workers(list(stats.workers))
-            metrics.update_chunk_sizes({w.worker_id: w.stats.get("chunk_sizes") or {}
+            metrics.update_chunk_sizes({w.worker_id: dict(w.chunk_sizes)
                                         for w in getattr(router, "prefill", [])})
         except Exception as e:  # a scrape must never take the server down
             log.debug("metrics refresh failed: %s", e)

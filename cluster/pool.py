@@ -4,11 +4,14 @@ PrefixAffinity: which prefill worker last took a prompt's first block."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from cluster.types import WorkerStats
 from engine.block_manager import block_hashes
+from runtime.actor import WorkerActor
+from runtime.messages import WorkerInfo
+from runtime.stats import EngineStats, PrefillStats
 
 MAX_AFFINITY_KEYS = 1 << 16  # first blocks remembered (they come from clients' prompts)
 
@@ -16,8 +19,8 @@ MAX_AFFINITY_KEYS = 1 << 16  # first blocks remembered (they come from clients' 
 @dataclass
 class WorkerHandle:
     worker_id: str
-    role: str  # "prefill" | "decode"
-    actor: Any  # ray.actor.ActorHandle
+    role: str  # "prefill" | "decode" | "colocated"
+    actor: WorkerActor
     endpoint: str = ""
     num_blocks: int = 0
     block_size: int = 0  # 0: not reported (its KV capacity is then unknown to the router)
@@ -26,11 +29,11 @@ class WorkerHandle:
     restarts: int = 0
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet done
     legs: set[str] = field(default_factory=set)  # leg ids currently on this worker
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: EngineStats | None = None  # the last stats it reported (None: none yet)
 
     @property
     def kv_usage(self) -> float:
-        used = self.stats.get("kv_blocks_used", 0)
+        used = self.stats.kv_blocks_used if self.stats is not None else 0
         return used / self.num_blocks if self.num_blocks else 0.0
 
     @property
@@ -38,23 +41,23 @@ class WorkerHandle:
         """Tokens the whole KV cache holds (None when the worker did not say)."""
         return self.num_blocks * self.block_size if self.block_size else None
 
-    def refresh(self, info: dict[str, Any]) -> None:
-        self.endpoint = info.get("endpoint", "")
-        self.num_blocks = info.get("num_blocks", 0)
-        self.block_size = info.get("block_size", 0)
-        self.node_id = info.get("node_id", "")
+    @property
+    def chunk_sizes(self) -> Mapping[int, int]:
+        """Prefill chunks run so far by size (empty for other roles)."""
+        return self.stats.chunk_sizes if isinstance(self.stats, PrefillStats) else {}
+
+    def refresh(self, info: WorkerInfo) -> None:
+        self.endpoint = info.endpoint
+        self.num_blocks = info.num_blocks
+        self.block_size = info.block_size
+        self.node_id = info.node_id
 
     def to_stats(self) -> WorkerStats:
         """The last stats this worker reported, as the API's WorkerStats."""
-        s = self.stats
-        return WorkerStats(
-            self.worker_id, self.role, self.alive, int(s.get("num_running", 0)),
-            int(s.get("num_waiting", 0)), int(s.get("kv_blocks_used", 0)),
-            int(s.get("kv_blocks_free", 0)), int(s.get("jobs", s.get("num_waiting", 0))),
-            int(s.get("send_queue_depth", 0)),
-            {k: float(v) for k, v in s.items() if isinstance(v, int | float)
-             and not isinstance(v, bool)},
-        )
+        s = self.stats if self.stats is not None else EngineStats(role=self.role)
+        return WorkerStats(self.worker_id, self.role, self.alive, s.num_running, s.num_waiting,
+                           s.kv_blocks_used, s.kv_blocks_free, s.queue_depth,
+                           s.send_queue_depth, s.figures())
 
 
 class PrefixAffinity:

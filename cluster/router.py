@@ -29,32 +29,18 @@ from cluster.admission import DecodeAdmission
 from cluster.flight import Flight, RouterConfig
 from cluster.pool import PrefixAffinity, WorkerHandle
 from cluster.router_events import EventPump
-from cluster.types import (
-    ClusterStats,
-    ErrorCode,
-    GenerateSpec,
-    RouterError,
-    TokenDelta,
-)
-from engine.messages import DecodeTask, PrefillTask
+from cluster.types import ClusterStats, ErrorCode, GenerateSpec, RouterError, TokenDelta
 from engine.request import SamplingParams
+from runtime.messages import DecodeTask, PrefillTask
 
 __all__ = ["Flight", "Router", "RouterConfig"]
 log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(
-        self,
-        prefill: list[WorkerHandle],
-        decode: list[WorkerHandle],
-        config: RouterConfig,
-        tokenizer,
-        vocab_size: int,
-        max_model_len: int,
-        eos_token_ids: tuple[int, ...] = (),
-        metrics=None,
-    ):
+    def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
+                 config: RouterConfig, tokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = (), metrics=None):
         self.prefill, self.decode = prefill, decode
         self.config = config
         self.tokenizer = tokenizer
@@ -200,7 +186,7 @@ class Router:
         try:
             prefill = self._pick_prefill(prompt)
         except RouterError:  # the prefill pool died while we reserved: a new leg waits
-            self._end_leg(flight)  # (grace) for its restart
+            self.end_leg(flight)  # (grace) for its restart
             flight.failures += 1
             await self.dispatch(flight)
             return
@@ -218,9 +204,9 @@ class Router:
             log.warning("prefill %s failed on add: %s", prefill.worker_id, e)
             if flight.leg_id != leg_id or flight.done:
                 return  # already re-dispatched (its decode died) or ended meanwhile
-            self._end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
+            self.end_leg(flight)  # first, so that mark_dead does not re-dispatch it too
             flight.failures += 1
-            self.pump.mark_dead(prefill)
+            self.mark_dead(prefill)
             await self.dispatch(flight)
 
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
@@ -245,6 +231,15 @@ class Router:
             return min(alive, key=lambda w: w.outstanding_tokens)
         return self._affinity.pick(alive, prompt)
 
+    # ---- workers ----------------------------------------------------------------------
+    def mark_dead(self, w: WorkerHandle) -> None:
+        """`w` stopped answering: re-dispatch its legs; the pump re-adopts it once back."""
+        self.pump.mark_dead(w)
+
+    def wake_admission(self) -> None:
+        """Decode capacity may have freed: the head of the admission queue asks again."""
+        self.admission.wake_head()
+
     # ---- leg / flight endings ---------------------------------------------------------
     def abort_on(self, w: WorkerHandle, leg_id: str) -> None:
         """Abort `leg_id` on `w`; the admission queue's head retries once it is done."""
@@ -256,11 +251,11 @@ class Router:
         async def then_wake() -> None:
             with contextlib.suppress(Exception):
                 await ref
-            self.admission.wake_head()
+            self.wake_admission()
 
         self.spawn(then_wake())
 
-    def _end_leg(self, flight: Flight, ended: tuple[WorkerHandle | None, ...] = ()) -> None:
+    def end_leg(self, flight: Flight, ended: tuple[WorkerHandle | None, ...] = ()) -> None:
         """Forget the current leg on both workers. It is aborted on each live worker that
         still holds it, except those in `ended`, which ended their part of it themselves
         (finished, failed or preempted it): a worker is never sent an abort for a leg it
@@ -291,10 +286,10 @@ class Router:
         if flight.done:
             return
         self.release(flight)
-        self._end_leg(flight)
+        self.end_leg(flight)
         flight.queue.put_nowait(err)
 
     def _close_flight(self, flight: Flight) -> None:
         if not flight.done:  # client went away or an error escaped: abort everywhere
             self.release(flight)
-            self._end_leg(flight)
+            self.end_leg(flight)

@@ -13,14 +13,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
+from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
 from cluster.types import ErrorCode, RouterError, TokenDelta, WorkerStats
-from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, PREFILL_DONE, TOKENS, WorkerEvent
-
-if TYPE_CHECKING:
-    from cluster.router import Flight, Router
+from engine.quantiles import percentile
+from runtime.messages import EventKind, WorkerEvent
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 0.05
@@ -30,7 +28,7 @@ REVIVE_INTERVAL_S = 0.5
 
 
 class EventPump:
-    def __init__(self, router: Router):
+    def __init__(self, router: RouterCore):
         self.router = router
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -50,8 +48,7 @@ class EventPump:
             self._gaps.popleft()
         if not self._gaps:
             return 0.0
-        gaps = sorted(g for _, g in self._gaps)
-        return gaps[int(0.9 * (len(gaps) - 1))] / self.router.config.itl_target_s
+        return percentile([g for _, g in self._gaps], 90) / self.router.config.itl_target_s
 
     async def _pressure_loop(self) -> None:
         while not self._stopping:
@@ -112,10 +109,10 @@ class EventPump:
                 continue
             w.refresh(info)
             w.restarts += 1
-            w.stats = {}
+            w.stats = None
             w.alive = True
             log.warning("worker %s is back (restart %d)", w.worker_id, w.restarts)
-            self.router.admission.wake_head()
+            self.router.wake_admission()
             return
 
     async def _pump(self, w: WorkerHandle) -> None:
@@ -135,19 +132,19 @@ class EventPump:
                 try:
                     await self._apply(w, ev)
                 except Exception:
-                    log.exception("event %s of %s failed", ev.kind, ev.request_id)
+                    log.exception("event %s of %s failed", ev.kind, ev.leg_id)
 
     # ---- events -----------------------------------------------------------------------
     async def _apply(self, w: WorkerHandle, ev: WorkerEvent) -> None:
-        flight = self.router.legs.get(ev.request_id)
-        if flight is None or flight.done or flight.leg_id != ev.request_id:
+        flight = self.router.legs.get(ev.leg_id)
+        if flight is None or flight.done or flight.leg_id != ev.leg_id:
             return  # a leg that already ended
         if not _holds(w, flight, ev.kind):
-            log.info("ignored %s of %s from %s: the leg is not on it", ev.kind, ev.request_id,
+            log.info("ignored %s of %s from %s: the leg is not on it", ev.kind, ev.leg_id,
                      w.worker_id)
             return
-        if ev.kind == FIRST_TOKEN:
-            flight.timing.update(ev.timing)
+        if ev.kind == EventKind.FIRST_TOKEN:
+            flight.add_timing(ev.kind, ev.timing)
             if flight.first_token_at is None:
                 flight.first_token_at = time.monotonic()
                 if self.router.metrics:
@@ -160,49 +157,48 @@ class EventPump:
             for src, later in held:
                 if not flight.done:
                     await self._apply(src, later)
-        elif ev.kind == PREFILL_DONE:
-            flight.timing["transfer_s"] = flight.timing.get("transfer_s", 0.0) + ev.timing.get(
-                "transfer_s", 0.0)
+        elif ev.kind == EventKind.PREFILL_DONE:
+            flight.add_timing(ev.kind, ev.timing)
             p = flight.prefill
-            if p is not None and ev.request_id in p.legs and not flight.prefill_done:
+            if p is not None and ev.leg_id in p.legs and not flight.prefill_done:
                 flight.prefill_done = True
                 p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
                 if p is not flight.decode:  # a colocated engine keeps the leg until it ends
-                    p.legs.discard(ev.request_id)
-        elif ev.kind == TOKENS and not flight.leg_first_seen:
+                    p.legs.discard(ev.leg_id)
+        elif ev.kind == EventKind.TOKENS and not flight.leg_first_seen:
             flight.held_tokens.append((w, ev))  # the prefill's first token has not arrived
-        elif ev.kind == TOKENS:
-            flight.timing["decode_s"] = flight.timing.get("decode_s", 0.0) + ev.timing.get(
-                "decode_s", 0.0)
+        elif ev.kind == EventKind.TOKENS:
+            flight.add_timing(ev.kind, ev.timing)
             self._emit(w, flight, ev)
-        elif ev.kind in (PREEMPTED, FAILED):
+        elif ev.kind in (EventKind.PREEMPTED, EventKind.FAILED):
             # a preempted leg that streamed its first token made progress: not a failure
-            progressed = ev.kind == PREEMPTED and flight.leg_first_seen
+            progressed = ev.kind == EventKind.PREEMPTED and flight.leg_first_seen
             self.redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}",
                             failed=not progressed, ended=(w,))  # w let go of it itself
 
     def _emit(self, w: WorkerHandle, flight: Flight, ev: WorkerEvent) -> None:
         flight.generated.extend(ev.token_ids)
         now = time.monotonic()
-        if ev.kind == TOKENS and flight.last_token_at is not None:
+        if ev.kind == EventKind.TOKENS and flight.last_token_at is not None:
             self._gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
-        if self.router.metrics and flight.generated and ev.kind == TOKENS:
+        if self.router.metrics and flight.generated and ev.kind == EventKind.TOKENS:
             self.router.metrics.observe_token(flight)
-        finished = ev.finish_reason is not None
+        finished = ev.finished
         usage = None
         if finished:
             self.router.release(flight)
             # The worker that finished the request ended its part itself, and so did the
             # prefill of a leg that decode finished (decode ran on all of its KV): only a
             # decode reservation left by a request that ended at its first token is aborted.
-            ended = (w,) if ev.kind == FIRST_TOKEN else (w, flight.prefill)
-            self.router._end_leg(flight, ended=ended)
+            ended = (w,) if ev.kind == EventKind.FIRST_TOKEN else (w, flight.prefill)
+            self.router.end_leg(flight, ended=ended)
             usage = flight.usage()
             if self.router.metrics:
                 self.router.metrics.observe_finish(usage)
         flight.queue.put_nowait(TokenDelta(
-            flight.spec.request_id, tuple(ev.token_ids), finished, ev.finish_reason, usage))
+            flight.spec.request_id, tuple(ev.token_ids), finished,
+            ev.finish_reason.value if finished else None, usage))
 
     def redispatch(self, flight: Flight, why: str, *, failed: bool,
                    ended: tuple[WorkerHandle, ...] = ()) -> None:
@@ -211,7 +207,7 @@ class EventPump:
             flight.failures += 1
         else:
             flight.preemptions += 1
-        self.router._end_leg(flight, ended=ended)
+        self.router.end_leg(flight, ended=ended)
         self.router.spawn(self._redispatch(flight, why))
 
     async def _redispatch(self, flight: Flight, why: str) -> None:
@@ -230,7 +226,7 @@ class EventPump:
                 try:
                     w.stats = await asyncio.wait_for(w.actor.stats.remote(), timeout=5)
                 except Exception:
-                    w.stats = {}
+                    w.stats = None
             return w.to_stats()
 
         return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
@@ -245,10 +241,10 @@ class EventPump:
         batches = await asyncio.gather(*(one(w) for w in self.router.workers if w.alive))
         return [e for batch in batches for e in batch]
 
-def _holds(w: WorkerHandle, flight: Flight, kind: str) -> bool:
+def _holds(w: WorkerHandle, flight: Flight, kind: EventKind) -> bool:
     """Does `w` hold the flight's current leg in the role that reports `kind`?"""
-    if kind in (FIRST_TOKEN, PREFILL_DONE):
+    if kind in (EventKind.FIRST_TOKEN, EventKind.PREFILL_DONE):
         return w is flight.prefill
-    if kind in (TOKENS, PREEMPTED):
+    if kind in (EventKind.TOKENS, EventKind.PREEMPTED):
         return w is flight.decode
     return w is flight.prefill or w is flight.decode

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.messages import FAILED, PREEMPTED, TOKENS, DecodeTask, WorkerEvent
+from engine.execute import execute_and_sample
 from engine.model_runner import ModelRunner
 from engine.request import RequestStatus
-from engine.sampler import sample
 from engine.tombstones import Tombstones
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
+from runtime.messages import DecodeTask, EventKind, LegTiming, WorkerEvent
+from runtime.stats import DecodeStats
 
 if TYPE_CHECKING:
     from kv_transfer.faults import FaultInjector
@@ -45,7 +46,7 @@ class DecodeEngine:
         self.scheduler = DecodeScheduler(sched_config, self.bm)
         self.receiver = receiver
         self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
-        self.started: dict[str, float] = {}  # request_id -> monotonic decode start
+        self.started: dict[str, float] = {}  # leg id -> monotonic decode start
         self.aborted_early = Tombstones()
         self.max_len = min(config.scheduler.max_model_len, self.scheduler.max_len)
         self.num_steps = 0
@@ -54,41 +55,46 @@ class DecodeEngine:
 
     # ---- commands -------------------------------------------------------------------
     def reserve(self, task: DecodeTask) -> bool:
-        if self.faults is not None and self.faults.refuse_admission(task.request_id):
+        if self.faults is not None and self.faults.refuse_admission(task.leg_id):
             return False  # as if full: the router tries another worker, then waits
-        if self.aborted_early.claim(task.request_id):
+        if self.aborted_early.claim(task.leg_id):
             return False  # its abort overtook it: the router has already left
         ok = self.scheduler.reserve(task)
         if ok:
-            self.receiver.expect(task.request_id)
+            self.receiver.expect(task.leg_id)
         return ok
 
-    def abort(self, request_id: str) -> bool:
-        """End the request here; an abort for an id not held here is either late (it
-        ended here already: a no-op) or early (it overtook its reserve: a tombstone)."""
-        self.receiver.abort(request_id)
-        if self._end(request_id):
+    def abort(self, leg_id: str) -> bool:
+        """End the leg here; an abort for an id not held here is either late (it ended
+        here already: a no-op) or early (it overtook its reserve: a tombstone)."""
+        self.receiver.abort(leg_id)
+        if self._end(leg_id):
             return True
-        self.aborted_early.bury(request_id)
+        self.aborted_early.bury(leg_id)
         return False
 
-    def _end(self, request_id: str) -> bool:
-        """Forget a request that ended here (any status); its id is free again at once."""
-        self.started.pop(request_id, None)
-        known = self.scheduler.abort(request_id) is not None
+    def fail_all(self, message: str) -> list[WorkerEvent]:
+        """Fail every leg held here (a step failed): free its blocks, drop its frames."""
+        held = list(self.scheduler.pending) + [r.request_id for r in self.scheduler.running]
+        return [e for leg_id in held for e in self._fail(leg_id, message)]
+
+    def _end(self, leg_id: str) -> bool:
+        """Forget a leg that ended here (any status); its id is free again at once."""
+        self.started.pop(leg_id, None)
+        known = self.scheduler.abort(leg_id) is not None
         if known:
-            self.aborted_early.ended(request_id)
+            self.aborted_early.ended(leg_id)
         return known
 
-    def _fail(self, request_id: str, message: str) -> list[WorkerEvent]:
-        """Fail one request (its KV intake went wrong): free it, drop its frames."""
-        self.receiver.abort(request_id)
-        if not self._end(request_id):
+    def _fail(self, leg_id: str, message: str) -> list[WorkerEvent]:
+        """Fail one leg (e.g. its KV intake went wrong): free it, drop its frames."""
+        self.receiver.abort(leg_id)
+        if not self._end(leg_id):
             return []
-        return [WorkerEvent(FAILED, request_id, self.worker_id, message=message)]
+        return [WorkerEvent(EventKind.FAILED, leg_id, self.worker_id, message=message)]
 
-    def keepalive(self, request_ids: list[str]) -> int:
-        return self.scheduler.touch(request_ids, time.monotonic())
+    def keepalive(self, leg_ids: list[str]) -> int:
+        return self.scheduler.touch(leg_ids, time.monotonic())
 
     def headroom_blocks(self) -> int:
         return self.scheduler.promised_free_blocks()
@@ -101,35 +107,30 @@ class DecodeEngine:
         for r in preempted:
             self.started.pop(r.request_id, None)
             self.aborted_early.ended(r.request_id)
-            events.append(WorkerEvent(PREEMPTED, r.request_id, self.worker_id,
+            events.append(WorkerEvent(EventKind.PREEMPTED, r.request_id, self.worker_id,
                                       message="decode worker out of KV blocks"))
         self.last_step_ran = bool(items)
         if not items:
             return events
         t0, wall0 = time.monotonic(), time.time()
-        ids, logits = self.runner.execute([i.to_chunk() for i in items])
-        by_id = {i.request.request_id: i.request for i in items}
-        reqs = [by_id[rid] for rid in ids]  # the rows in execute()'s order
-        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        sampled = execute_and_sample(self.runner, items)
         now = time.monotonic()
-        for r, tok in zip(reqs, tokens, strict=True):
+        for r, tok in sampled:
             r.num_cached_tokens += 1
             r.append_token(tok)
             if not r.is_finished and r.num_tokens >= self.max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
-            timing = {}
+            timing = LegTiming()
             if r.is_finished:
                 self.scheduler.finish(r)
                 self.aborted_early.ended(r.request_id)
-                timing["decode_s"] = now - self.started.pop(r.request_id, now)
-            events.append(WorkerEvent(
-                TOKENS, r.request_id, self.worker_id, (tok,),
-                finish_reason=r.finish_reason.value if r.is_finished else None, timing=timing,
-            ))
+                timing = LegTiming(decode_s=now - self.started.pop(r.request_id, now))
+            events.append(WorkerEvent(EventKind.TOKENS, r.request_id, self.worker_id, (tok,),
+                                      finish_reason=r.finish_reason, timing=timing))
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:
-            for r in reqs:
+            for r, _ in sampled:
                 self.tracer.record(r.request_id, "decode_step", wall0, wall0 + (now - t0),
                                    worker=self.worker_id, past_kv_tokens=r.num_cached_tokens - 1,
                                    batch_num_seqs=len(items), batch_num_tokens=len(items),
@@ -207,14 +208,19 @@ class DecodeEngine:
     def has_work(self) -> bool:
         return bool(self.scheduler.pending or self.scheduler.running)
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.pending),
-            "kv_blocks_used": self.bm.num_used_blocks,
-            "kv_blocks_free": self.bm.num_free_blocks,
-            "kv_blocks_promisable": self.scheduler.promised_free_blocks(),
-            "kv_cache_usage_perc": self.bm.usage,
-            "num_steps": self.num_steps,
-            "mean_step_s": self.step_seconds / max(1, self.num_steps),
-        }
+    def stats(self) -> DecodeStats:
+        rx = self.receiver.stats()
+        return DecodeStats(
+            role="decode",
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.pending),
+            kv_blocks_used=self.bm.num_used_blocks,
+            kv_blocks_free=self.bm.num_free_blocks,
+            num_steps=self.num_steps,
+            mean_step_s=self.step_seconds / max(1, self.num_steps),
+            kv_blocks_promisable=self.scheduler.promised_free_blocks(),
+            kv_cache_usage_perc=self.bm.usage,
+            kv_checksum_failures=int(rx.get("checksum_failures", 0)),
+            kv_duplicate_frames=int(rx.get("duplicates", 0)),
+            kv_rx_active_requests=int(rx.get("active_requests", 0)),
+        )

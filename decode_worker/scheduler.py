@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
-from engine.messages import DecodeTask
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledItem
+from runtime.messages import DecodeTask
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class DecodeScheduler:
 
     def reserve(self, task: DecodeTask) -> bool:
         """Admit a request if its prompt + headroom fits the unpromised free blocks."""
-        if task.request_id in self.pending or self.find_running(task.request_id):
-            raise ValueError(f"request_id {task.request_id!r} is already on this worker")
+        if task.leg_id in self.pending or self.find_running(task.leg_id):
+            raise ValueError(f"leg {task.leg_id!r} is already on this worker")
         if self.bm.blocks_for(task.prompt_len + 1) > self.bm.num_blocks:
             raise ValueError(
                 f"prompt of {task.prompt_len} tokens cannot fit this decode worker's KV cache "
@@ -82,11 +82,11 @@ class DecodeScheduler:
         promise = max(self.bm.blocks_for(task.prompt_len), self.bm.blocks_for(tokens))
         if promise > self.promised_free_blocks():
             return False
-        req = Request(task.request_id, [0] * task.prompt_len, task.sampling,
+        req = Request(task.leg_id, [0] * task.prompt_len, task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant,
                       status=RequestStatus.WAITING_FOR_KV)
-        self.pending[task.request_id] = Pending(req, time.monotonic(), ranges=set())
-        self.promises[task.request_id] = promise
+        self.pending[task.leg_id] = Pending(req, time.monotonic(), ranges=set())
+        self.promises[task.leg_id] = promise
         return True
 
     def find_running(self, request_id: str) -> Request | None:

@@ -10,10 +10,10 @@ from engine.block_manager import BlockManager
 from engine.chat import render_chat
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.device import local_device
+from engine.execute import execute_and_sample
 from engine.loader import load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
-from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.validation import validate_prompt
 
@@ -62,7 +62,7 @@ class LLM:
         blocks, by default `kv_cache_memory_bytes` on CPU and, on a GPU, what the loaded
         weights leave of `gpu_memory_utilization x gpu_share` of its memory."""
         model = load_model_config(model_dir)
-        self.config = EngineConfig(
+        config = EngineConfig(
             model_dir=str(model_dir),
             model=model,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_bytes, enable_prefix_caching,
@@ -73,23 +73,36 @@ class LLM:
             ),
             device=str(local_device(device)), dtype=dtype, attention_backend=attention_backend,
         )
-        self.runner = ModelRunner(self.config, num_blocks)
-        n_blocks = self.runner.num_blocks
+        self._start(config, max_model_len_given=max_model_len is not None)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """The engine of a ready EngineConfig (its device resolved, e.g. by a worker). A
+        max_model_len other than the model's own is an explicit limit (see `_start`)."""
+        llm = cls.__new__(cls)
+        given = config.scheduler.max_model_len != config.model.max_position_embeddings
+        llm._start(config, max_model_len_given=given)
+        return llm
+
+    def _start(self, config: EngineConfig, *, max_model_len_given: bool) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, config.cache.num_blocks)
+        n_blocks, block_size = self.runner.num_blocks, config.cache.block_size
         capacity = n_blocks * block_size
-        if self.config.scheduler.max_model_len > capacity:
+        if config.scheduler.max_model_len > capacity:
             # A sequence longer than the whole KV pool could never be scheduled (it would
             # wait, or be preempted, forever): refuse an explicit limit, clamp the default.
-            if max_model_len is not None:
+            if max_model_len_given:
                 raise ValueError(
-                    f"max_model_len ({max_model_len}) is larger than the KV cache holds "
-                    f"({n_blocks} blocks x {block_size} = {capacity} tokens)"
+                    f"max_model_len ({config.scheduler.max_model_len}) is larger than the KV "
+                    f"cache holds ({n_blocks} blocks x {block_size} = {capacity} tokens)"
                 )
             self.config = replace(
-                self.config, scheduler=replace(self.config.scheduler, max_model_len=capacity)
+                config, scheduler=replace(config.scheduler, max_model_len=capacity)
             )
             self.runner.config = self.config
-        self.tokenizer = load_tokenizer(model_dir)
-        self.block_manager = BlockManager(n_blocks, block_size, enable_prefix_caching)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.block_manager = BlockManager(n_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -128,11 +141,9 @@ class LLM:
         out = self.scheduler.schedule()
         if not out.items:
             return []
-        ids, logits = self.runner.execute(out.chunks())
-        reqs = [self._requests[i] for i in ids]
-        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        sampled = execute_and_sample(self.runner, out.items)
         self.num_steps += 1
-        touched = self.scheduler.update(out, dict(zip(ids, tokens, strict=True)))
+        touched = self.scheduler.update(out, {r.request_id: tok for r, tok in sampled})
         for r in touched:
             if r.is_finished:
                 self._requests.pop(r.request_id, None)

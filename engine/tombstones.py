@@ -1,4 +1,6 @@
-"""Tombstones: ids aborted before they were known here.
+"""Tombstones: ids aborted before they were known here, kept in RecentIds: the one
+bounded "recently seen ids" set (ids come from clients: past its capacity the oldest id
+is forgotten), meant for kv_transfer's closed- and dead-request sets too.
 
 Worker actors run commands on several threads, so an abort sent after an add can run
 first; the late add must then be dropped, not started as an orphan nobody will end.
@@ -18,38 +20,65 @@ the orphan would only hold resources until its KV wait times out.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class RecentIds(Generic[T]):
+    """Ids seen recently, oldest first, each with an optional note (any value); bounded."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._ids: OrderedDict[str, T] = OrderedDict()  # oldest first
+
+    def add(self, id_: str, note: T = "") -> None:  # type: ignore[assignment]
+        """Remember `id_` (as the newest), forgetting the oldest beyond capacity."""
+        self._ids[id_] = note
+        self._ids.move_to_end(id_)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def pop(self, id_: str) -> bool:
+        """Forget `id_`; True if it was remembered."""
+        return self._ids.pop(id_, None) is not None
+
+    def note(self, id_: str) -> T | None:
+        """The note of a remembered id; None when it is not remembered."""
+        return self._ids.get(id_)
+
+    def __contains__(self, id_: object) -> bool:
+        return id_ in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Tombstones:
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()  # aborted before they arrived
-        self._ended: OrderedDict[str, None] = OrderedDict()  # ended here recently
-
-    @staticmethod
-    def _remember(ids: OrderedDict[str, None], request_id: str, capacity: int) -> None:
-        ids[request_id] = None
-        ids.move_to_end(request_id)
-        while len(ids) > capacity:
-            ids.popitem(last=False)
+        self._buried = RecentIds(capacity)  # aborted before they arrived
+        self._ended = RecentIds(capacity)  # ended here recently
 
     def ended(self, request_id: str) -> None:
         """`request_id` ended on this worker (any status): a later abort of it is late."""
-        self._remember(self._ended, request_id, self.capacity)
+        self._ended.add(request_id)
 
     def bury(self, request_id: str) -> bool:
         """An abort for an id this worker does not hold. Leaves a tombstone (True) unless
         the id ended here recently: then the abort is late and the id stays free."""
         if request_id in self._ended:
             return False  # late (possibly repeated) abort: the id stays ended, not buried
-        self._remember(self._ids, request_id, self.capacity)
+        self._buried.add(request_id)
         return True
 
     def claim(self, request_id: str) -> bool:
         """An add/reserve arrives: True (and forgets it) when its abort overtook it.
         Otherwise the id starts a new request here, so it no longer counts as ended."""
-        self._ended.pop(request_id, None)
-        return self._ids.pop(request_id, 0) is None
+        self._ended.pop(request_id)
+        return self._buried.pop(request_id)
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._buried)

@@ -238,7 +238,7 @@ class FaultyTransport(LinkTransport):
                 if "delay" in kinds:
                     self._wait(kinds["delay"].delay_s)
             if "drop" in kinds:  # lost on the way; the sender believes it was delivered
-                self._events.on_acks([Ack(*p.key, AckStatus.OK)])
+                self._events.on_acks([Ack(*p.key, AckStatus.OK, "", p.tx)])
                 continue
             copies = [p, p] if "duplicate" in kinds else [p]
             if "corrupt" in kinds and p.nbytes:

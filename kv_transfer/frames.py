@@ -5,7 +5,9 @@ leading dim of ``[layers, 2, tokens, heads, dim]`` keeps each piece a contiguous
 (zero copy). Only when a single layer is still too big are token sub-ranges copied out.
 
 A frame is identified by ``(request_id, seq_no, part)``; ``num_parts`` lets the receiver
-know when chunk ``seq_no`` is complete.
+know when chunk ``seq_no`` is complete. ``tx`` numbers the frames a sender queues (one
+counter per sender, increasing), and every ack echoes it: a frame's credit is matched to
+that one transmission, never to an older frame that reused its request id and key.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Piece:
     chunk: KVChunk
     part: int
     num_parts: int
+    tx: int = 0
 
     @property
     def key(self) -> FrameKey:
@@ -37,10 +40,14 @@ class Piece:
 
 
 class AckStatus(IntEnum):
+    """Every transmission gets exactly one ack that returns its credit (OK, DROPPED or
+    FAILED); a copy of a transmission the receiver already holds or acked gets DUPLICATE,
+    which carries no credit."""
+
     OK = 0  # the owner released the frame
-    DROPPED = 1  # discarded: request aborted/unknown/already failed on the receiver
+    DROPPED = 1  # discarded: request aborted/unknown/already failed or completed
     FAILED = 2  # the frame was bad (e.g. checksum mismatch); the request failed
-    DUPLICATE = 3  # a second copy; the first copy's ack carries the credit
+    DUPLICATE = 3  # a copy of the same transmission; the original's ack carries the credit
 
 
 class Ack(NamedTuple):
@@ -49,6 +56,7 @@ class Ack(NamedTuple):
     part: int
     status: int
     reason: str = ""
+    tx: int = 0  # the transmission this ack answers (``Piece.tx``)
 
     @property
     def key(self) -> FrameKey:

@@ -21,13 +21,20 @@ tiny ``{"k": "poll"}`` calls (backing off 1 -> 20 ms) that only fetch acks, and 
 requests are active it polls at least every ``failure_timeout_s / 3`` as a heartbeat.
 A call that raises (actor died) or stays unanswered for ``failure_timeout_s`` fails the
 link; the receiver fails a sender's incomplete requests after that long without a call.
+
+Links: every message names its sender and its link (one per connection, so a sender that
+reconnects to the same actor opens a new link). The actor runs several calls at once, so
+an old link's closing "bye" may run after the first frames of its successor: it closes
+only its own link, never the requests streaming on the new one.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +53,8 @@ from kv_transfer.wire import FrameHeader, WireError, header_for
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02
+_link_ids = itertools.count(1)
+_MAX_GONE = 4096  # closed links remembered, so their late calls do not reopen them
 
 
 class _RayRxLink(RxLink):
@@ -75,7 +84,8 @@ class RayReceiver(InboxReceiver):
         if not endpoint:
             raise ValueError("RayReceiver needs endpoint= (the actor name senders resolve)")
         self._endpoint = endpoint
-        self._links: dict[str, _RayRxLink] = {}
+        self._links: dict[tuple[str, int], _RayRxLink] = {}  # (sender id, link id) -> link
+        self._gone: OrderedDict[tuple[str, int], None] = OrderedDict()  # closed links
 
     @property
     def endpoint(self) -> str:
@@ -86,12 +96,19 @@ class RayReceiver(InboxReceiver):
         sender = msg.get("sender") if isinstance(msg, dict) else None
         if not isinstance(sender, str):
             raise WireError("kv_deliver message without a 'sender' id")
+        lid = msg.get("link", 0)
+        if type(lid) is not int:
+            raise WireError(f"kv_deliver message with a bad 'link' id {lid!r}")
+        kind, key = msg.get("k"), (sender, lid)
         with self._lock:
-            link = self._links.get(sender)
+            link = self._links.get(key)
             if link is None:
-                link = self._links[sender] = _RayRxLink(sender)
+                if kind == "bye" or key in self._gone:
+                    # a late call of a closed link: its sender has given up on it
+                    self._counters["frames_discarded"] += kind == "kv"
+                    return []
+                link = self._links[key] = _RayRxLink(f"{sender}/{lid}")
             link.last_seen = time.monotonic()
-        kind = msg.get("k")
         if kind == "kv":
             header = FrameHeader.from_wire(msg.get("h") if isinstance(msg.get("h"), dict) else {})
             if not (isinstance(payload, np.ndarray) and payload.dtype == np.uint8
@@ -100,7 +117,7 @@ class RayReceiver(InboxReceiver):
             self._accept(link, header, header.tensor_from(torch.from_numpy(payload)))
         elif kind == "bye":
             with self._lock:
-                self._links.pop(sender, None)
+                self._forget_link_locked(key)
             self._link_closed(link, "sender closed")
         elif kind != "poll":
             raise WireError(f"unknown kv_deliver message kind {kind!r}")
@@ -113,11 +130,17 @@ class RayReceiver(InboxReceiver):
             dead = [lk for lk in self._links.values()
                     if now - lk.last_seen > self.cfg.failure_timeout_s
                     and any(st.link is lk for st in self._requests.values())]
-            for lk in dead:
-                self._links.pop(lk.name, None)
+            for k in [k for k, lk in self._links.items() if lk in dead]:
+                self._forget_link_locked(k)
         for lk in dead:
             self._link_closed(lk, f"sender silent for {self.cfg.failure_timeout_s:g}s")
         return super().poll()
+
+    def _forget_link_locked(self, key: tuple[str, int]) -> None:
+        self._links.pop(key, None)
+        self._gone[key] = None
+        if len(self._gone) > _MAX_GONE:
+            self._gone.popitem(last=False)
 
     def close(self) -> None:
         self._close_inbox()
@@ -137,6 +160,7 @@ class RayTransport(LinkTransport):
                  resolver: Callable[[str], Any]) -> None:
         self._dest, self._events, self._cfg = dest, events, cfg
         self._sid = sender_id
+        self._lid = next(_link_ids)  # this connection; a reconnect gets a new one
         self._resolver = resolver
         self._actor: Any = None
         self._cond = threading.Condition()
@@ -151,7 +175,7 @@ class RayTransport(LinkTransport):
         self._collector.start()
 
     def _call(self, msg: dict[str, Any], payload: Any = None) -> None:
-        msg["sender"] = self._sid
+        msg["sender"], msg["link"] = self._sid, self._lid
         ref = self._actor.kv_deliver.remote(msg, payload)
         with self._cond:
             self._pending[ref] = time.monotonic()
@@ -220,7 +244,8 @@ class RayTransport(LinkTransport):
             self._cond.notify_all()
         if self._actor is not None:
             try:  # best effort: lets the receiver drop this sender's state now
-                self._actor.kv_deliver.remote({"k": "bye", "sender": self._sid}, None)
+                self._actor.kv_deliver.remote({"k": "bye", "sender": self._sid,
+                                               "link": self._lid}, None)
             except Exception:
                 pass
 

@@ -8,30 +8,48 @@ call into the sender synchronously, e.g. inproc).
 
 Completion: per request, seq_no runs 0..final and each chunk arrives as ``num_parts``
 frames; the request is complete when every part of every seq up to the final one is in.
+
+Credit: every transmission (``FrameHeader.tx``) gets exactly one ack that returns its
+credit: OK on release, DROPPED or FAILED when discarded. DUPLICATE (no credit) only goes
+to a copy of a transmission already taken on the same link, whose own ack carries the
+credit; a *different* frame for a request that already completed here (a sender reusing
+the id) is DROPPED, so its credit comes back and the sender learns why.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from engine.tombstones import RecentIds
 from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, AckStatus
 from kv_transfer.wire import ChecksumError, FrameHeader, verify
 
 _MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
+_link_uids = itertools.count(1)
 
 
 class RxLink(ABC):
     """The receiving end of one sender's link: where acks for its frames go."""
 
     name: str = "?"
+    closed: bool = False  # set by ``_link_closed``: frames still arriving on it are dropped
+    _uid: int = 0
+
+    @property
+    def uid(self) -> int:
+        """A number no other link of this process has (ids of dead objects get reused)."""
+        if not self._uid:
+            self._uid = next(_link_uids)
+        return self._uid
 
     @abstractmethod
     def send_acks(self, acks: list[Ack]) -> None:
@@ -42,8 +60,17 @@ class RxLink(ABC):
 class _RxRequest:
     link: RxLink
     parts_left: dict[int, int] = field(default_factory=dict)  # seq -> parts still missing
-    seen: set[tuple[int, int]] = field(default_factory=set)  # (seq, part)
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (seq, part) -> tx
     final_seq: int | None = None
+
+
+class _Closed(NamedTuple):
+    """Why a request id is closed; for a completed one, the link and the highest
+    transmission it took, which tell a late copy from a new frame reusing the id."""
+
+    why: str
+    link_uid: int = 0
+    max_tx: int = -1
 
 
 class InboxReceiver(KVReceiver):
@@ -56,7 +83,7 @@ class InboxReceiver(KVReceiver):
         self._requests: dict[str, _RxRequest] = {}
         # rid -> {(seq, layer_start, token_start): (link, ack key, nbytes)} awaiting release
         self._unreleased: dict[str, dict[tuple[int, int, int], tuple[RxLink, Ack, int]]] = {}
-        self._closed_rids: OrderedDict[str, str] = OrderedDict()  # rid -> why
+        self._closed_rids: RecentIds[_Closed] = RecentIds(_MAX_CLOSED)
         self._expected: set[str] = set()
         self._closed = False
         self._counters = dict.fromkeys(
@@ -111,45 +138,55 @@ class InboxReceiver(KVReceiver):
                 digest: int | None = None) -> None:
         """Take one decoded frame from ``link`` (any thread). Verifies the checksum
         (``digest``: the payload's checksum when the transport hashed it on the fly)."""
-        rid, key = header.request_id, (header.seq_no, header.part)
+        rid, key, tx = header.request_id, (header.seq_no, header.part), header.tx
         try:
             verify(header, payload, digest)
         except ChecksumError as e:
             with self._lock:
                 self._counters["checksum_failures"] += 1
-                acks = [(link, Ack(rid, header.seq_no, header.part, AckStatus.FAILED, str(e)))]
+                acks = [(link, Ack(rid, *key, AckStatus.FAILED, str(e), tx))]
                 if rid not in self._closed_rids:
                     acks += self._close_request_locked(rid, str(e), AckStatus.FAILED, report=str(e))
             self._flush(acks)
             return
         with self._lock:
-            why = self._discard_reason_locked(rid, link)
-            st = self._requests.get(rid)
-            # after completion every (seq, part) up to the final one is in: a copy
-            if (why is None and st is not None and key in st.seen) or (
-                self._closed_rids.get(rid) == "completed"
-            ):
+            if self._is_copy_locked(rid, key, tx, link):
                 self._counters["duplicates"] += 1
-                ack = Ack(rid, header.seq_no, header.part, AckStatus.DUPLICATE, "duplicate")
-            elif why is not None:
+                ack = Ack(rid, *key, AckStatus.DUPLICATE, "duplicate", tx)
+            elif (why := self._discard_reason_locked(rid, key, link)) is not None:
                 self._counters["frames_discarded"] += 1
-                ack = Ack(rid, header.seq_no, header.part, AckStatus.DROPPED, why)
+                ack = Ack(rid, *key, AckStatus.DROPPED, why, tx)
             else:
                 ack = None
                 self._store_locked(link, header, payload)
         if ack is not None:
             link.send_acks([ack])
 
-    def _discard_reason_locked(self, rid: str, link: RxLink) -> str | None:
+    def _is_copy_locked(self, rid: str, key: tuple[int, int], tx: int, link: RxLink) -> bool:
+        """A second copy of a transmission this receiver already took from ``link``."""
+        st = self._requests.get(rid)
+        if st is not None:
+            return st.link is link and st.seen.get(key) == tx
+        closed = self._closed_rids.note(rid)
+        # a completed request took every frame; the sender numbers frames in queue order,
+        # so a frame it queued later (the id reused) has a higher tx than all of them
+        return (closed is not None and closed.why == "completed"
+                and closed.link_uid == link.uid and tx <= closed.max_tx)
+
+    def _discard_reason_locked(self, rid: str, key: tuple[int, int], link: RxLink) -> str | None:
         if self._closed:
             return "receiver closed"
+        if link.closed:
+            return f"link {link.name} closed"
         if rid in self._closed_rids:
-            return f"request {self._closed_rids[rid]}"
+            return f"request {self._closed_rids.note(rid).why}"
         st = self._requests.get(rid)
         if st is None and self.cfg.require_expect and rid not in self._expected:
             return "unknown request (not expected)"
         if st is not None and st.link is not link:
             return f"request already streaming on link {st.link.name}"
+        if st is not None and key in st.seen:
+            return f"frame {key} of the request arrived twice as different transmissions"
         return None
 
     def _store_locked(self, link: RxLink, h: FrameHeader, payload: torch.Tensor) -> None:
@@ -157,7 +194,7 @@ class InboxReceiver(KVReceiver):
         if st is None:
             st = self._requests[h.request_id] = _RxRequest(link)
             self._expected.discard(h.request_id)
-        st.seen.add((h.seq_no, h.part))
+        st.seen[(h.seq_no, h.part)] = h.tx
         st.parts_left[h.seq_no] = st.parts_left.get(h.seq_no, h.num_parts) - 1
         if h.is_final:
             st.final_seq = h.seq_no
@@ -166,20 +203,21 @@ class InboxReceiver(KVReceiver):
         self._inbox.append(chunk)
         self._arrived.notify_all()
         self._unreleased.setdefault(h.request_id, {})[(h.seq_no, h.layer_start, h.token_start)] = (
-            link, Ack(h.request_id, h.seq_no, h.part, AckStatus.OK), payload.nbytes)
+            link, Ack(h.request_id, h.seq_no, h.part, AckStatus.OK, "", h.tx), payload.nbytes)
         self._counters["frames_received"] += 1
         self._counters["bytes_received"] += payload.nbytes
         if st.final_seq is not None and all(
             st.parts_left.get(s, 1) == 0 for s in range(st.final_seq + 1)
         ):
             del self._requests[h.request_id]
-            self._remember_closed(h.request_id, "completed")
+            self._remember_closed(h.request_id, _Closed("completed", link.uid, max(st.seen.values())))
             self._events.completed.append(h.request_id)
             self._counters["requests_completed"] += 1
 
     def _link_closed(self, link: RxLink, reason: str) -> None:
         """The link is gone: its incomplete requests fail, its unreleased credit is void."""
         with self._lock:
+            link.closed = True
             self._counters["link_drops"] += 1
             for rid in [r for r, st in self._requests.items() if st.link is link]:
                 self._close_request_locked(rid, "failed", None,
@@ -194,7 +232,7 @@ class InboxReceiver(KVReceiver):
                               report: str | None) -> list[tuple[RxLink, Ack]]:
         """Forget ``rid``: drop its undelivered chunks, void or ack its credit."""
         self._requests.pop(rid, None)
-        self._remember_closed(rid, why if report is None else "failed")
+        self._remember_closed(rid, _Closed(why if report is None else "failed"))
         if any(c.request_id == rid for c in self._inbox):
             self._inbox = deque(c for c in self._inbox if c.request_id != rid)
         entries = self._unreleased.pop(rid, {})
@@ -214,10 +252,8 @@ class InboxReceiver(KVReceiver):
         for link, batch in by_link.values():
             link.send_acks(batch)
 
-    def _remember_closed(self, rid: str, why: str) -> None:
-        self._closed_rids[rid] = why
-        if len(self._closed_rids) > _MAX_CLOSED:
-            self._closed_rids.popitem(last=False)
+    def _remember_closed(self, rid: str, closed: _Closed) -> None:
+        self._closed_rids.add(rid, closed)
 
     def _close_inbox(self) -> None:
         with self._lock:

@@ -9,12 +9,14 @@ are always called *outside* it, so a transport's callback can never deadlock wit
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
+from engine.tombstones import RecentIds
 from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, AckStatus, Piece, split_chunk
@@ -37,7 +39,7 @@ class _Link:
         self.stats = stats
         self.sched = LinkScheduler(sender.cfg)
         self.cond = threading.Condition(sender._lock)
-        self.inflight: dict[tuple, QueuedFrame] = {}
+        self.inflight: dict[int, QueuedFrame] = {}  # Piece.tx -> frame awaiting its ack
         self.failed: str | None = None
         self.transport: LinkTransport | None = None
         self.thread: threading.Thread | None = None
@@ -70,9 +72,10 @@ class ThreadedSender(KVSender):
         self._link_stats: dict[str, LinkStats] = {}
         self._requests: dict[str, RequestStats] = {}
         self._pending: dict[str, tuple[int, bool, set[int]]] = {}  # rid -> (frames out, final queued, seqs)
-        self._dead: OrderedDict[str, None] = OrderedDict()
+        self._dead: RecentIds[str] = RecentIds(_MAX_DEAD)
         self._events = SendEvents()
         self._records: deque[FrameRecord] = deque(maxlen=_MAX_RECORDS)
+        self._tx = itertools.count(1)  # transmission numbers (Piece.tx), under the lock
         self._closed = False
         self._totals = {"requests_finished": 0, "requests_failed": 0, "link_failures": 0}
 
@@ -99,6 +102,7 @@ class ThreadedSender(KVSender):
             seqs.add(chunk.seq_no)
             link = self._links.get(dest) or self._open_link(dest)
             for i, p in enumerate(pieces):
+                p = replace(p, tx=next(self._tx))
                 qf = QueuedFrame(rid, chunk.tenant, p.nbytes, now, item=p, key=p.key)
                 last = chunk.is_final and i == len(pieces) - 1
                 link.sched.enqueue(qf, completes_request=last)
@@ -202,7 +206,7 @@ class ThreadedSender(KVSender):
                         break  # heartbeat
                     link.cond.wait(min(wait, hb) if wait is not None else hb)
                 for f in batch:
-                    link.inflight[f.key] = f
+                    link.inflight[f.item.tx] = f
             t0 = self._clock()
             try:
                 if batch:
@@ -232,10 +236,11 @@ class ThreadedSender(KVSender):
         with self._lock:
             for a in acks:
                 if a.status == AckStatus.DUPLICATE:
-                    continue  # the first copy's ack returns the credit
-                f = link.inflight.pop(a.key, None)
-                if f is None:
+                    continue  # a copy of a transmission: the original's ack carries the credit
+                f = link.inflight.get(a.tx)
+                if f is None or f.key != a.key:
                     continue  # stale (link already failed) or unknown
+                del link.inflight[a.tx]
                 link.sched.on_ack(f.nbytes)
                 link.stats.bytes_acked += f.nbytes
                 if a.request_id not in self._requests:
@@ -287,6 +292,4 @@ class ThreadedSender(KVSender):
                 pass
 
     def _mark_dead(self, rid: str) -> None:
-        self._dead[rid] = None
-        if len(self._dead) > _MAX_DEAD:
-            self._dead.popitem(last=False)
+        self._dead.add(rid)

@@ -8,8 +8,10 @@
 Both sides contribute a fresh nonce, so a recorded exchange cannot be replayed, and the
 two proofs use different labels, so one side's proof is never a valid answer for the
 other (no reflection). Proofs are compared with ``hmac.compare_digest``. Before the
-handshake the reader only accepts tiny control frames, so an unauthenticated peer
-cannot make the receiver allocate payload buffers. The secret is never logged.
+handshake the reader only accepts tiny control frames into a tiny buffer, so an
+unauthenticated peer cannot make the receiver allocate payload buffers, and the receiver
+gives the whole handshake one deadline (``DeadlineSocket``): a peer dripping a byte at a
+time cannot hold a connection open. The secret is never logged.
 """
 
 from __future__ import annotations
@@ -18,12 +20,37 @@ import hashlib
 import hmac
 import os
 import socket
+import time
 from typing import Any
 
 from kv_transfer.wire import FrameReader, WireError, encode_control
 
 NONCE_BYTES = 32
 HANDSHAKE_FRAME_LIMIT = 1024  # bytes of a whole handshake frame (no payload allowed)
+
+
+class DeadlineSocket:
+    """The two socket calls a handshake makes, each bounded by what is left of one
+    overall deadline (a per-call timeout would restart with every byte received)."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self._sock = sock
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"handshake not finished within {self._timeout_s:g}s")
+        self._sock.settimeout(left)
+
+    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        self._arm()
+        return self._sock.recv_into(buf, nbytes)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        self._sock.sendall(data)
 
 
 class AuthError(Exception):
@@ -53,13 +80,14 @@ def _nonce(msg: dict[str, Any], key: str) -> bytes:
     return v
 
 
-def handshake_reader(sock: socket.socket) -> FrameReader:
-    """A reader limited to handshake-sized frames; raise its limits once authenticated."""
+def handshake_reader(sock: socket.socket | DeadlineSocket) -> FrameReader:
+    """A reader limited to handshake-sized frames, with a buffer of that size; raise its
+    limits (and ``rebind`` it to a bigger buffer) once authenticated."""
     return FrameReader(sock.recv_into, max_frame_bytes=HANDSHAKE_FRAME_LIMIT,
-                       max_header_bytes=HANDSHAKE_FRAME_LIMIT)
+                       max_header_bytes=HANDSHAKE_FRAME_LIMIT, buffer_bytes=HANDSHAKE_FRAME_LIMIT)
 
 
-def client_handshake(sock: socket.socket, reader: FrameReader, secret: bytes,
+def client_handshake(sock: socket.socket | DeadlineSocket, reader: FrameReader, secret: bytes,
                      sender_id: str) -> None:
     """Sender side: prove we know ``secret`` and check that the receiver does too."""
     nc = os.urandom(NONCE_BYTES)
@@ -73,7 +101,7 @@ def client_handshake(sock: socket.socket, reader: FrameReader, secret: bytes,
     _expect(reader, "welcome")
 
 
-def server_handshake(sock: socket.socket, reader: FrameReader, secret: bytes) -> str:
+def server_handshake(sock: socket.socket | DeadlineSocket, reader: FrameReader, secret: bytes) -> str:
     """Receiver side: returns the sender's id once it proved it knows ``secret``."""
     hello = _expect(reader, "hello")
     nc = _nonce(hello, "nc")

@@ -75,8 +75,8 @@ def parse_acks(control: dict) -> list[Ack]:
         raise WireError("ack message without an 'a' list")
     acks = []
     for it in items:
-        if not (isinstance(it, list) and len(it) == 5 and isinstance(it[0], str)
-                and all(type(x) is int for x in it[1:4]) and isinstance(it[4], str)):
+        if not (isinstance(it, list) and len(it) == 6 and isinstance(it[0], str)
+                and all(type(x) is int for x in (*it[1:4], it[5])) and isinstance(it[4], str)):
             raise WireError(f"malformed ack entry {it!r}")
         acks.append(Ack(*it))
     return acks
@@ -110,6 +110,7 @@ class TcpTransport(LinkTransport):
         reader = handshake_reader(sock)
         client_handshake(sock, reader, cfg.secret, self._sender_id)
         reader.max_frame_bytes = reader.max_header_bytes = _CONTROL_LIMIT
+        reader.rebind(sock.recv_into, buffer_bytes=_CONTROL_LIMIT)
         self._reader = threading.Thread(target=self._read_acks, args=(reader,), daemon=True,
                                         name=f"kv-acks<-{self._dest}")
         self._reader.start()

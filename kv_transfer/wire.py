@@ -5,7 +5,7 @@
            6   u32 header length  (<= MAX_HEADER_BYTES)
            10  u64 payload length (preamble + header + payload <= max_frame_bytes)
            18  msgpack header: {"k": "kv", rid, seq, part, np, ts, te, ls, le, dt, sh,
-                                fin, ft, ten, cs, ca}  or a control message {"k": ...}
+                                fin, ft, ten, cs, ca, tx}  or a control message {"k": ...}
            ..  payload bytes, layout [layers, 2(K,V), tokens, kv_heads, head_dim]
 
 Decoding never trusts a size: every limit is checked before anything is allocated and
@@ -109,6 +109,7 @@ def header_for(piece: Piece, checksum_algo: str = "crc32") -> FrameHeader:
         dtype=FrameHeader.dtype_name(c.payload.dtype), shape=tuple(c.payload.shape),
         is_final=c.is_final, first_token=c.first_token, tenant=c.tenant,
         checksum=checksum(checksum_algo, payload_view(c.payload)), checksum_algo=checksum_algo,
+        tx=piece.tx,
     )
 
 
@@ -235,6 +236,15 @@ class FrameReader:
 
     def set_alloc(self, alloc: Any) -> None:
         self._alloc = alloc
+
+    def rebind(self, recv_into: Any, *, buffer_bytes: int) -> None:
+        """Read through ``recv_into`` from now on, with a read buffer of ``buffer_bytes``
+        (e.g. a handshake's small, deadline-bound reader turned into a link's reader);
+        bytes already buffered are kept."""
+        pending = bytes(self._buf[self._lo : self._hi])
+        buf = memoryview(bytearray(max(buffer_bytes, len(pending))))
+        buf[: len(pending)] = pending
+        self._recv_into, self._buf, self._lo, self._hi = recv_into, buf, 0, len(pending)
 
     def _fill(self, dst: memoryview, what: str, at_boundary: bool = False,
               hasher: Any = None) -> bool:

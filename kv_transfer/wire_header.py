@@ -59,6 +59,7 @@ class FrameHeader:
     tenant: str
     checksum: int
     checksum_algo: str
+    tx: int = 0  # the sender's transmission number, echoed by the ack
 
     @staticmethod
     def dtype_name(dtype: torch.dtype) -> str:
@@ -87,6 +88,7 @@ class FrameHeader:
             "ls": self.layer_start, "le": self.layer_end, "dt": self.dtype,
             "sh": list(self.shape), "fin": self.is_final, "ft": self.first_token,
             "ten": self.tenant, "cs": self.checksum, "ca": self.checksum_algo,
+            "tx": self.tx,
         }
 
     @classmethod
@@ -114,7 +116,7 @@ class FrameHeader:
             num_parts=_int(d, "np", 1), token_start=_int(d, "ts"), token_end=_int(d, "te"),
             layer_start=_int(d, "ls"), layer_end=_int(d, "le"), dtype=dt, shape=tuple(sh),
             is_final=fin, first_token=ft, tenant=_str(d, "ten", 256),
-            checksum=_int(d, "cs", 0, 0xFFFFFFFFFFFFFFFF), checksum_algo=ca,
+            checksum=_int(d, "cs", 0, 0xFFFFFFFFFFFFFFFF), checksum_algo=ca, tx=_int(d, "tx"),
         )
         if h.part >= h.num_parts:
             raise WireError(f"header part {h.part} not below num_parts {h.num_parts}")

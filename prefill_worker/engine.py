@@ -8,19 +8,20 @@ when a prompt completes, and reports events for the router.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.messages import FAILED, FIRST_TOKEN, PREFILL_DONE, PrefillTask, WorkerEvent
+from engine.execute import execute_and_sample
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
-from engine.sampler import sample
 from engine.tombstones import Tombstones
 from engine.tracing import TraceRecorder
 from engine.validation import validate_prompt
 from kv_transfer.base import KVChunk, KVSender
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent
+from runtime.stats import PrefillStats
 
 
 @dataclass
@@ -31,7 +32,6 @@ class _Job:
     seq_no: int = 0
     first_scheduled: float | None = None
     prefill_end: float | None = None
-    timing: dict[str, float] = field(default_factory=dict)
 
 
 class PrefillEngine:
@@ -52,7 +52,7 @@ class PrefillEngine:
         self.scheduler = PrefillScheduler(sched_config, self.bm)
         self.sender = sender
         self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, _Job] = {}  # by leg id
         self.num_steps = 0
         self.last_step_ran = False
         self.chunk_sizes: dict[int, int] = {}  # chunk size -> chunks run (cumulative)
@@ -64,30 +64,40 @@ class PrefillEngine:
         """Queue a prompt; bad input raises ValueError and queues nothing."""
         validate_prompt(task.prompt_token_ids, self.config.model.vocab_size,
                         self.config.scheduler.max_model_len)
-        if task.request_id in self.jobs:
-            raise ValueError(f"request_id {task.request_id!r} is already active")
-        if self.aborted_early.claim(task.request_id):
+        if task.leg_id in self.jobs:
+            raise ValueError(f"leg {task.leg_id!r} is already active")
+        if self.aborted_early.claim(task.leg_id):
             return  # its abort overtook it: the router has already ended this leg
-        req = Request(task.request_id, list(task.prompt_token_ids), task.sampling,
+        req = Request(task.leg_id, list(task.prompt_token_ids), task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
-        self.scheduler.add(req, task.ttft_deadline_s)  # ValueError if it can never fit
-        self.jobs[task.request_id] = _Job(task, req, time.monotonic())
+        # ValueError if it can never fit
+        self.scheduler.add(req, task.ttft_deadline_s, task.priority)
+        self.jobs[task.leg_id] = _Job(task, req, time.monotonic())
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, leg_id: str) -> bool:
         """End the job here; an abort for an id not held here is either late (it ended
         here already: a no-op) or early (it overtook its add: a tombstone)."""
-        job = self._end(request_id)
+        job = self._end(leg_id)
         if job is None:
-            self.aborted_early.bury(request_id)
-        self.scheduler.abort(request_id)
-        self.sender.abort(request_id)
+            self.aborted_early.bury(leg_id)
+        self.scheduler.abort(leg_id)
+        self.sender.abort(leg_id)
         return job is not None
 
-    def _end(self, request_id: str) -> _Job | None:
+    def fail_all(self, message: str) -> list[WorkerEvent]:
+        """End every job (a step failed): free its blocks, drop its queued KV."""
+        events = []
+        for leg_id in list(self.jobs):
+            self.abort(leg_id)
+            events.append(WorkerEvent(EventKind.FAILED, leg_id, self.worker_id,
+                                      message=message))
+        return events
+
+    def _end(self, leg_id: str) -> _Job | None:
         """Forget a job that ended here (any status); its id is free again at once."""
-        job = self.jobs.pop(request_id, None)
+        job = self.jobs.pop(leg_id, None)
         if job is not None:
-            self.aborted_early.ended(request_id)
+            self.aborted_early.ended(leg_id)
         return job
 
     # ---- the step -----------------------------------------------------------------------
@@ -102,14 +112,9 @@ class PrefillEngine:
             job = self.jobs[item.request.request_id]
             if job.first_scheduled is None:
                 job.first_scheduled = t0
-        ids, logits = self.runner.execute([i.to_chunk() for i in items])
+        # only a prompt's last chunk samples: its first token
+        firsts = {r.request_id: tok for r, tok in execute_and_sample(self.runner, items)}
         self.scheduler.advance(items)
-        # execute() returns its sampled rows in its own order (1-token chunks first)
-        finishing = {i.request.request_id: i.request for i in items if i.completes_prefill}
-        done = [finishing[rid] for rid in ids]
-        firsts = dict(zip(ids, sample(
-            logits, [r.sampling_params for r in done], [r.generator for r in done]
-        ), strict=True)) if done else {}
         compute_s = time.monotonic() - t0  # the trace span: compute only, not KV export
         for item in items:
             events += self._ship(item, firsts.get(item.request.request_id))
@@ -142,11 +147,9 @@ class PrefillEngine:
             return []
         now = time.monotonic()
         job.prefill_end = now
-        job.timing.update(
-            queue_s=(job.first_scheduled or now) - job.arrival,
-            prefill_s=now - (job.first_scheduled or now),
-            cached_tokens=float(r.prefix_hit_tokens),
-        )
+        timing = LegTiming(queue_s=(job.first_scheduled or now) - job.arrival,
+                           prefill_s=now - (job.first_scheduled or now),
+                           cached_tokens=r.prefix_hit_tokens)
         r.append_token(first_token)
         ended = r.is_finished  # e.g. EOS or max_tokens == 1: the decode side is not needed
         if ended:
@@ -156,15 +159,14 @@ class PrefillEngine:
             self._send(job, item.start, item.start + item.num_tokens, final=True,
                        first_token=first_token)
         self.scheduler.finish(r, r.status if ended else RequestStatus.RUNNING)
-        return [WorkerEvent(
-            FIRST_TOKEN, r.request_id, self.worker_id, (first_token,),
-            finish_reason=r.finish_reason.value if ended else None, timing=dict(job.timing),
-        )]
+        return [WorkerEvent(EventKind.FIRST_TOKEN, r.request_id, self.worker_id,
+                            (first_token,), finish_reason=r.finish_reason if ended else None,
+                            timing=timing)]
 
     def _send(self, job: _Job, start: int, end: int, final: bool,
               first_token: int | None = None) -> None:
         payload = self.runner.kv.export_tokens(job.request.block_ids, start, end)
-        chunk = KVChunk(job.task.request_id, job.seq_no, start, end, payload, is_final=final,
+        chunk = KVChunk(job.task.leg_id, job.seq_no, start, end, payload, is_final=final,
                         first_token=first_token, tenant=job.task.tenant)
         job.seq_no += 1
         self.sender.send(chunk, dest=job.task.decode_endpoint)
@@ -172,16 +174,16 @@ class PrefillEngine:
     def _poll_sender(self) -> list[WorkerEvent]:
         ev = self.sender.poll()
         out: list[WorkerEvent] = []
-        for rid in ev.finished:
-            job = self._end(rid)
+        for leg_id in ev.finished:
+            job = self._end(leg_id)
             if job is not None:
                 end = job.prefill_end or time.monotonic()
-                out.append(WorkerEvent(PREFILL_DONE, rid, self.worker_id,
-                                       timing={"transfer_s": time.monotonic() - end}))
-        for rid, reason in ev.failed:
-            if self._end(rid) is not None:
-                self.scheduler.abort(rid)
-                out.append(WorkerEvent(FAILED, rid, self.worker_id,
+                out.append(WorkerEvent(EventKind.PREFILL_DONE, leg_id, self.worker_id,
+                                       timing=LegTiming(transfer_s=time.monotonic() - end)))
+        for leg_id, reason in ev.failed:
+            if self._end(leg_id) is not None:
+                self.scheduler.abort(leg_id)
+                out.append(WorkerEvent(EventKind.FAILED, leg_id, self.worker_id,
                                        message=f"KV transfer failed: {reason}"))
         for rec in ev.records:
             self.tracer.record(request_id=rec.request_id, phase="kv_send",
@@ -195,25 +197,26 @@ class PrefillEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self.jobs)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> PrefillStats:
         kv = self.sender.stats()
-        return {
-            "chunk_sizes": dict(self.chunk_sizes),
-            "kv_bytes_sent": float(kv.get("bytes_sent", 0)),
-            "kv_frames_sent": float(kv.get("frames_sent", 0)),
-            "kv_send_queue_s": float(kv.get("queue_wait_s", 0.0)),
-            "kv_transfer_s": float(kv.get("transfer_s", 0.0)),
-            "kv_inflight_bytes": float(kv.get("inflight_bytes", 0)),
-            "kv_queued_bytes": float(kv.get("queued_bytes", 0)),
-            "kv_send_failures": float(kv.get("failures", 0)),
-            "send_queue_depth": float(kv.get("active_requests", 0)),
-            "num_running": len(self.scheduler.active),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": self.bm.num_used_blocks,
-            "kv_blocks_free": self.bm.num_free_blocks,
-            "outstanding_prefill_tokens": self.scheduler.num_outstanding_tokens,
-            "jobs": len(self.jobs),
-            "chunk_cap": self.scheduler.chunk_policy.cap,
-            "num_steps": self.num_steps,
-            "mean_step_s": self.step_seconds / max(1, self.num_steps),
-        }
+        return PrefillStats(
+            role="prefill",
+            num_running=len(self.scheduler.active),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.bm.num_used_blocks,
+            kv_blocks_free=self.bm.num_free_blocks,
+            num_steps=self.num_steps,
+            mean_step_s=self.step_seconds / max(1, self.num_steps),
+            send_queue_depth=int(kv.get("active_requests", 0)),
+            jobs=len(self.jobs),
+            outstanding_prefill_tokens=self.scheduler.num_outstanding_tokens,
+            chunk_cap=self.scheduler.chunk_policy.cap,
+            chunk_sizes=dict(self.chunk_sizes),
+            kv_bytes_sent=float(kv.get("bytes_sent", 0)),
+            kv_frames_sent=float(kv.get("frames_sent", 0)),
+            kv_send_queue_s=float(kv.get("queue_wait_s", 0.0)),
+            kv_transfer_s=float(kv.get("transfer_s", 0.0)),
+            kv_inflight_bytes=float(kv.get("inflight_bytes", 0)),
+            kv_queued_bytes=float(kv.get("queued_bytes", 0)),
+            kv_send_failures=float(kv.get("failures", 0)),
+        )

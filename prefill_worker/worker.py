@@ -2,43 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
-from cluster.faults import worker_fault_injector
-from cluster.worker_base import ACTOR_CONCURRENCY, WorkerBase
-from cluster.worker_runtime import WorkerLoop
-from cluster.worker_spec import WorkerSpec, connector_kwargs, prefill_sched_config
-from engine.messages import PrefillTask
+from kv_transfer.registry import make_sender
+from prefill_worker.engine import PrefillEngine
+from prefill_worker.scheduler import PrefillSchedulerConfig
+from runtime.messages import PrefillTask
+from runtime.spec import WorkerSpec
+from runtime.worker import ACTOR_CONCURRENCY, WorkerBase
 
 
 class PrefillWorker(WorkerBase):
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec[PrefillSchedulerConfig]):
         super().__init__(spec)
-        from kv_transfer.config import TransferConfig
-        from kv_transfer.registry import make_sender
-        from prefill_worker.engine import PrefillEngine
-
-        self.sender = make_sender(TransferConfig(**spec.transfer), **connector_kwargs(spec))
-        self.faults = worker_fault_injector(spec)  # None unless a test sets a fault plan
+        self.sender = make_sender(spec.transfer, **spec.connector_kwargs())
         if self.faults is not None and self.faults.has_kv_faults:
             self.sender.wrap_transports(self.faults.wrap_transport)
-        self.engine = PrefillEngine(spec.worker_id, self.cfg, prefill_sched_config(spec),
-                                    self.sender, self.num_blocks, self.tracer)
-        self.loop = WorkerLoop(self.engine)
+        self.start(PrefillEngine(spec.worker_id, self.cfg, spec.scheduler, self.sender,
+                                 self.num_blocks, self.tracer))
 
     def add(self, task: PrefillTask) -> None:
         self.loop.call(lambda: self.engine.add(task))
 
     def set_decode_pressure(self, pressure: float) -> None:
         self.loop.call(lambda: self.engine.scheduler.chunk_policy.observe_decode_pressure(pressure))
-
-    def stats(self) -> dict[str, Any]:
-        s = super().stats()
-        if self.faults is not None:
-            s.update(self.faults.stats())
-        return s
 
     def shutdown(self) -> None:
         super().shutdown()

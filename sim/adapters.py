@@ -1,23 +1,21 @@
 """The simulator's one window into pdserve's internals (schedulers, BlockManager, link
-scheduler, config derivation, router constants, engine bookkeeping).
+scheduler, the worker configs of cluster/worker_specs.py, router constants, engine
+bookkeeping).
 
 Every other sim/ module imports pdserve code only through this file (besides bench's
 workload, metrics and trace helpers, and sim/cli.py reading `serve`'s flags from
 cluster/config_cli.py at parser-build time, where this module's torch import would make
-`pdserve --help` slow), so when those internals move (the worker runtime to
-``runtime/``, request ids below the router to ``leg_id``, registries as the source of
-names) the imports are fixed here alone. Where
-the simulator must reproduce what a Ray-bound or torch-bound component does (the
-launcher's worker sizing, the decode engine's KV intake), the mirror lives here, next to
+`pdserve --help` slow), so when those internals move the imports are fixed here alone.
+Where the simulator must reproduce what a Ray-bound or torch-bound component does (the
+launcher's router config, the decode engine's KV intake), the mirror lives here, next to
 the name of the function it mirrors.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -35,19 +33,21 @@ from cluster.routing_policies import (
     default_placement,
     make_placement,
 )
-from cluster.worker_runtime import WorkerLoop
+from cluster.worker_specs import decode_config, engine_config, prefill_config, transfer_config
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.memory import num_kv_blocks
-from engine.messages import DecodeTask
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import ScheduledItem
 from engine.tracing import TraceEvent
 from kv_transfer.config import TransferConfig
 from kv_transfer.link_scheduler import LinkScheduler
 from kv_transfer.send_queue import QueuedFrame
+from prefill_worker.policies import CHUNK_POLICIES
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from runtime.loop import WorkerLoop
+from runtime.messages import DecodeTask
 
 __all__ = [
     "ADMISSION_RETRY_S", "BUCKET_NAMES", "DECODE_ORDERS", "IDLE_WAIT_S", "PREFILL_PLACEMENTS",
@@ -60,7 +60,7 @@ __all__ = [
     "take_kv_piece", "weight_bytes",
 ]
 
-# The worker loop's nap while it waits on I/O (cluster/worker_runtime.py WorkerLoop).
+# The worker loop's nap while it waits on I/O (runtime/loop.py WorkerLoop).
 IDLE_WAIT_S: float = inspect.signature(WorkerLoop.__init__).parameters["idle_wait_s"].default
 SIM_TOKEN = 1  # the id of every simulated output token (outputs run to max_tokens)
 ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -110,55 +110,39 @@ class WorkerPlan:
 
 def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
                  gpu_memory_bytes: float | None) -> WorkerPlan:
-    """What cluster/launcher.py worker_specs + cluster/worker_spec.py engine_config give
-    each worker for ``cfg``; ``gpu_memory_bytes`` None sizes KV as on a CPU."""
-    c, s, t = cfg.cache, cfg.scheduler, cfg.transfer
+    """What cluster/worker_specs.py gives each worker and cluster/launcher.py the router
+    for ``cfg`` (the same functions; the model and dtype from the calibration);
+    ``gpu_memory_bytes`` None sizes KV as on a CPU."""
+    c, s = cfg.cache, cfg.scheduler
+    device = "cuda" if gpu_memory_bytes else "cpu"
+    cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, device=device))
     model = model_config(shape)
-    max_len = cfg.model.max_model_len or model.max_position_embeddings
     kvb = kv_bytes_per_token(shape, dtype)
 
-    def blocks(block_size: int, prefix: bool) -> int:
-        ecfg = EngineConfig(
-            model_dir="<simulated>", model=model,
-            cache=CacheConfig(block_size, c.num_blocks, c.kv_cache_memory_bytes, prefix,
-                              c.gpu_memory_utilization, 1.0),
-            scheduler=SchedulerConfig(max_num_batched_tokens=s.max_num_batched_tokens,
-                                      max_num_seqs=s.max_num_seqs, max_model_len=max_len),
-            device="cuda" if gpu_memory_bytes else "cpu", dtype=dtype)
+    def blocks(role: str) -> tuple[int, int, bool]:
+        ecfg = engine_config(cfg, "<simulated>", role, 1.0, model)
         if not gpu_memory_bytes or c.num_blocks is not None:
-            return num_kv_blocks(ecfg)
-        total = int(gpu_memory_bytes)
-        return num_kv_blocks(ecfg, memory=(total, total, 0),
-                             pending_bytes=weight_bytes(shape, dtype))
+            n = num_kv_blocks(ecfg)
+        else:
+            total = int(gpu_memory_bytes)
+            n = num_kv_blocks(ecfg, memory=(total, total, 0),
+                              pending_bytes=weight_bytes(shape, dtype))
+        return n, ecfg.cache.block_size, ecfg.cache.enable_prefix_caching
 
-    pbs, dbs = c.effective_prefill_block_size, c.effective_decode_block_size
-    chunk = min(s.max_prefill_chunk, s.max_num_batched_tokens)  # launcher.credit_window_bytes
-    window = max(int(t.credit_window_mb * (1 << 20)), math.ceil(t.credit_window_chunks * chunk * kvb))
-    transfer = TransferConfig(  # launcher._transfer_kwargs, without the socket details
-        connector=t.connector, send_policy=t.send_policy,
-        rate_bytes_per_s=(t.rate_gbps or 0.0) * 1e9 / 8,
-        link_rate_bytes_per_s=(t.link_gbps or 0.0) * 1e9 / 8,
-        burst_bytes=int(t.burst_mb * (1 << 20)), credit_window_bytes=window,
-        max_frame_bytes=max(64 << 10, min(64 << 20, window)), queue_discipline=t.send_queue,
-        tenant_weights=dict(s.tenant_weights or {}), failure_timeout_s=t.failure_timeout_s,
-        secret=b"s" * 32)
-    router = RouterConfig(  # launcher.build_disaggregated_router
+    (pn, pbs, prefix), (dn, dbs, _) = blocks("prefill"), blocks("decode")
+    max_len = engine_config(cfg, "<simulated>", "decode", 1.0, model).scheduler.max_model_len
+    router = RouterConfig(  # cluster/launcher.py build_disaggregated_router
         max_queue_len=cfg.limits.max_queue_len, request_timeout_s=cfg.limits.request_timeout_s,
         prefix_affinity=c.enable_prefix_caching, affinity_block_size=pbs,
         unavailable_grace_s=cfg.limits.restart_grace_s,
-        adaptive_chunks=s.chunk_policy == "adaptive", itl_target_s=s.itl_target_ms / 1000)
+        adaptive_chunks=CHUNK_POLICIES.get(s.chunk_policy).uses_decode_pressure,
+        itl_target_s=s.itl_target_ms / 1000)
     return WorkerPlan(
-        prefill=PrefillSchedulerConfig(
-            max_num_batched_tokens=s.max_num_batched_tokens, max_chunk=s.max_prefill_chunk,
-            max_num_seqs=s.max_num_seqs, fairness=s.fairness_policy,
-            chunk_policy=s.chunk_policy, aging_s=s.aging_s,
-            tenant_weights=dict(s.tenant_weights or {})),
-        decode=DecodeSchedulerConfig(max_num_seqs=s.max_num_seqs, max_model_len=max_len,
-                                     kv_wait_timeout_s=cfg.limits.kv_wait_timeout_s),
-        prefill_blocks=blocks(pbs, c.enable_prefix_caching), decode_blocks=blocks(dbs, False),
-        prefill_block_size=pbs, decode_block_size=dbs, prefix_caching=c.enable_prefix_caching,
-        transfer=transfer, router=router, max_model_len=max_len,
-        num_layers=shape["num_layers"], kv_bytes_per_token=kvb)
+        prefill=prefill_config(cfg), decode=decode_config(cfg, max_len),
+        prefill_blocks=pn, decode_blocks=dn, prefill_block_size=pbs, decode_block_size=dbs,
+        prefix_caching=prefix, transfer=transfer_config(cfg, model, b"s" * 32),
+        router=router, max_model_len=max_len, num_layers=shape["num_layers"],
+        kv_bytes_per_token=kvb)
 
 
 def prefill_request(leg_id: str, tokens: list[int], max_tokens: int, tenant: str) -> Request:
@@ -234,12 +218,12 @@ def engine_tools():
 
     from decode_worker.engine import DecodeEngine
     from engine.loader import load_model_config
-    from engine.messages import PrefillTask
     from engine.model_runner import ModelRunner, SeqChunk
     from engine.sampler import sample
     from kv_transfer.base import KVChunk
     from kv_transfer.registry import make_receiver, make_sender
     from prefill_worker.engine import PrefillEngine
+    from runtime.messages import PrefillTask
 
     return SimpleNamespace(
         DecodeEngine=DecodeEngine, PrefillEngine=PrefillEngine, ModelRunner=ModelRunner,

@@ -83,7 +83,7 @@ ASSUMPTIONS: dict[str, float] = {
     "decode_step_fixed_s": 5e-4, "decode_step_per_item_s": 1e-5,
     "rpc_s": 5e-4,  # one Ray actor call, one way
     "client_s": 0.0,  # an in-process client (the studies' inproc transport)
-    "idle_wait_s": 0.002,  # the worker loop's nap (cluster/worker_runtime.py)
+    "idle_wait_s": 0.002,  # the worker loop's nap (runtime/loop.py)
 }
 ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -45,7 +45,7 @@ def simulate(args: argparse.Namespace, duration: float, stepping: str) -> dict:
     from sim.adapters import ServeConfig
     from sim.analytic import analytic_calibration
     from sim.cluster import Simulation
-    from sim.costs import load_costs
+    from sim.cost_loader import load_costs
     from sim.options import SimOptions
 
     costs = load_costs(analytic_calibration(args.profile, args.model_shape))

@@ -165,7 +165,7 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
     log("  sampling, KV copies and step overheads done")
     links = {c: measure_link(m, c, g.link_tokens) for c in connectors}
     sources = {"control.client_s": f"assumed: --client-ms {client_ms:g}",
-               "control.idle_wait_s": "code constant: cluster/worker_runtime.py WorkerLoop"}
+               "control.idle_wait_s": "code constant: runtime/loop.py WorkerLoop"}
     if rpc_ms is None:
         log("  measuring Ray actor call latency ...")
         rpc_s = measure_rpc()

@@ -71,7 +71,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 def load_cost_model(args: argparse.Namespace):
     from sim.analytic import analytic_calibration
     from sim.calibration import Calibration
-    from sim.costs import load_costs
+    from sim.cost_loader import load_costs
 
     if args.calibration:
         return load_costs(Calibration.load(args.calibration))

@@ -263,11 +263,3 @@ class TableCosts(CostModel):
         self.link(limits.link)
         _ = self.rpc_s, self.client_s, self.idle_wait_s
 
-
-def load_costs(cal: Calibration) -> CostModel:
-    """The cost model a calibration file describes (measured tables or analytic)."""
-    if cal.kind != "analytic":
-        return TableCosts(cal)
-    from sim.analytic import RooflineCosts
-
-    return RooflineCosts(cal)

@@ -85,8 +85,8 @@ class SimDecode(SimWorker):
         super().command(fn, *args)
 
     def reserve(self, task: DecodeTask, reply) -> None:
-        if task.request_id in self._aborted_early:
-            self._aborted_early.discard(task.request_id)
+        if task.leg_id in self._aborted_early:
+            self._aborted_early.discard(task.leg_id)
             reply(False, None)
             return
         try:

@@ -85,7 +85,7 @@ def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, 
     rx = T.make_receiver(tcfg, name=f"cal-ovh-{next(_ids)}")
     tx = T.make_sender(tcfg, name="cal-ovh-tx")
     pre = T.PrefillEngine("cal-prefill", cfg, T.PrefillSchedulerConfig(
-        max_num_batched_tokens=max(items) * 8, max_chunk=8, max_num_seqs=max(items)),
+        max_num_batched_tokens=max(items) * 8, max_prefill_chunk=8, max_num_seqs=max(items)),
         tx, m.num_blocks)
     dec = T.DecodeEngine("cal-decode", cfg, T.DecodeSchedulerConfig(
         max_num_seqs=max(items), max_model_len=m.max_len), rx, m.num_blocks)

@@ -1,4 +1,4 @@
-"""A simulated worker loop: cluster/worker_runtime.py WorkerLoop on the simulated clock.
+"""A simulated worker loop: runtime/loop.py WorkerLoop on the simulated clock.
 
 The real loop runs ``engine.step()`` back to back while steps run the model; between
 steps it executes the commands that arrived (add, reserve, abort). A step that ran

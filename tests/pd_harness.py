@@ -9,19 +9,12 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.loader import load_model_config
-from engine.messages import (
-    FAILED,
-    FIRST_TOKEN,
-    PREEMPTED,
-    TOKENS,
-    DecodeTask,
-    PrefillTask,
-)
 from engine.request import SamplingParams
 from kv_transfer.config import TransferConfig
 from kv_transfer.registry import make_receiver, make_sender
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillSchedulerConfig
+from runtime.messages import DecodeTask, EventKind, PrefillTask
 
 _ids = itertools.count()
 
@@ -42,8 +35,8 @@ class PDPair:
         self.sender = make_sender(tcfg, name=f"p{n}")
         self.prefill = PrefillEngine(
             "prefill-0", engine_cfg(model_dir, p_block),
-            PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=chunk,
-                                   fairness=fairness),
+            PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk,
+                                   fairness_policy=fairness),
             self.sender, p_blocks)
         self.decode = DecodeEngine(
             "decode-0", engine_cfg(model_dir, d_block),
@@ -64,14 +57,14 @@ class PDPair:
     def step(self) -> None:
         for ev in self.prefill.step() + self.decode.step():
             self.events.append(ev)
-            if ev.kind in (FIRST_TOKEN, TOKENS):
-                self.outputs[ev.request_id].extend(ev.token_ids)
+            if ev.kind in (EventKind.FIRST_TOKEN, EventKind.TOKENS):
+                self.outputs[ev.leg_id].extend(ev.token_ids)
                 if ev.finish_reason:
-                    self.finished[ev.request_id] = ev.finish_reason
-                    if ev.kind == FIRST_TOKEN:
-                        self.decode.abort(ev.request_id)
-            elif ev.kind in (FAILED, PREEMPTED):
-                self.finished[ev.request_id] = ev.kind
+                    self.finished[ev.leg_id] = ev.finish_reason
+                    if ev.kind == EventKind.FIRST_TOKEN:
+                        self.decode.abort(ev.leg_id)
+            elif ev.kind in (EventKind.FAILED, EventKind.PREEMPTED):
+                self.finished[ev.leg_id] = ev.kind
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):

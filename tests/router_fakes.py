@@ -14,7 +14,9 @@ import asyncio
 
 from cluster.pool import WorkerHandle
 from cluster.router import Router, RouterConfig
-from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, PREFILL_DONE, TOKENS, WorkerEvent
+from engine.request import FinishReason
+from runtime.messages import EventKind, WorkerEvent, WorkerInfo
+from runtime.stats import EngineStats
 
 
 class _Method:
@@ -46,8 +48,8 @@ class FakeActor:
         return _Method(getattr(self, f"_{name}"))
 
     async def _ready(self):
-        return {"endpoint": f"fake://{self.worker_id}", "num_blocks": 100,
-                "block_size": self.block_size}
+        return WorkerInfo(self.worker_id, "fake", num_blocks=100, block_size=self.block_size,
+                          endpoint=f"fake://{self.worker_id}")
 
     async def _poll(self, timeout):
         self.polls += 1
@@ -57,33 +59,33 @@ class FakeActor:
             return []
 
     async def _reserve(self, task):
-        self.calls.append(("reserve", task.request_id))
+        self.calls.append(("reserve", task.leg_id))
         if self.on_reserve:
             await self.on_reserve(task)
         if self.block_size and task.prompt_len + 1 > 100 * self.block_size:
             raise ValueError(f"prompt of {task.prompt_len} tokens cannot fit this decode "
                              "worker's KV cache")
-        if task.request_id in self.tombstones:
-            self.tombstones.discard(task.request_id)
+        if task.leg_id in self.tombstones:
+            self.tombstones.discard(task.leg_id)
             return False
         if self.slots is not None and len(self.held) >= self.slots:
             return False
         used = sum(self.sizes.get(leg, 0) for leg in self.held)
         if self.budget is not None and used + task.prompt_len > self.budget:
             return False
-        self.held.add(task.request_id)
-        self.sizes[task.request_id] = task.prompt_len
+        self.held.add(task.leg_id)
+        self.sizes[task.leg_id] = task.prompt_len
         return True
 
     async def _add(self, task):
-        self.calls.append(("add", task.request_id))
+        self.calls.append(("add", task.leg_id))
         if self.on_add:
             await self.on_add(task)
-        if task.request_id in self.tombstones:  # its abort overtook it: dropped
-            self.tombstones.discard(task.request_id)
+        if task.leg_id in self.tombstones:  # its abort overtook it: dropped
+            self.tombstones.discard(task.leg_id)
             return
-        if task.request_id not in self.ended:  # a hook may have served it already
-            self.held.add(task.request_id)
+        if task.leg_id not in self.ended:  # a hook may have served it already
+            self.held.add(task.leg_id)
 
     async def _keepalive(self, request_ids):
         self.calls.append(("keepalive", tuple(request_ids)))
@@ -98,17 +100,18 @@ class FakeActor:
         return False
 
     async def _stats(self):
-        return {}
+        return EngineStats(role="fake", num_running=len(self.held))
 
     # ---- the worker side, scripted by tests ---------------------------------------
-    def emit(self, kind: str, leg_id: str, tokens: tuple[int, ...] = (),
+    def emit(self, kind: EventKind, leg_id: str, tokens: tuple[int, ...] = (),
              finish_reason: str | None = None, message: str = "") -> None:
         """Report an event; one that ends the leg here frees what it held."""
-        if kind in (PREFILL_DONE, PREEMPTED, FAILED) or finish_reason is not None:
+        if kind in (EventKind.PREFILL_DONE, EventKind.PREEMPTED, EventKind.FAILED) or finish_reason is not None:
             self.held.discard(leg_id)
             self.ended.add(leg_id)
+        reason = FinishReason(finish_reason) if finish_reason is not None else None
         self.events.put_nowait(WorkerEvent(kind, leg_id, self.worker_id, tokens,
-                                           finish_reason=finish_reason, message=message))
+                                           finish_reason=reason, message=message))
 
     def calls_of(self, name: str) -> list:
         return [arg for call, arg in self.calls if call == name]
@@ -121,8 +124,8 @@ def make_router(decode_slots: int | None = None, n_decode: int = 1, block_size: 
                            FakeActor(f"decode-{i}", decode_slots, block_size))
               for i in range(n_decode)]
     for w in decode:
-        w.refresh({"num_blocks": 100, "block_size": block_size,
-                   "endpoint": f"fake://{w.worker_id}"})
+        w.refresh(WorkerInfo(w.worker_id, "decode", num_blocks=100, block_size=block_size,
+                             endpoint=f"fake://{w.worker_id}"))
     router = Router([prefill], decode, RouterConfig(**cfg), tokenizer=None,
                     vocab_size=100, max_model_len=1000)
     return router, prefill, decode
@@ -132,10 +135,10 @@ def serve_leg(prefill: WorkerHandle, decode: WorkerHandle, leg_id: str,
               tokens: tuple[int, ...] = (7, 8)) -> None:
     """What the two workers report for a served leg: first token, prefill done, the rest
     of the tokens from decode (the last one finishes the request)."""
-    prefill.actor.emit(FIRST_TOKEN, leg_id, tokens[:1])
-    prefill.actor.emit(PREFILL_DONE, leg_id)
+    prefill.actor.emit(EventKind.FIRST_TOKEN, leg_id, tokens[:1])
+    prefill.actor.emit(EventKind.PREFILL_DONE, leg_id)
     if len(tokens) > 1:
-        decode.actor.emit(TOKENS, leg_id, tokens[1:], finish_reason="length")
+        decode.actor.emit(EventKind.TOKENS, leg_id, tokens[1:], finish_reason="length")
 
 
 async def until(cond, what: str, bound_s: float = 10.0) -> None:

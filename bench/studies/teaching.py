@@ -79,7 +79,7 @@ def run(ctx: StudyContext) -> StudyResult:
     result.update(t.run_colocated(ctx.model_dir, spec))
     result["disagg"] = disagg_run(ctx, spec)
     result["crossover"] = t.crossover(ctx.model_dir, (spec.long_prompt, 1024), spec.chunk)
-    claims = t.claims(result)
+    claims, seen = t.claims(result), t.observations(result)
     configs, rows = {}, []
     for mode in ("whole", "chunked", "disagg"):
         r = result[mode]
@@ -97,10 +97,11 @@ def run(ctx: StudyContext) -> StudyResult:
         f"prefill ({spec.chunk}-token chunks) on an in-process colocated engine (best of "
         f"{spec.repeats} runs), (c) the 1P+1D service. All numbers come from the traces.",
         COLUMNS, rows, configs,
-        extra={"spec": result["spec"], "claims": claims, "crossover": result["crossover"],
-               "side_by_side": table.splitlines()})
-    res.notes += [f"{'OK ' if ok else ('n/a' if ok is None else 'NO ')}  {c}"
-                  for c, ok in claims.items()]
+        extra={"spec": result["spec"], "claims": claims, "observations": seen,
+               "crossover": result["crossover"], "side_by_side": table.splitlines()})
+    mark = lambda ok: "OK " if ok else ("n/a" if ok is None else "NO ")  # noqa: E731
+    res.notes += [f"{mark(ok)}  {c}" for c, ok in claims.items()]
+    res.notes += [f"{mark(ok)}  this run's clock: {c}" for c, ok in seen.items()]
     if not result["disagg"]["timings"]["worker_trace_events"]:
         res.notes.append("The service's workers recorded no trace events, so the disagg "
                          "claims cannot be checked (its timings use the client's tokens).")

@@ -65,11 +65,11 @@ def test_a_pd_pair_on_one_gpu_gives_the_colocated_tokens(tiny_model):
     from engine import LLM, SamplingParams
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import load_model_config
-    from engine.messages import FIRST_TOKEN, TOKENS, DecodeTask, PrefillTask
     from kv_transfer.config import TransferConfig
     from kv_transfer.registry import make_receiver, make_sender
     from prefill_worker.engine import PrefillEngine
     from prefill_worker.scheduler import PrefillSchedulerConfig
+    from runtime.messages import DecodeTask, EventKind, PrefillTask
 
     model = load_model_config(tiny_model)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -82,7 +82,7 @@ def test_a_pd_pair_on_one_gpu_gives_the_colocated_tokens(tiny_model):
     receiver, sender = make_receiver(tcfg, name="gpu-d"), make_sender(tcfg, name="gpu-p")
     try:
         prefill = PrefillEngine("prefill-0", cfg(16), PrefillSchedulerConfig(
-            max_num_batched_tokens=64, max_chunk=23), sender, 256)
+            max_num_batched_tokens=64, max_prefill_chunk=23), sender, 256)
         decode = DecodeEngine("decode-0", cfg(8), DecodeSchedulerConfig(max_model_len=1024),
                               receiver, 256)
         g = torch.Generator().manual_seed(4)
@@ -95,8 +95,8 @@ def test_a_pd_pair_on_one_gpu_gives_the_colocated_tokens(tiny_model):
             outs[rid] = []
         for _ in range(2000):
             for ev in prefill.step() + decode.step():
-                if ev.kind in (FIRST_TOKEN, TOKENS):
-                    outs[ev.request_id].extend(ev.token_ids)
+                if ev.kind in (EventKind.FIRST_TOKEN, EventKind.TOKENS):
+                    outs[ev.leg_id].extend(ev.token_ids)
             if all(len(t) == 10 for t in outs.values()) and not decode.has_work \
                     and not prefill.has_work:
                 break

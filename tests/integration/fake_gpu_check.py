@@ -49,7 +49,8 @@ def serve(router, tag: str) -> dict:
     loop.run_until_complete(router.shutdown(2))
     loop.close()
     return {"outs": outs, "gpus_used": gpus_used,
-            "workers": {w: {k: info[k] for k in ("device", "gpu_ids", "cuda_visible_devices")}
+            "workers": {w: {k: getattr(info, k) for k in ("device", "gpu_ids",
+                                                          "cuda_visible_devices")}
                         for w, info in workers.items()}}
 
 

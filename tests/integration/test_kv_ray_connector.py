@@ -74,6 +74,18 @@ class DecodeStub(KVDeliverMixin):
     def export(self, rid: str, n: int) -> torch.Tensor:
         return self.cache.export(rid, 0, n)
 
+    def receiver_stats(self) -> dict:
+        return self.kv_receiver.stats()
+
+    def fail_next_deliver(self) -> None:
+        self._fail_next = True
+
+    def kv_deliver(self, msg, payload=None):
+        if getattr(self, "_fail_next", False) and msg.get("k") == "kv":
+            self._fail_next = False
+            raise RuntimeError("kv_deliver failed on purpose")
+        return super().kv_deliver(msg, payload)
+
 
 def _wait_sender(tx, rids, timeout_s=30.0) -> tuple[set[str], dict[str, str]]:
     finished: set[str] = set()
@@ -171,3 +183,65 @@ def test_unknown_actor_fails_the_request(actors):
         assert "cannot reach" in failed["r"]
     finally:
         tx.close()
+
+
+class _ByeHeldBack:
+    """An actor handle whose "bye" calls wait in ``held`` until ``release``: the order a
+    busy actor running several calls at once may execute them in."""
+
+    def __init__(self, actor) -> None:
+        self._actor = actor
+        self.kv_deliver = self  # ``handle.kv_deliver.remote(...)``
+        self.held: list[tuple[dict, object]] = []
+
+    def remote(self, msg: dict, payload=None):
+        if msg.get("k") == "bye":
+            self.held.append((msg, payload))
+            return None
+        return self._actor.kv_deliver.remote(msg, payload)
+
+    def release(self) -> None:
+        for msg, payload in self.held:
+            ray.get(self._actor.kv_deliver.remote(msg, payload))
+
+
+def _wait_frames(actor, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ray.get(actor.receiver_stats.remote())["frames_received"] < n:
+        assert time.monotonic() < deadline, "frames did not reach the actor"
+        time.sleep(0.01)
+
+
+def test_a_failed_links_late_bye_does_not_kill_the_reconnected_link(ray_session):
+    actor = DecodeStub.options(name="decode-relink").remote(RX_CFG, "decode-relink", 16)
+    proxy = _ByeHeldBack(actor)
+    tx = make_sender(TransferConfig(connector="ray"), resolver=lambda dest: proxy)
+    src = PagedKV(**SHAPE, block_size=16, num_blocks=64)
+    lens = {"a": 64, "b": 64}
+    try:
+        ray.get(actor.allocate.remote(lens))
+        for i, rid in enumerate(lens):
+            src.allocate(rid, 64)
+            src.fill_random(rid, 64, seed=i)
+        a0, a1 = make_chunks(src, "a", [0, 32, 64])
+        b0, b1 = make_chunks(src, "b", [0, 32, 64])
+        tx.send(a0, dest="decode-relink")
+        _wait_frames(actor, 1)
+        ray.get(actor.fail_next_deliver.remote())
+        tx.send(a1, dest="decode-relink")  # its kv_deliver raises: the link fails
+        finished, failed = _wait_sender(tx, ["a"])
+        assert "kv_deliver failed on purpose" in failed["a"] and len(proxy.held) == 1
+        tx.send(b0, dest="decode-relink")  # a new link, same sender id
+        _wait_frames(actor, 2)
+        proxy.release()  # the old link's bye runs after the new link's first frame
+        tx.send(b1, dest="decode-relink")
+        result = ray.get(actor.drain.remote(["a", "b"], 30.0))
+        assert result["done"] == ["b"] and list(result["failed"]) == ["a"], result
+        assert _wait_sender(tx, ["b"]) == ({"b"}, {})
+        assert torch.equal(ray.get(actor.export.remote("b", 64)), src.export("b", 0, 64))
+        st = ray.get(actor.receiver_stats.remote())
+        assert st["active_requests"] == 0 and st["inflight_bytes"] == 0
+        assert tx.stats()["links"]["decode-relink"]["connects"] == 2
+    finally:
+        tx.close()
+        ray.kill(actor)

@@ -8,15 +8,23 @@ serving exact tokens.
 
 The long version is a documented command (README / bench/soak.py):
     pdserve soak --addr HOST:PORT --requests 1000 --cancel-rate 0.3 --kill-every 30 ...
+
+First, a small ``--pressure`` soak on a service of its own (KV pools of 384 tokens per
+worker: 2-3 requests fit on each side): shared prefixes, Abort RPCs at every phase,
+client deadlines, reused ids, preemptions and a drain, with the same pass criteria.
+    pdserve soak --pressure --requests 1000 --model tiny
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from bench.soak import SoakConfig, router_phase_probe, run_soak
+from bench.soak_plan import ABORT_PHASES, TERMINAL
+from bench.soak_service import PressureService, PressureServiceSpec
 from cluster.client import PdserveClient
 from cluster.config import ServeConfig
 from cluster.faults import find_worker_actors, service_tag
@@ -31,6 +39,30 @@ CHAOS = {"seed": 11, "faults": [
     {"kind": "reorder", "probability": 0.02},
     {"kind": "delay", "probability": 0.01, "delay_s": 0.05},
 ]}
+
+
+def test_pressure_soak_on_small_pools_ends_clean(ray_session, tiny_model):
+    # a healthy service ends each of these in well under a second even when queued:
+    # 20 s without an end is a hang (the drain may not abort anything before that)
+    spec = PressureServiceSpec(model=str(tiny_model), cpus_per_worker=0.5,
+                               request_timeout_s=60, kv_wait_timeout_s=20, drain_timeout_s=20)
+    cfg = SoakConfig(requests=60, rate=3.0, seed=3, pressure=True, mix=(0.3, 0.2, 0.5),
+                     cancel_rate=0.1, abort_rate=0.3, client_deadline_rate=0.1,
+                     reuse_rate=0.15, drain=True, drain_share=0.1, model=str(tiny_model),
+                     deadline_s=20.0, quiesce_timeout_s=30.0)
+    with PressureService(spec) as svc:
+        report = asyncio.run(run_soak(dataclasses.replace(cfg, addr=svc.addr),
+                                      hooks=svc.hooks()))
+    print(report.table())
+    p = report.summary["pressure"]
+    # the pools were under pressure: 2-3 requests fit on either side
+    assert p["pools_tokens"] == {"prefill": 384, "decode": 384}
+    assert p["fit_prefill"] < 4 and p["fit_decode"] < 4
+    assert all(p["aborts"][ph]["planned"] > 0 for ph in ABORT_PHASES)
+    assert p["reuses"]["planned"] > 0 and p["client_deadlines"]["planned"] > 0
+    assert p["drain"].startswith("drained") and p["after_drain"]["planned"] > 0
+    assert report.ok, report.table()
+    assert set(report.summary["outcomes"]) <= set(TERMINAL), report.summary["outcomes"]
 
 
 @pytest.fixture(scope="module")

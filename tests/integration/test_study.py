@@ -80,22 +80,23 @@ def test_chunk_size_sweep_over_grpc_writes_consistent_json_table_and_plots(ctx) 
     assert steps["chunk-64"] > steps["chunk-256"]
 
 
-@pytest.mark.slow  # its timing claims failed once in a fresh-clone run (session 2 end):
-# quarantined to `make test-slow` until the claims are made load-independent
 def test_teaching_example_reproduces_from_real_traces(ctx) -> None:
     run_study("teaching", ctx, echo=lambda _: None)
     data = json.loads((ctx.out / "teaching.json").read_text())
-    claims = data["claims"]
-    for claim in ("chunked: S's next token comes earlier", "chunked: L's first token comes later",
-                  "whole: L prefills in one step",
-                  "chunked: L prefills in chunks, each step shared with S's decode"):
-        assert claims[claim] is True, (claim, data["rows"])
     whole, chunked, disagg = (data["configs"][m]["timings"] for m in ("whole", "chunked", "disagg"))
-    assert chunked["s_next_token_ms"] < whole["s_next_token_ms"]
-    assert chunked["l_ttft_ms"] > whole["l_ttft_ms"]
     assert disagg["l_prefill_steps"] > 0, TRACE_BUG
-    assert claims["disagg: L prefills in chunks"] is True
-    assert claims["disagg: S decodes while L prefills"] is True
+    # every claim is about the traces' structure, so it holds however busy the machine is
+    claims = data["claims"]
+    assert claims and all(ok is True for ok in claims.values()), (claims, data["rows"])
+    assert (chunked["l_share_before_s_next"], whole["l_share_before_s_next"]) == (0.25, 1.0)
+    assert (chunked["s_tokens_before_l_first"], whole["s_tokens_before_l_first"]) == (4, 1)
+    # the wall-clock orderings are reported as what this run saw, not relied on
+    seen = data["observations"]
+    assert set(seen) == {"chunked: S's next token came earlier (ms)",
+                         "chunked: L's first token came later (ms)",
+                         "disagg: an S decode step ran inside L's prefill",
+                         "disagg: L's KV was on the wire before its prefill ended"}
+    assert all(ok in (True, False) for ok in seen.values())
     for mode in ("whole", "chunked", "disagg"):
         files = data["configs"][mode]["files"]
         assert is_png(ctx.out / files["timeline"]) and is_png(ctx.out / files["zoom"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
-from engine.messages import DecodeTask
 from engine.request import SamplingParams
+from runtime.messages import DecodeTask
 
 
 def _sched(timeout: float = 10.0) -> DecodeScheduler:

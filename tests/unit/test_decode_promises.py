@@ -11,9 +11,9 @@ import torch
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
-from engine.messages import FAILED, TOKENS, DecodeTask
 from engine.request import RequestStatus
 from kv_transfer.base import KVChunk, ReceiveEvents
+from runtime.messages import DecodeTask, EventKind
 from tests.engine_fakes import ScriptedReceiver
 from tests.pd_harness import engine_cfg, greedy
 
@@ -138,16 +138,16 @@ def test_a_bad_chunk_fails_its_own_request_and_every_chunk_of_the_poll_is_still_
     rx.script.append(ReceiveEvents(chunks=chunks, failed=[("d", "link dropped")],
                                    completed=["b"]))
     events = eng.step()
-    failed = {e.request_id: e.message for e in events if e.kind == FAILED}
+    failed = {e.leg_id: e.message for e in events if e.kind == EventKind.FAILED}
     assert set(failed) == {"a", "c", "d"}
     assert "could not be written" in failed["a"]
     assert "beyond the announced prompt of 8 tokens" in failed["c"]
     assert failed["d"] == "KV receive failed: link dropped"
     assert [c.request_id for c in rx.released] == ["a", "b", "a", "c"]  # all of the poll
     assert {"a", "c"} <= set(rx.aborted)  # their later frames are dropped (credit back)
-    assert [e.request_id for e in events if e.kind == TOKENS] == ["b"]  # b went on
+    assert [e.leg_id for e in events if e.kind == EventKind.TOKENS] == ["b"]  # b went on
     events = _run(eng)
-    assert [e.finish_reason for e in events if e.kind == TOKENS][-1] == "length"
+    assert [e.finish_reason for e in events if e.kind == EventKind.TOKENS][-1] == "length"
     eng.bm.check_integrity()
     assert eng.bm.num_used_blocks == 0 and not eng.scheduler.promises
 
@@ -160,7 +160,7 @@ def test_a_final_chunk_without_a_valid_first_token_fails_the_request(tiny_model)
     rx.script.append(ReceiveEvents(chunks=[
         _chunk(eng, "a", 0, 4, 0, final=True, first=vocab),
         _chunk(eng, "b", 0, 4, 0, final=True, first=None)], completed=["a", "b"]))
-    failed = {e.request_id: e.message for e in eng.step() if e.kind == FAILED}
+    failed = {e.leg_id: e.message for e in eng.step() if e.kind == EventKind.FAILED}
     assert f"first token {vocab}" in failed["a"] and "first token None" in failed["b"]
     assert not eng.has_work and eng.bm.num_used_blocks == 0
 
@@ -170,7 +170,7 @@ def test_an_out_of_range_chunk_is_reported_not_dropped_silently(tiny_model):
     assert eng.reserve(DecodeTask("a", 8, greedy(3)))
     rx.script.append(ReceiveEvents(chunks=[_chunk(eng, "a", 4, 12, 0)]))
     events = eng.step()
-    assert [(e.kind, e.request_id) for e in events] == [(FAILED, "a")]
+    assert [(e.kind, e.leg_id) for e in events] == [(EventKind.FAILED, "a")]
     assert "KV chunk [4, 12) is beyond the announced prompt of 8 tokens" in events[0].message
     assert rx.released and rx.aborted == ["a"]
     assert not eng.has_work and eng.bm.num_used_blocks == 0

@@ -1,6 +1,6 @@
 """Fault injection without Ray: the plan, seeded triggers, each KV frame fault through a
 real sender/receiver pair (inproc and tcp), and the engine-level outcomes of a fault
-(KV never completes -> kv_wait_timeout -> FAILED; corrupt -> checksum -> FAILED on both
+(KV never completes -> kv_wait_timeout -> EventKind.FAILED; corrupt -> checksum -> EventKind.FAILED on both
 sides; refused admission), each ending in a leak check."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import time
 import pytest
 import torch
 
-from cluster.faults import fault_plan, worker_fault_injector
-from cluster.worker_spec import WorkerSpec
-from engine.messages import FAILED, DecodeTask, PrefillTask
-from kv_transfer import TransferConfig, make_receiver, make_sender
+from decode_worker.scheduler import DecodeSchedulerConfig
+from engine.config import EngineConfig
+from engine.loader import load_model_config
+from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
 from kv_transfer.faults import ENV_VAR, FaultInjector, FaultPlan, FaultSpec
 from kv_transfer.testing import PagedKV, make_chunks, pump
+from runtime.messages import DecodeTask, EventKind, PrefillTask
+from runtime.spec import WorkerSpec, fault_plan, worker_fault_injector
 from tests.pd_harness import PDPair, greedy
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
@@ -65,18 +67,19 @@ def test_triggers_are_seeded_filtered_counted_and_capped():
     assert FaultInjector(plan, "decode-1").plan.faults[0].kind == "drop"
 
 
-def test_worker_plan_comes_from_the_spec_and_the_environment(tmp_path):
-    spec = WorkerSpec("decode-0", "decode", str(tmp_path))
+def test_worker_plan_comes_from_the_spec_and_the_environment(tiny_model):
+    engine = EngineConfig(str(tiny_model), load_model_config(tiny_model))
+    spec = WorkerSpec("decode-0", "decode", engine, DecodeSchedulerConfig(), TransferConfig())
     assert worker_fault_injector(spec, environ={}) is None  # production: nothing at all
     env = {ENV_VAR: '{"faults": [{"kind": "refuse_admission"}]}'}
     inj = worker_fault_injector(spec, environ=env)
     assert inj is not None and inj.refuse_admission("r") and inj.stats() == {
         "fault_refuse_admission": 1}
-    both = dataclasses.replace(spec, fault_injection={"faults": [{"kind": "drop"}]})
-    assert [f.kind for f in fault_plan(both.fault_injection, env).faults] == [
+    both = dataclasses.replace(spec, faults=FaultPlan.parse({"faults": [{"kind": "drop"}]}))
+    assert [f.kind for f in fault_plan(both.faults, env).faults] == [
         "drop", "refuse_admission"]
-    only_other = dataclasses.replace(spec, fault_injection={
-        "faults": [{"kind": "drop", "worker_filter": "prefill"}]})
+    only_other = dataclasses.replace(spec, faults=FaultPlan.parse({
+        "faults": [{"kind": "drop", "worker_filter": "prefill"}]}))
     assert worker_fault_injector(only_other, environ={}) is None
 
 
@@ -122,16 +125,30 @@ def _no_leftovers(tx, rx) -> None:
     assert r["active_requests"] == 0 and r["inbox_chunks"] == 0 and r["inflight_bytes"] == 0
 
 
-@pytest.mark.slow  # flaky in a fresh-clone run at the end of session 2 (a count 11 != 12):
-# quarantined to `make test-slow` until the race in its counting is found
+def _wire_quiet(tx, rx, dst: PagedKV) -> None:
+    """Return once every frame already written on the link has reached the receiver.
+
+    A sender reports a request finished when the receiver released its frames, which
+    can come before a duplicated frame's second copy is even written. Frames of one link
+    arrive in order, so once a fault-free sentinel sent now has arrived, so has every
+    copy written before it."""
+    dst.allocate("sentinel", 1)
+    tx.send(KVChunk("sentinel", 0, 0, 1, torch.zeros(SHAPE["num_layers"], 2, 1,
+                                                     SHAPE["num_kv_heads"], SHAPE["head_dim"]),
+                    is_final=True, first_token=1), dest=rx.endpoint)
+    assert pump(tx, rx, dst, ["sentinel"], timeout_s=30) == ({}, {})
+
+
 @pytest.mark.parametrize("kind", ["duplicate", "reorder", "delay"])
 def test_duplicate_reorder_and_delay_deliver_byte_exact_kv(kind):
-    tx_f, rx_f, done, caches, tx, rx, inj = _transfer({"kind": kind, "delay_s": 0.01})
+    tx_f, rx_f, done, caches, tx, rx, inj = _transfer(
+        {"kind": kind, "delay_s": 0.01, "request_filter": "^r"})
     try:
         assert (tx_f, rx_f) == ({}, {}) and done == {"r0#1", "r1#1", "r2#1"}
         assert all(_exact(caches, f"r{i}#1") for i in range(3))
         assert inj.stats()[f"fault_{kind}"] >= 6
         if kind == "duplicate":
+            _wire_quiet(tx, rx, caches[1])
             assert rx.stats()["duplicates"] == inj.stats()["fault_duplicate"]
         _no_leftovers(tx, rx)
     finally:
@@ -229,8 +246,8 @@ def test_lost_or_corrupt_kv_fails_only_that_request_and_leaks_nothing(tiny_model
     # the decode side notices lost KV only after kv_wait_timeout_s (default 60 s)
     _set_kv_wait_timeout(pair, 0.05)
     _run(pair)
-    assert pair.finished["bad"] == FAILED
-    failed = [ev for ev in pair.events if ev.kind == FAILED]
+    assert pair.finished["bad"] == EventKind.FAILED
+    failed = [ev for ev in pair.events if ev.kind == EventKind.FAILED]
     reason = "timed out waiting for KV" if kind == "drop" else "checksum mismatch"
     assert any(reason in ev.message for ev in failed), failed
     # the failed request's decode side is gone; its prefill side ended too

@@ -1,5 +1,7 @@
-"""The import contracts of pyproject.toml ([tool.importlinter], run by `lint-imports`) hold,
-and they do catch what they forbid: a back-import into a copy of bench/ breaks them."""
+"""The import contracts of pyproject.toml ([tool.importlinter], run by `lint-imports`) hold:
+layers that import downward only, Ray and gRPC only where the design allows, no file
+cycles, bench-only packages out of the service. Synthetic back-imports show that the
+contracts do fail on what they forbid."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
-def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+def lint_imports(cwd: Path, *contracts: str, env: dict | None = None
+                 ) -> subprocess.CompletedProcess:
     """`lint-imports` on the tree at ``cwd`` (its pyproject.toml; ``cwd`` first on the path)."""
     if not LINT_IMPORTS.exists():
         pytest.fail(f"{LINT_IMPORTS} missing: `make setup` installs import-linter (test extra)")
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    args = [str(LINT_IMPORTS), "--no-cache"] + [a for c in contracts for a in ("--contract", c)]
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def contract_names() -> list[str]:
@@ -42,10 +45,13 @@ def test_every_import_contract_is_kept() -> None:
     ("bench/studies/link.py", "import bench.studies.common", "no cycles"),
     ("bench/metrics.py", "import bench.cli", "entry points"),
     ("bench/workload.py", "import bench.studies.common", "entry points"),
+    ("sim/costs.py", "import sim.cluster", "at run time"),
+    ("cluster/types.py", "import sim.loop", "import downward only"),
 ])
 def test_a_back_import_breaks_a_contract(tmp_path: Path, file: str, line: str,
                                          broken: str) -> None:
-    shutil.copytree(ROOT / "bench", tmp_path / "bench")
+    for package in {"bench", "sim", file.split("/")[0]}:
+        shutil.copytree(ROOT / package, tmp_path / package)
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     with open(tmp_path / file, "a", encoding="utf-8") as f:
         f.write(f"\n{line}  # the back-import under test\n")
@@ -80,3 +86,18 @@ def test_the_server_imports_and_parses_serve_without_the_bench_extra() -> None:
     assert run.returncode == 0, run.stderr
     # torch.hub tries tqdm and falls back; nothing of ours reaches for matplotlib
     assert "matplotlib" not in run.stdout.split("tried:")[1], run.stdout
+
+
+def test_a_back_import_from_a_lower_layer_breaks_the_layers_contract(tmp_path: Path) -> None:
+    for pkg in ("engine", "kv_transfer", "runtime", "prefill_worker", "decode_worker",
+                "cluster", "proto", "bench"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "cluster" / "router.py").write_text("import runtime.loop\n")
+    (tmp_path / "runtime" / "loop.py").write_text("")
+    (tmp_path / "runtime" / "messages.py").write_text("from cluster import router\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    run = lint_imports(tmp_path, "pdserve-layers",
+                       env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert run.returncode != 0
+    assert "runtime.messages -> cluster.router" in run.stdout, run.stdout

@@ -132,3 +132,48 @@ def test_abort_drops_held_and_queued_frames_but_not_in_flight_ones():
     assert len(s.abort("b")) == 2 and len(s.abort("a")) == 1
     assert s.inflight_bytes == 10 and s.queued_bytes == s.held_bytes == 0
     assert not s.has_pending
+
+
+def _queue_state(q: WfqQueue) -> tuple[int, int]:
+    """(tenant flows, request flows) the queue holds, idle ones included."""
+    return len(q._tenants.flows) + len(q._requests), sum(
+        len(level.flows) for level in q._requests.values())
+
+
+def test_wfq_state_stays_bounded_however_many_tenant_names_clients_send():
+    q = WfqQueue(lambda t: 1.0)  # keeps at most 256 idle tenants, 32 idle requests each
+    peak = (0, 0)
+    for burst in range(40):  # bursts of fresh tenant names, each sent in one go
+        for i in range(500):
+            q.push(_f(f"r{burst}-{i}", 1000, f"tenant-{burst}-{i}"))
+            q.push(_f(f"steady{burst}", 1000, "steady", i))
+        while len(q):
+            q.pop()
+            peak = max(peak, _queue_state(q))
+    # 20,000 tenant names went through; a bounded few are remembered at any time
+    assert peak[0] <= 2 * (256 + 501) and peak[1] <= 256 + 501 + 32
+    assert _queue_state(q)[0] <= 2 * 256
+
+
+@pytest.mark.parametrize("forgotten", [False, True])
+def test_wfq_a_new_or_returning_tenant_starts_at_the_virtual_time_floor(forgotten):
+    q = WfqQueue(lambda t: 1.0, max_idle_tenants=2) if forgotten else WfqQueue(lambda t: 1.0)
+    q.push(_f("c0", 1000, "C"))
+    q.pop()  # C is served once, then goes quiet
+    for i in range(2000):
+        q.push(_f("a", 1000, "A", i))
+    for _ in range(1000):
+        q.pop()  # A alone: V moves far past C's finish tag
+    if forgotten:  # other tenants come and go: C's state is pruned
+        for i in range(50):
+            q.push(_f(f"x{i}", 1000, f"X{i}"))
+            for _ in range(2):
+                q.pop()
+        assert "C" not in q._tenants.flows
+    for name in ("B", "C"):  # a brand-new tenant and one coming back
+        for i in range(50):
+            q.push(_f(name.lower(), 1000, name, i))
+    first = [q.pop().tenant for _ in range(60)]
+    # neither is owed anything for the time it was absent: the link is shared equally
+    for name in ("A", "B", "C"):
+        assert 15 <= first.count(name) <= 25, first

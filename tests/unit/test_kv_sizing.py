@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster.config import ServeConfig
-from cluster.launcher import credit_window_bytes
+from cluster.worker_specs import credit_window_bytes
 from engine import memory
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache import KVCache
@@ -101,12 +101,17 @@ def stub_cuda(monkeypatch, free: int, total: int, held: int = 0) -> list[str]:
 
 
 def test_a_worker_on_a_gpu_sizes_its_share_from_mem_get_info(tiny_model, monkeypatch):
-    from cluster.worker_spec import WorkerSpec, engine_config
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.loader import load_model_config
+    from runtime.spec import resolve_engine
 
     calls = stub_cuda(monkeypatch, free=60 * GiB, total=80 * GiB)
-    spec = WorkerSpec("decode-0", "decode", str(tiny_model), device="cuda:1", dtype="bfloat16",
-                      gpu_memory_utilization=0.5, gpu_share=0.5, max_model_len=1 << 22)
-    cfg, n = engine_config(spec, ray_gpu_ids=["1"])
+    asked = EngineConfig(str(tiny_model), load_model_config(tiny_model),
+                         CacheConfig(16, None, 1 << 30, False, gpu_memory_utilization=0.5,
+                                     gpu_share=0.5),
+                         SchedulerConfig(max_model_len=1 << 22), device="cuda:1",
+                         dtype="bfloat16")
+    cfg, n = resolve_engine(asked, ray_gpu_ids=["1"])
     assert cfg.device == "cuda:0" and calls == ["mem_get_info"]  # Ray's GPU, seen as cuda:0
     weights = memory.weight_bytes(tiny_model, torch.bfloat16)
     reserve = memory.activation_reserve_bytes(cfg.model, cfg.scheduler, torch.bfloat16)
@@ -114,7 +119,8 @@ def test_a_worker_on_a_gpu_sizes_its_share_from_mem_get_info(tiny_model, monkeyp
     assert n == (int(80 * GiB * 0.5 * 0.5) - weights - reserve) // per_block
     # an explicit num_blocks is kept, and no device is asked
     calls.clear()
-    assert engine_config(replace(spec, num_blocks=9), ["1"])[1] == 9 and calls == []
+    nine = replace(asked, cache=replace(asked.cache, num_blocks=9))
+    assert resolve_engine(nine, ["1"])[1] == 9 and calls == []
 
 
 def test_the_runner_sizes_its_cache_after_loading_the_weights(tiny_model, monkeypatch):

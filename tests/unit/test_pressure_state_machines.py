@@ -29,11 +29,11 @@ from hypothesis.stateful import (
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.messages import DecodeTask
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 from prefill_worker.policies import FAIRNESS_POLICIES
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from runtime.messages import DecodeTask
 
 S = RequestStatus
 FAKE_TOKEN, STOP_TOKEN = 7, 8
@@ -117,8 +117,8 @@ class PrefillPool(PoolMachine):
     def setup(self, num_blocks, block_size, budget, max_chunk, max_seqs, fairness):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
         self.now = 0.0
-        cfg = PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=max_chunk,
-                                     min_chunk=1, max_num_seqs=max_seqs, fairness=fairness,
+        cfg = PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=max_chunk,
+                                     min_chunk=1, max_num_seqs=max_seqs, fairness_policy=fairness,
                                      chunk_policy="tail-merge", tenant_weights={"b": 2.0})
         self.s = PrefillScheduler(cfg, self.bm, clock=lambda: self.now)
         self.reqs: dict[str, Request] = {}

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
-from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, PREFILL_DONE, TOKENS
+from runtime.messages import EventKind
 from tests.router_fakes import collect, make_router, serve_leg, until
 from tests.unit.test_router_races import assert_router_clean
 
@@ -30,22 +30,22 @@ def script(router, prefill, actions: list[str]) -> None:
         return router.legs[leg].decode
 
     async def add(task):
-        leg, action = task.request_id, actions.pop(0)
+        leg, action = task.leg_id, actions.pop(0)
         if action == "serve":
             serve_leg(prefill, decode_of(leg), leg)
         elif action == "hold":
-            prefill.actor.emit(FIRST_TOKEN, leg, (7,))
-            prefill.actor.emit(PREFILL_DONE, leg)
+            prefill.actor.emit(EventKind.FIRST_TOKEN, leg, (7,))
+            prefill.actor.emit(EventKind.PREFILL_DONE, leg)
         elif action == "eos":
-            prefill.actor.emit(FIRST_TOKEN, leg, (2,), finish_reason="stop")
+            prefill.actor.emit(EventKind.FIRST_TOKEN, leg, (2,), finish_reason="stop")
         elif action == "fail":
-            decode_of(leg).actor.emit(FAILED, leg, message="scripted failure")
+            decode_of(leg).actor.emit(EventKind.FAILED, leg, message="scripted failure")
 
     prefill.actor.on_add = add
 
 
 def finish(decode, leg: str) -> None:
-    decode.actor.emit(TOKENS, leg, (8,), finish_reason="length")
+    decode.actor.emit(EventKind.TOKENS, leg, (8,), finish_reason="length")
 
 
 # ---- request-id reuse ---------------------------------------------------------------
@@ -261,8 +261,8 @@ def test_a_request_preempted_more_often_than_max_legs_is_still_served():
         n_preempt = 5
 
         async def add(task):
-            prefill.actor.emit(FIRST_TOKEN, task.request_id, (7,))
-            prefill.actor.emit(PREFILL_DONE, task.request_id)
+            prefill.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
+            prefill.actor.emit(EventKind.PREFILL_DONE, task.leg_id)
 
         prefill.actor.on_add = add
         stream = router.generate(spec("storm", sp=SamplingParams(max_tokens=20)))
@@ -273,7 +273,7 @@ def test_a_request_preempted_more_often_than_max_legs_is_still_served():
                 break
             leg = router.flights["storm"].leg_id
             if len(toks) <= n_preempt:
-                decode.actor.emit(PREEMPTED, leg, message="out of KV blocks")
+                decode.actor.emit(EventKind.PREEMPTED, leg, message="out of KV blocks")
             else:
                 finish(decode, leg)
         await router.shutdown(0)
@@ -292,7 +292,7 @@ def test_preemptions_that_make_no_progress_count_as_failures():
         router, prefill, [decode] = make_router(max_legs=3)
 
         async def add(task):  # decode preempts each leg before its first token
-            decode.actor.emit(PREEMPTED, task.request_id, message="out of KV blocks")
+            decode.actor.emit(EventKind.PREEMPTED, task.leg_id, message="out of KV blocks")
 
         prefill.actor.on_add = add
         with pytest.raises(RouterError) as err:

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
-from engine.messages import FAILED, FIRST_TOKEN, PREEMPTED, TOKENS
+from runtime.messages import EventKind
 from tests.router_fakes import collect, make_router, serve_leg, until
 
 SPEC = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
@@ -37,11 +37,11 @@ def test_prefill_pool_dying_during_the_decode_reserve_waits_for_its_restart():
         router, prefill, [decode] = make_router(unavailable_grace_s=5.0)
 
         async def prefill_dies(task):  # the prefill actor dies while decode reserves
-            if task.request_id.endswith("#1"):
+            if task.leg_id.endswith("#1"):
                 router.pump.mark_dead(prefill)
 
         async def serve(task):
-            serve_leg(prefill, decode, task.request_id)
+            serve_leg(prefill, decode, task.leg_id)
 
         decode.actor.on_reserve, prefill.actor.on_add = prefill_dies, serve
         return await _serve_and_stop(router), router, prefill, decode
@@ -61,9 +61,9 @@ def test_prefill_dying_under_add_is_redispatched_exactly_once():
         router, prefill, [decode] = make_router(unavailable_grace_s=5.0)
 
         async def add(task):
-            if task.request_id.endswith("#1"):
+            if task.leg_id.endswith("#1"):
                 raise RuntimeError("simulated: the actor died under add()")
-            serve_leg(prefill, decode, task.request_id)
+            serve_leg(prefill, decode, task.leg_id)
 
         prefill.actor.on_add = add
         return await _serve_and_stop(router), router, prefill, decode
@@ -84,7 +84,7 @@ def test_decode_hears_keepalives_while_the_prefill_is_queued_and_not_after_it_en
         async def add(task):  # queued at the prefill worker until released
             async def later():
                 await release.wait()
-                serve_leg(prefill, decode, task.request_id)
+                serve_leg(prefill, decode, task.leg_id)
             asyncio.ensure_future(later())
 
         prefill.actor.on_add = add
@@ -160,11 +160,11 @@ def test_a_redispatch_waiting_for_admission_does_not_hold_up_other_streams():
         admitted = asyncio.Event()  # set: re-dispatched legs may be admitted
 
         async def reserve(task):
-            if not task.request_id.endswith("#1"):
+            if not task.leg_id.endswith("#1"):
                 await admitted.wait()
 
         async def add(task):
-            prefill.actor.emit(FIRST_TOKEN, task.request_id, (7,))
+            prefill.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
 
         decode.actor.on_reserve, prefill.actor.on_add = reserve, add
         sp = SamplingParams(temperature=0.0, max_tokens=3)
@@ -174,8 +174,8 @@ def test_a_redispatch_waiting_for_admission_does_not_hold_up_other_streams():
         assert (await b.__anext__()).token_ids == (7,)
         leg_a = router.flights["A"].leg_id
         leg_b = router.flights["B"].leg_id
-        decode.actor.emit(PREEMPTED, leg_a)
-        decode.actor.emit(TOKENS, leg_b, (9,))
+        decode.actor.emit(EventKind.PREEMPTED, leg_a)
+        decode.actor.emit(EventKind.TOKENS, leg_b, (9,))
         got = await asyncio.wait_for(b.__anext__(), 10)  # not stuck behind A's admission
         waiting = router.waiting_admission
         admitted.set()
@@ -198,7 +198,7 @@ def test_a_late_reservation_on_another_worker_cannot_fail_the_leg():
         router, prefill, [d0, d1] = make_router(n_decode=2)
 
         async def lost_reply(task):
-            d0.actor.held.add(task.request_id)  # it landed...
+            d0.actor.held.add(task.leg_id)  # it landed...
             raise RuntimeError("simulated: the reply was lost")  # ...the call failed
 
         d0.actor.on_reserve = lost_reply
@@ -214,7 +214,7 @@ def test_a_late_reservation_on_another_worker_cannot_fail_the_leg():
         assert router.flights["r"].decode is d1
         await until(lambda: d0.alive, "decode-0 re-adopted")
         polls = d0.actor.polls
-        d0.actor.emit(FAILED, leg, message="timed out waiting for KV")
+        d0.actor.emit(EventKind.FAILED, leg, message="timed out waiting for KV")
         await until(lambda: d0.actor.polls >= polls + 2, "decode-0's event applied")
         serve_leg(prefill, d1, leg)
         toks = await asyncio.wait_for(run, 10)

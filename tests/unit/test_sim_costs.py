@@ -12,7 +12,8 @@ from sim.adapters import ServeConfig
 from sim.analytic import PROFILES, analytic_calibration
 from sim.calibration import Calibration, CalibrationError
 from sim.cluster import Simulation
-from sim.costs import Limits, TableCosts, load_costs
+from sim.cost_loader import load_costs
+from sim.costs import Limits, TableCosts
 from sim.synthetic import synthetic_calibration
 
 

@@ -16,7 +16,7 @@ from bench.workload import LengthDist, TenantSpec, WorkloadSpec, build_workload
 from sim.adapters import ServeConfig
 from sim.analytic import analytic_calibration
 from sim.cluster import Simulation
-from sim.costs import load_costs
+from sim.cost_loader import load_costs
 from sim.loop import EventLoop
 from sim.metrics import fast_metrics
 from sim.options import SimOptions

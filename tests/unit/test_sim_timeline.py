@@ -9,7 +9,7 @@ import pytest
 from bench.workload import WorkloadRequest
 from sim.adapters import ServeConfig
 from sim.cluster import Simulation
-from sim.costs import load_costs
+from sim.cost_loader import load_costs
 from sim.options import SimOptions
 from sim.synthetic import synthetic_calibration
 

@@ -66,3 +66,94 @@ def test_a_cancel_racing_the_final_message_counts_one_terminal_status():
 def test_a_cancel_before_any_message_is_one_cancelled_status():
     rec = _run([])
     assert rec.cancel_sent and rec.terminal_count == 1 and rec.outcome == "CANCELLED"
+
+
+def test_the_pressure_plan_sizes_requests_to_the_pools_and_aims_every_event():
+    from bench.soak_plan import ABORT_PHASES, build_plan
+
+    plain = build_plan(SoakConfig(requests=40, seed=5), 1000, 2048)
+    assert build_plan(SoakConfig(requests=40, seed=5, abort_rate=0.5), 1000, 2048) == plain
+    cfg = SoakConfig(requests=100, seed=5, pressure=True, pool_tokens=384, cancel_rate=0.1,
+                     abort_rate=0.25, client_deadline_rate=0.1, reuse_rate=0.1, drain=True)
+    plan = build_plan(cfg, 1000, 2048)
+    assert build_plan(cfg, 1000, 2048) == plan  # seeded
+    for r in plan:  # a prompt fills at most half a pool, a whole request 3/4 of one
+        assert len(r.prompt) <= 384 // 2 and len(r.prompt) + r.max_tokens <= 384 * 3 // 4
+    aborts = [r.abort_phase for r in plan if r.abort_phase]
+    assert sorted(set(aborts)) == sorted(ABORT_PHASES) and len(aborts) == 25
+    assert not any(r.abort_phase and r.cancel_phase for r in plan)
+    keys = [r.key for r in plan]
+    assert len(set(keys)) == len(plan)
+    for j, r in enumerate(plan):
+        if r.reuses is not None:  # an earlier request's id, each reused once
+            i = keys.index(r.reuses)
+            assert i < j and plan[i].request_id == r.request_id and not plan[i].after_drain
+    assert 5 <= sum(r.reuses is not None for r in plan) <= 10  # some have no earlier one
+    assert [r.after_drain for r in plan] == [False] * 90 + [True] * 10
+    burst = {r.arrival_s for r in plan[84:90]}  # arrive together just before the drain
+    assert len(burst) == 1 and burst.pop() == plan[90].arrival_s - 0.05
+
+
+class _AbortableCall(_RacingCall):
+    """A stream that ends with finish_reason ABORT once the stub's Abort RPC ran."""
+
+    def __init__(self, stub):
+        super().__init__([])
+        self.stub = stub
+
+    async def __anext__(self):
+        await asyncio.sleep(0.01)
+        if self.stub.aborted:
+            self.stub.aborted = False
+            return pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT)
+        if self.stub.ended:
+            raise StopAsyncIteration
+        return pb.GenerateResponse(token_ids=[7])
+
+
+class _AbortStub:
+    def __init__(self):
+        self.aborted = self.ended = False
+
+    def Generate(self, request, metadata=None, timeout=None):  # noqa: N802
+        return _AbortableCall(self)
+
+    async def Abort(self, request, metadata=None, timeout=None):  # noqa: N802
+        self.aborted = self.ended = True
+        return pb.AbortResponse(found=True)
+
+
+def test_an_abort_rpc_at_the_decode_phase_ends_the_stream_aborted_once():
+    runner = SoakRunner(SoakConfig(requests=1))
+    req = SoakRequest("r0", "chat", 0.0, (1, 2, 3), 8, 0.0, True, abort_phase="decode",
+                      cancel_after_tokens=3)
+
+    async def go():
+        from tqdm import tqdm
+
+        runner._bar = tqdm(total=1, disable=True)
+        await runner._one(_AbortStub(), (), req)
+
+    asyncio.run(go())
+    rec = runner.records["r0"]
+    assert rec.abort_sent and rec.abort_found and rec.terminal_count == 1
+    assert rec.outcome == "aborted" and rec.tokens == [7, 7, 7] and not rec.violations
+    assert rec.cancel_observed == "decode" and not rec.cancel_sent
+
+
+def test_soak_cli_pressure_defaults_and_the_plain_soak_unchanged():
+    from bench.soak_cli import config_from_args
+    from cluster.cli import build_parser
+
+    parse = build_parser().parse_args
+    plain = config_from_args(parse(["soak", "--no-progress"]))
+    assert (plain.addr, plain.rate, plain.cancel_rate, plain.mix) == (
+        "127.0.0.1:50051", 8.0, 0.3, (0.6, 0.2, 0.2))
+    assert not plain.pressure and plain.abort_rate == plain.reuse_rate == 0 and not plain.drain
+    own = config_from_args(parse(["soak", "--pressure", "--no-progress"]))
+    assert own.pressure and own.drain and own.rate == 3.0 and own.abort_rate == 0.25
+    assert (own.cancel_rate, own.client_deadline_rate, own.reuse_rate) == (0.1, 0.1, 0.1)
+    remote = config_from_args(parse(["soak", "--pressure", "--addr", "h:1", "--abort-rate",
+                                     "0.5", "--pool-tokens", "512", "--no-progress"]))
+    assert remote.addr == "h:1" and not remote.drain and remote.abort_rate == 0.5
+    assert remote.pool_tokens == 512

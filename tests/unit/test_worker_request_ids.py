@@ -10,19 +10,11 @@ import torch
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
-from engine.messages import (
-    FAILED,
-    FIRST_TOKEN,
-    PREEMPTED,
-    PREFILL_DONE,
-    TOKENS,
-    DecodeTask,
-    PrefillTask,
-)
 from engine.tombstones import Tombstones
 from kv_transfer.base import KVChunk, ReceiveEvents
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillSchedulerConfig
+from runtime.messages import DecodeTask, EventKind, PrefillTask
 from tests.engine_fakes import RecordingSender, ScriptedReceiver
 from tests.pd_harness import engine_cfg, greedy
 
@@ -50,7 +42,7 @@ def test_tombstones_only_bury_ids_that_did_not_end_here():
 def _prefill(tiny_model):
     sender = RecordingSender()
     eng = PrefillEngine("prefill-0", engine_cfg(tiny_model, 4),
-                        PrefillSchedulerConfig(max_num_batched_tokens=64, max_chunk=64),
+                        PrefillSchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64),
                         sender, 32)
     return eng, sender
 
@@ -63,7 +55,7 @@ def _task(eng, rid, max_tokens=4):
 def _prefill_until(eng, kind, rid, max_steps=50):
     for _ in range(max_steps):
         for ev in eng.step():
-            if ev.kind == kind and ev.request_id == rid:
+            if ev.kind == kind and ev.leg_id == rid:
                 return ev
     raise AssertionError(f"no {kind} event for {rid}")
 
@@ -79,22 +71,22 @@ def test_prefill_abort_after_the_leg_ended_leaves_no_tombstone_and_the_id_runs_a
         tiny_model, end):
     eng, sender = _prefill(tiny_model)
     eng.add(_task(eng, "x", max_tokens=1 if end == "finished_at_first_token" else 4))
-    first = _prefill_until(eng, FIRST_TOKEN, "x")
+    first = _prefill_until(eng, EventKind.FIRST_TOKEN, "x")
     if end == "delivered":
         sender.events.finished.append("x")
-        _prefill_until(eng, PREFILL_DONE, "x")
+        _prefill_until(eng, EventKind.PREFILL_DONE, "x")
     elif end == "send_failed":
         sender.events.failed.append(("x", "link dropped"))
-        _prefill_until(eng, FAILED, "x")
+        _prefill_until(eng, EventKind.FAILED, "x")
     else:
         assert first.finish_reason == "length"
     assert not eng.jobs
     assert eng.abort("x") is False and eng.abort("x") is False  # late, even twice
     eng.add(_task(eng, "x"))  # the id is free again: a new request, not swallowed
     assert "x" in eng.jobs
-    _prefill_until(eng, FIRST_TOKEN, "x")
+    _prefill_until(eng, EventKind.FIRST_TOKEN, "x")
     sender.events.finished.append("x")
-    _prefill_until(eng, PREFILL_DONE, "x")
+    _prefill_until(eng, EventKind.PREFILL_DONE, "x")
     _prefill_leak_check(eng)
 
 
@@ -104,7 +96,7 @@ def test_prefill_abort_that_overtakes_its_add_swallows_exactly_that_add(tiny_mod
     eng.add(_task(eng, "y"))
     assert "y" not in eng.jobs and not eng.has_work
     eng.add(_task(eng, "y"))  # a later add of the id is a new request
-    _prefill_until(eng, FIRST_TOKEN, "y")
+    _prefill_until(eng, EventKind.FIRST_TOKEN, "y")
     assert eng.abort("y") is True  # mid-transfer: ends it
     assert eng.abort("y") is False
     eng.add(_task(eng, "y"))
@@ -140,8 +132,8 @@ def _kv(eng, rid, n, first=5):
 def _decode_until_end(eng, rid, max_steps=50):
     for _ in range(max_steps):
         for ev in eng.step():
-            if ev.request_id == rid and (ev.kind in (FAILED, PREEMPTED) or (
-                    ev.kind == TOKENS and ev.finish_reason)):
+            if ev.leg_id == rid and (ev.kind in (EventKind.FAILED, EventKind.PREEMPTED) or (
+                    ev.kind == EventKind.TOKENS and ev.finish_reason)):
                 return ev
     raise AssertionError(f"{rid} did not end")
 
@@ -164,7 +156,7 @@ def test_decode_abort_after_the_request_ended_leaves_no_tombstone_and_the_id_is_
     if end == "preempted":  # b takes the last block's promise: x cannot grow past 12
         assert eng.reserve(DecodeTask("b", 4, greedy(2)))
     ev = _decode_until_end(eng, "x")
-    assert ev.kind == {"finished": TOKENS, "failed": FAILED, "preempted": PREEMPTED}[end]
+    assert ev.kind == {"finished": EventKind.TOKENS, "failed": EventKind.FAILED, "preempted": EventKind.PREEMPTED}[end]
     assert eng.abort("x") is False and eng.abort("x") is False  # late, even twice
     eng.abort("b")
     assert eng.reserve(DecodeTask("x", n, greedy(2)))  # free again: not swallowed

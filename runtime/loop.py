@@ -1,0 +1,175 @@
+"""WorkerLoop: runs an engine's `step()` on one thread and serialises commands into it.
+
+Every engine (PrefillEngine, DecodeEngine, the colocated engine) is single-threaded by
+design: commands from other threads (add, abort, reserve, stats) are queued and run on
+the loop thread between steps. A step's events go to `on_events` (called on the loop
+thread) or, without it, to an outbox that `poll` long-polls (the Ray actors).
+
+A step that raises fails the legs the engine holds (`fail_all`: FAILED events, resources
+freed), so no request hangs on a broken step; after `max_step_failures` failures in a
+row the engine is declared dead: the loop stops and `fatal` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+from runtime.messages import WorkerEvent
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_STEP_FAILURES = 3
+
+
+class SteppableEngine(Protocol):
+    has_work: bool  # requests in flight (possibly only waiting on I/O)
+    last_step_ran: bool  # the last step ran the model
+
+    def step(self) -> list[WorkerEvent]: ...
+
+    def fail_all(self, message: str) -> list[WorkerEvent]:
+        """End every leg held here as FAILED (after a step raised), freeing its resources."""
+        ...
+
+
+class WorkerLoop:
+    def __init__(self, engine: SteppableEngine, idle_wait_s: float = 0.002,
+                 thread_init: Callable[[], None] | None = None,
+                 on_events: Callable[[list[WorkerEvent]], None] | None = None,
+                 max_step_failures: int = MAX_STEP_FAILURES):
+        """`thread_init` runs first on the loop thread (e.g. binding its CUDA device; the
+        engine's ModelRunner also binds every thread that calls it)."""
+        self.engine = engine
+        self._thread_init = thread_init
+        self._on_events = on_events if on_events is not None else self._to_outbox
+        self.idle_wait_s = idle_wait_s
+        self.max_step_failures = max_step_failures
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._outbox: list[WorkerEvent] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.error: str | None = None  # the last failed step
+        self.fatal: str | None = None  # set when the loop gave up: the engine is dead
+        name = f"worker-loop:{getattr(engine, 'worker_id', '')}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue `fn` for the loop thread; its Future holds the result or exception."""
+        if self._stop.is_set():
+            raise RuntimeError(f"worker loop is stopped{self._why()}")
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run `fn` on the loop thread and return its result (exceptions propagate)."""
+        return self.submit(fn).result(timeout=timeout)
+
+    def poll(self, timeout_s: float) -> list[WorkerEvent]:
+        """Events since the last poll; waits up to `timeout_s` for the first one."""
+        with self._cond:
+            if not self._outbox:
+                if self.fatal is not None:
+                    raise RuntimeError(f"worker engine is dead: {self.fatal}")
+                self._cond.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+        return out
+
+    def _why(self) -> str:
+        return f" (engine died: {self.fatal})" if self.fatal else ""
+
+    def _to_outbox(self, events: list[WorkerEvent]) -> None:
+        with self._cond:
+            self._outbox.extend(events)
+            self._cond.notify_all()
+
+    def _drain_commands(self, block_s: float) -> None:
+        try:
+            fn, fut = self._commands.get(timeout=block_s) if block_s > 0 else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - reported to the caller
+                    fut.set_exception(e)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self, failures: int) -> tuple[list[WorkerEvent], int]:
+        try:
+            return self.engine.step(), 0
+        except Exception as e:  # a step must never kill the loop silently
+            failures += 1
+            log.exception("engine step failed (%d in a row)", failures)
+            self.error = f"{type(e).__name__}: {e}"
+        try:
+            events = self.engine.fail_all(f"engine step failed: {self.error}")
+        except Exception:
+            log.exception("failing the legs of a failed step failed too")
+            events = []
+        if failures >= self.max_step_failures:
+            self.fatal = self.error
+            self._stop.set()  # from now on commands are refused
+        return events, failures
+
+    def _run(self) -> None:
+        failures = 0
+        if self._thread_init is not None:
+            try:
+                self._thread_init()
+            except Exception as e:  # reported like a failed step; the loop still serves
+                log.exception("worker loop thread init failed")
+                self.error = f"{type(e).__name__}: {e}"
+        while not self._stop.is_set() and self.fatal is None:
+            events, failures = self._step(failures)
+            if events:
+                self._on_events(events)
+            if self.fatal is not None:
+                break
+            if failures:  # let a transient cause (e.g. memory) pass before the next try
+                time.sleep(0.1)
+            # busy: take commands between steps without waiting; waiting on I/O: a short
+            # nap; idle: sleep until a command arrives (or 50 ms, to notice stop)
+            if self.engine.last_step_ran:
+                wait = 0.0
+            else:
+                wait = self.idle_wait_s if self.engine.has_work else 0.05
+            self._drain_commands(wait)
+        if self.fatal is not None:
+            self._reject_commands()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _reject_commands(self) -> None:
+        """Commands queued before the engine died get an error, not a hang."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"worker loop is stopped{self._why()}"))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

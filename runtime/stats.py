@@ -1,0 +1,67 @@
+"""Typed worker stats: what a worker actor's `stats()` answers the router.
+
+Every numeric field is also a figure of the API's `WorkerStats.extra` under its own name
+(`figures()`), which is what metrics, soak reports and studies read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load of any worker engine (the colocated one reports just this)."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    num_steps: int = 0
+    mean_step_s: float = 0.0
+    loop_error: str = ""  # the last failed step of the worker loop ("" if none)
+    send_queue_depth: int = 0  # legs with KV still queued or in flight (prefill)
+    faults: Mapping[str, int] = field(default_factory=dict)  # fault_<kind> -> fired (tests)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests this worker holds that are not running yet."""
+        return self.num_waiting
+
+    def figures(self) -> dict[str, float]:
+        """Every numeric figure by name (bools and the role excluded), fault counters too."""
+        out = {f.name: float(getattr(self, f.name)) for f in fields(self)
+               if isinstance(getattr(self, f.name), int | float)
+               and not isinstance(getattr(self, f.name), bool)}
+        out.update({k: float(v) for k, v in self.faults.items()})
+        return out
+
+
+@dataclass(frozen=True)
+class PrefillStats(EngineStats):
+    jobs: int = 0  # legs held here: queued, prefilling or sending KV
+    outstanding_prefill_tokens: int = 0
+    chunk_cap: int = 0  # the chunk policy's current cap
+    chunk_sizes: Mapping[int, int] = field(default_factory=dict)  # size -> chunks run
+    kv_bytes_sent: float = 0.0
+    kv_frames_sent: float = 0.0
+    kv_send_queue_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    kv_inflight_bytes: float = 0.0
+    kv_queued_bytes: float = 0.0
+    kv_send_failures: float = 0.0
+
+    @property
+    def queue_depth(self) -> int:
+        return self.jobs
+
+
+@dataclass(frozen=True)
+class DecodeStats(EngineStats):
+    kv_blocks_promisable: int = 0  # free blocks not owed to any reservation
+    kv_cache_usage_perc: float = 0.0
+    kv_checksum_failures: int = 0
+    kv_duplicate_frames: int = 0
+    kv_rx_active_requests: int = 0

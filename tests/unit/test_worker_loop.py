@@ -1,0 +1,91 @@
+"""WorkerLoop (runtime/loop.py): commands run between steps on the loop thread; a step
+that raises fails the legs its engine holds (no request hangs on a broken step), and
+after MAX_STEP_FAILURES in a row the engine is declared dead."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from runtime.loop import WorkerLoop
+from runtime.messages import EventKind, WorkerEvent
+
+
+class FlakyEngine:
+    """Holds legs; its step raises while `broken`."""
+
+    def __init__(self) -> None:
+        self.legs: set[str] = set()
+        self.broken = False
+        self.last_step_ran = False
+        self.thread: str | None = None
+        self.stepped = threading.Event()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.legs)
+
+    def add(self, leg_id: str) -> None:
+        self.thread = threading.current_thread().name
+        self.legs.add(leg_id)
+
+    def step(self) -> list[WorkerEvent]:
+        self.stepped.set()
+        if self.broken:
+            raise RuntimeError("device lost")
+        return []
+
+    def fail_all(self, message: str) -> list[WorkerEvent]:
+        out = [WorkerEvent(EventKind.FAILED, leg, "w-0", message=message) for leg in self.legs]
+        self.legs.clear()
+        return out
+
+
+def _events_until(loop: WorkerLoop, n: int) -> list[WorkerEvent]:
+    got: list[WorkerEvent] = []
+    for _ in range(200):  # bounded only to turn a hang into a failure
+        got += loop.poll(0.05)
+        if len(got) >= n:
+            return got
+    raise AssertionError(f"got {len(got)} events, wanted {n}")
+
+
+def test_a_failed_step_fails_the_legs_and_frees_them_and_the_loop_goes_on():
+    eng = FlakyEngine()
+    loop = WorkerLoop(eng, max_step_failures=1000)
+    try:
+        loop.call(lambda: eng.add("a"))
+        loop.call(lambda: eng.add("b"))
+        assert eng.thread.startswith("worker-loop")  # commands run on the loop thread
+        eng.broken = True
+        events = _events_until(loop, 2)
+        assert sorted((e.kind, e.leg_id) for e in events) == [
+            (EventKind.FAILED, "a"), (EventKind.FAILED, "b")]
+        assert all("device lost" in e.message for e in events) and not eng.legs
+        eng.broken = False
+        loop.call(lambda: eng.add("c"))  # a healthy step resets the count: still serving
+        assert loop.alive and loop.fatal is None and "c" in eng.legs
+    finally:
+        loop.stop()
+
+
+def test_failing_steps_in_a_row_declare_the_engine_dead():
+    eng = FlakyEngine()
+    eng.broken = True
+    loop = WorkerLoop(eng, max_step_failures=2)
+    try:
+        for _ in range(200):  # bounded only to turn a hang into a failure
+            if loop.fatal is not None:
+                break
+            try:
+                loop.poll(0.05)
+            except RuntimeError:
+                break
+        assert loop.fatal == "RuntimeError: device lost" and not loop.alive
+        with pytest.raises(RuntimeError, match="device lost"):
+            loop.call(lambda: eng.add("c"))
+        with pytest.raises(RuntimeError, match="dead"):
+            loop.poll(0.01)
+    finally:
+        loop.stop()
