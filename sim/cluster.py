@@ -109,6 +109,7 @@ class Simulation:
             refresh = 1.0  # cluster/metrics.py refresh_loop
         if refresh is not None:
             self.loop.at(refresh, self.router.refresh_stats, refresh)
+        self.loop.at(self.plan.router.kv_keepalive_s, self.router.keepalive_loop)
         if self.plan.router.adaptive_chunks:
             self.loop.at(PRESSURE_PERIOD_S, self.router.pressure_loop)
         self.loop.run()

@@ -12,11 +12,17 @@ cost model, one ``BlockManager.allocate`` per leg. A command or a KV piece that 
 meanwhile cuts the run at the first step boundary after it, exactly where the real loop
 would take it. ``--decode-stepping exact`` calls ``schedule()`` for every step; the
 tests check both give the same run.
+
+KV-wait expiry runs on the simulated clock (``DecodeScheduler(clock=loop)``): a timer at
+the oldest pending leg's deadline cuts a run (or wakes a napping worker) so the step that
+starts after it expires the leg, as the real step's ``_expire`` does; the router's
+keepalives (sim/router.py) restart the wait of legs whose prefill is still on.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from array import array
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -51,7 +57,7 @@ class SimDecode(SimWorker):
         plan = sim.plan
         self.bm = BlockManager(plan.decode_blocks, plan.decode_block_size,
                                enable_prefix_caching=False)
-        self.sched = DecodeScheduler(plan.decode, self.bm)
+        self.sched = DecodeScheduler(plan.decode, self.bm, clock=sim.loop)
         self.max_len = min(plan.max_model_len, self.sched.max_len)
         self.num_layers = plan.num_layers
         self.kvb = plan.kv_bytes_per_token
@@ -70,19 +76,27 @@ class SimDecode(SimWorker):
         self._prev: list[ScheduledItem] = []
         self._hard = False
         self._t0 = 0.0
+        self._failed: list[str] = []  # legs whose KV wait expired, reported at step end
+        self._expiry_at: float | None = None  # the pending expiry check
+        self._expiry_due = False
 
     @property
     def has_work(self) -> bool:
         return bool(self.sched.pending or self.sched.running)
 
     def pending_io(self) -> bool:
-        return bool(self.inbox)
+        return bool(self.inbox) or self._expiry_due
 
     # ---- commands and I/O ---------------------------------------------------------
     def command(self, fn, *args) -> None:
-        # a reservation changes no running leg: the run may go on after it (see _resume)
-        self._cut(hard=fn != self.reserve)
+        # a reservation or a keepalive changes no running leg: the run may go on after it
+        # (see _resume)
+        self._cut(hard=fn != self.reserve and fn != self.keepalive)
         super().command(fn, *args)
+
+    def keepalive(self, legs: list[str]) -> None:
+        """DecodeEngine.keepalive: these legs' prefills are on, their KV wait restarts."""
+        self.sched.touch(legs)
 
     def reserve(self, task: DecodeTask, reply) -> None:
         if task.leg_id in self._aborted_early:
@@ -94,7 +108,41 @@ class SimDecode(SimWorker):
         except ValueError as e:  # can never fit: the router says so at once
             reply(False, str(e))
             return
+        if ok:
+            self._arm_expiry()
         reply(ok, None)
+
+    # ---- KV-wait expiry -----------------------------------------------------------
+    def _arm_expiry(self) -> None:
+        """One timer at the oldest pending leg's deadline (deadlines only move later)."""
+        if self._expiry_at is not None or not self.sched.pending:
+            return
+        timeout = self.sched.config.kv_wait_timeout_s
+        since = min(p.since for p in self.sched.pending.values())
+        self._expiry_at = max(math.nextafter(since + timeout, math.inf), self.loop.now)
+        self.loop.at(self._expiry_at, self._expiry_check)
+
+    def _expiry_check(self) -> None:
+        self._expiry_at = None
+        if not self.sched.pending:
+            return
+        if not self.sched.expired():  # the wait restarted meanwhile (a chunk, a keepalive)
+            self._arm_expiry()
+            return
+        self._expiry_due = True  # the next step expires it (re-armed there)
+        if self.stepping:
+            self._cut()
+        else:
+            self.io_ready()
+
+    def _expire(self, now: float) -> None:
+        """DecodeEngine._expire: fail the legs whose KV stopped coming."""
+        self._expiry_due = False
+        if self.sched.pending:
+            for leg in self.sched.expired(now):
+                if self._end(leg):
+                    self._failed.append(leg)
+            self._arm_expiry()
 
     def abort(self, leg_id: str) -> None:
         if not self._end(leg_id):
@@ -149,7 +197,7 @@ class SimDecode(SimWorker):
         (the reservations just taken included), so schedule() could preempt no one."""
         rest, items = self._rest, self._prev
         self._rest = None
-        if rest is None or self._hard or self.inbox or not items:
+        if rest is None or self._hard or self.inbox or not items or self._expiry_due:
             return None
         if any(it.request.status != RequestStatus.RUNNING for it in items):
             return None
@@ -160,7 +208,8 @@ class SimDecode(SimWorker):
             return None
         for it in items:  # this step's blocks, as schedule() takes them at a step's start
             it.start = it.request.num_cached_tokens
-            self.bm.allocate(it.request, it.start + 1)
+            if not self.sched.grow(it.request, it.start + 1):
+                raise AssertionError(f"{it.request.request_id}: a checked block is missing")
         self._items, self._ends, self._run = items, rest, k
         return float(rest[-1]) - self._t0, True
 
@@ -171,6 +220,7 @@ class SimDecode(SimWorker):
         if resumed is not None:
             return resumed
         import_s = self._take_kv(now) if self.inbox else 0.0
+        self._expire(now)
         items, preempted = self.sched.schedule()
         for r in preempted:  # reported with the step's events, at its end
             self._out.append(self._leg_out(r.request_id, r, finished=False))
@@ -198,7 +248,7 @@ class SimDecode(SimWorker):
             durations[0] += import_s
             durations[0] += now
             self._ends = np.cumsum(durations)
-        if self._out:  # preemptions are reported with the first step's events
+        if self._out or self._failed:  # reported with the first step's events
             self._flush(float(self._ends[0]))
         self._items, self._run = items, k
         return float(self._ends[-1]) - now, True
@@ -257,7 +307,7 @@ class SimDecode(SimWorker):
             r = it.request
             if r.status != RequestStatus.RUNNING:
                 continue  # aborted while the steps ran: already freed
-            if j > 1 and not self.bm.allocate(r, r.num_cached_tokens + j):
+            if j > 1 and not self.sched.grow(r, r.num_cached_tokens + j):
                 raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
             r.num_cached_tokens += j
             if j > 1:
@@ -279,6 +329,10 @@ class SimDecode(SimWorker):
 
     def _flush(self, at: float) -> None:
         """Report the legs that left with the events of the step ending ``at``."""
+        failed, self._failed = self._failed, []
+        for leg_id in failed:
+            self.loop.at(at + self.sim.rpc_s, self.sim.router.on_failed, self, leg_id,
+                         "timed out waiting for KV from the prefill worker")
         out, self._out = self._out, []
         for leg_id, first, count, finished, decode_s in out:
             self.loop.at(at + self.sim.rpc_s, self.sim.router.on_decode_end, self, leg_id,

@@ -7,7 +7,8 @@ adaptive-chunk pressure loop.
 
 Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``),
 router <-> client is ``client_s``; the router's own CPU time is not (its event loop is
-assumed never to be the bottleneck); worker death, restarts and KV-wait expiry are not.
+assumed never to be the bottleneck); worker death and restarts are not. KV-wait
+keepalives are sent as cluster/router_events.py sends them.
 """
 
 from __future__ import annotations
@@ -251,6 +252,22 @@ class SimRouter:
         self.end_leg(f)
 
     # ---- periodic views ---------------------------------------------------------------
+    def keepalive_loop(self) -> None:
+        """cluster/router_events.py _keepalive_loop: each decode worker hears which of its
+        pending legs still have their prefill queued or running."""
+        by_decode: dict[str, list[str]] = {}
+        for p in self.sim.prefill:
+            for leg in self.held[p.worker_id]:
+                f = self.legs.get(leg)
+                if f is None or f.done or f.prefill_done or f.decode is None or f.prefill is not p:
+                    continue
+                by_decode.setdefault(f.decode.worker_id, []).append(leg)
+        for d in self.sim.decode:  # in worker order: a run never depends on set order
+            if d.worker_id in by_decode:
+                self.sim.emit(d.command, d.keepalive, by_decode[d.worker_id])
+        if self.flights or self.sim.arrivals_left:
+            self.loop.at(self.loop.now + self.cfg.kv_keepalive_s, self.keepalive_loop)
+
     def refresh_stats(self, period: float) -> None:
         for w in self.sim.decode:
             self.kv_view[w.worker_id] = w.bm.usage
