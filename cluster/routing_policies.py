@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import pairwise
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from engine.block_manager import block_hashes
@@ -52,11 +53,15 @@ class DecodeLoad(NamedTuple):
     legs: int = 0  # legs the router has placed there and not ended
 
 
+_OUTSTANDING = attrgetter("outstanding_tokens")
+_KV_USAGE, _LEGS = attrgetter("kv_usage"), attrgetter("legs")
+
+
 def least_outstanding(loads: Sequence[PrefillLoad]) -> PrefillLoad:
     """The first worker with the fewest outstanding tokens."""
     if not loads:
         raise ValueError("no prefill worker to place on")
-    return min(loads, key=lambda w: w.outstanding_tokens)
+    return min(loads, key=_OUTSTANDING)
 
 
 class PrefillPlacement(ABC):
@@ -189,11 +194,11 @@ def default_placement(prefix_caching: bool) -> str:
 
 
 def least_kv_usage(loads: Sequence[DecodeLoad]) -> list[str]:
-    return [w.worker_id for w in sorted(loads, key=lambda w: w.kv_usage)]
+    return [w.worker_id for w in sorted(loads, key=_KV_USAGE)]
 
 
 def least_legs(loads: Sequence[DecodeLoad]) -> list[str]:
-    return [w.worker_id for w in sorted(loads, key=lambda w: w.legs)]
+    return [w.worker_id for w in sorted(loads, key=_LEGS)]
 
 
 DECODE_ORDERS: dict[str, Callable[[Sequence[DecodeLoad]], list[str]]] = {

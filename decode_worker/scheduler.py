@@ -176,30 +176,40 @@ class DecodeScheduler:
         """Room for `num_tokens` tokens: first from r's own promise, then only from blocks
         nobody was promised."""
         need = self.bm.blocks_needed(r, num_tokens)
-        beyond = need - min(need, self._owed(r))
-        if beyond > self.promised_free_blocks():
+        if need == 0:
+            return True  # the slots are in r's blocks already
+        owed = self._owed(r)
+        if need - min(need, owed) > self.promised_free_blocks():
             return False
-        return self._allocate(r, num_tokens)  # need <= owed(r) + unpromised <= free
+        if not self.bm.allocate(r, num_tokens):  # need <= owed(r) + unpromised <= free
+            return False
+        self._owed_total -= min(need, owed)
+        return True
 
     def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
         """One decode token per running request; preempts the newest when out of blocks."""
         items: list[ScheduledItem] = []
         preempted: list[Request] = []
+        running_ids, bs = self._running_ids, self.bm.block_size
         for r in self.running[: self.config.max_num_seqs]:
-            if r.request_id not in self._running_ids:
+            if r.request_id not in running_ids:
                 continue  # preempted by an earlier request of this step
-            while not self.grow(r, r.num_cached_tokens + 1):
+            start = r.num_cached_tokens
+            if len(r.block_ids) * bs > start:  # the new token's slot is in r's blocks
+                items.append(ScheduledItem(r, start, 1, False))
+                continue
+            while not self.grow(r, start + 1):
                 victim = self.running.pop()
-                del self._running_ids[victim.request_id]
+                del running_ids[victim.request_id]
                 self._release(victim)
                 victim.status = RequestStatus.PREEMPTED
                 preempted.append(victim)
                 if victim is r:
                     break
             else:
-                items.append(ScheduledItem(r, r.num_cached_tokens, 1, is_prefill=False))
-        # a preempted request may have been scheduled before it was chosen as a victim
-        items = [i for i in items if i.request.status == RequestStatus.RUNNING]
+                items.append(ScheduledItem(r, start, 1, False))
+        if preempted:  # one may have been scheduled before it was chosen as a victim
+            items = [i for i in items if i.request.status == RequestStatus.RUNNING]
         return items, preempted
 
     def finish(self, r: Request) -> None:

@@ -141,14 +141,24 @@ class BlockManager:
     # ---- allocation -----------------------------------------------------------------
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow `request`'s block table to hold `num_tokens` tokens; False if out of blocks."""
-        n = self.blocks_needed(request, num_tokens)
-        if n > self.num_free_blocks:
+        blocks, free = request.block_ids, self._free
+        n = -(-num_tokens // self.block_size) - len(blocks)
+        if n > len(free) + len(self._cached_free):
             return False
-        self._owners[request.request_id] = request.block_ids
+        self._owners[request.request_id] = blocks
+        if n <= 0:
+            return True
+        ref = self._ref
+        if n <= len(free):  # no eviction: the free list in order
+            for _ in range(n):
+                b = free.popleft()
+                ref[b] = 1
+                blocks.append(b)
+            return True
         for _ in range(n):
             b = self._pop_block()
-            self._ref[b] = 1
-            request.block_ids.append(b)
+            ref[b] = 1
+            blocks.append(b)
         return True
 
     def _pop_block(self) -> int:
@@ -182,14 +192,15 @@ class BlockManager:
         if blocks is None:
             request.block_ids.clear()
             return
+        ref, hashed, cached, free = self._ref, self._block_to_hash, self._cached_free, self._free
         for b in reversed(blocks):
-            self._ref[b] -= 1
-            assert self._ref[b] >= 0, f"block {b} refcount below zero"
-            if self._ref[b] == 0:
-                if b in self._block_to_hash:
-                    self._cached_free[b] = None
+            left = ref[b] = ref[b] - 1
+            assert left >= 0, f"block {b} refcount below zero"
+            if left == 0:
+                if b in hashed:
+                    cached[b] = None
                 else:
-                    self._free.append(b)
+                    free.append(b)
         blocks.clear()
 
     def reset_prefix_cache(self) -> None:

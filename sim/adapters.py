@@ -145,16 +145,20 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
         kv_bytes_per_token=kvb)
 
 
+@lru_cache(maxsize=4096)
+def _sampling(max_tokens: int) -> SamplingParams:
+    """The router's greedy params for a leg (frozen: one per max_tokens is shared)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def prefill_request(leg_id: str, tokens: list[int], max_tokens: int, tenant: str) -> Request:
     """The Request PrefillEngine.add builds for a PrefillTask (outputs run to max_tokens)."""
-    return Request(leg_id, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                  ignore_eos=True), tenant=tenant)
+    return Request(leg_id, tokens, _sampling(max_tokens), tenant=tenant)
 
 
 def decode_task(leg_id: str, prompt_len: int, max_tokens: int, tenant: str) -> DecodeTask:
     """The DecodeTask the router's dispatch sends for a leg."""
-    return DecodeTask(leg_id, prompt_len, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                         ignore_eos=True), tenant=tenant)
+    return DecodeTask(leg_id, prompt_len, _sampling(max_tokens), tenant=tenant)
 
 
 @lru_cache(maxsize=8192)

@@ -14,7 +14,7 @@ import bisect
 import itertools
 from typing import TYPE_CHECKING
 
-from sim.adapters import ADMISSION_RETRY_S, DecodeLoad, decode_order, decode_task
+from sim.adapters import ADMISSION_RETRY_S, decode_order, decode_task
 
 if TYPE_CHECKING:
     from sim.router import Flight, SimRouter
@@ -61,9 +61,8 @@ class SimAdmission:
             return
         head = self._queue[0][2]
         self._round, self._woken = head, False
-        r = self.router
-        loads = [DecodeLoad(w, r.kv_view[w], len(r.held[w])) for w in r.kv_view]
-        self._ask(head, head.leg_id, decode_order(self.sim.options.decode_order, loads), 0)
+        order = decode_order(self.sim.options.decode_order, self.router.decode_loads)
+        self._ask(head, head.leg_id, order, 0)
 
     def _ask(self, flight: Flight, leg: str, order: list[str], i: int) -> None:
         w = self.router.decode_by_id[order[i]]

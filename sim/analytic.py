@@ -162,11 +162,8 @@ class RooflineCosts(CostModel):
         m0 = self.dense_bytes + self.head_bytes
         if steps <= SMALL_RUN:  # plain floats: numpy's overhead dominates short runs
             attn, kvb, fl, bw, floor = self.attn, self.kv_bytes, self.flops, self.bw, self.floor
-            out = []
-            for i in range(steps):
-                ctx = float(context + batch * i)
-                out.append(max((c0 + attn * ctx) / fl, (m0 + (ctx + batch) * kvb) / bw, floor))
-            return out
+            return [max((c0 + attn * ctx) / fl, (m0 + (ctx + batch) * kvb) / bw, floor)
+                    for ctx in map(float, range(context, context + batch * steps, batch))]
         ctx = context + batch * np.arange(steps, dtype=float)
         flops, nbytes = (c0 + self.attn * ctx) / self.flops, (m0 + (ctx + batch) * self.kv_bytes) / self.bw
         return np.maximum(np.maximum(flops, nbytes), self.floor)

@@ -72,9 +72,9 @@ class SimDecode(SimWorker):
         self._ends = np.empty(0)
         self._run = 0  # steps in the current (macro) step
         self._out: list[tuple] = []  # legs that left, reported at the end of the step
-        self._rest = None  # step ends left by a soft cut (list or array)
-        self._prev: list[ScheduledItem] = []
-        self._hard = False
+        self._soft: list[tuple] = []  # commands that run at the boundary self._soft_at
+        self._soft_at = 0  # steps of the run done at that boundary
+        self._soft_version = 0
         self._t0 = 0.0
         self._failed: list[str] = []  # legs whose KV wait expired, reported at step end
         self._expiry_at: float | None = None  # the pending expiry check
@@ -89,9 +89,13 @@ class SimDecode(SimWorker):
 
     # ---- commands and I/O ---------------------------------------------------------
     def command(self, fn, *args) -> None:
-        # a reservation or a keepalive changes no running leg: the run may go on after it
-        # (see _resume)
-        self._cut(hard=fn != self.reserve and fn != self.keepalive)
+        # a reservation or a keepalive changes no running leg: it runs at the next step
+        # boundary and the run goes on after it when no decision can change (_boundary)
+        if fn == self.reserve or fn == self.keepalive:
+            if self._soft_command(fn, args):
+                return
+        else:
+            self._cut()
         super().command(fn, *args)
 
     def keepalive(self, legs: list[str]) -> None:
@@ -158,17 +162,59 @@ class SimDecode(SimWorker):
         self._cut()
         self.io_ready()
 
-    def _cut(self, hard: bool = True) -> None:
-        """End a multi-step run at the first step boundary from now on. After a soft cut
-        (only reservations came) the rest of the run may resume without a new schedule()."""
-        self._hard = self._hard or hard
+    def _cut(self) -> None:
+        """End a multi-step run at the first step boundary from now on (the commands
+        waiting for that boundary then run with the others, in arrival order)."""
+        if self._soft:  # they wait for this same boundary: they run there, first
+            self._commands[:0] = self._soft
+            self._soft = []
+            self._soft_version += 1
         if not self.stepping or self._run <= 1:
             return
         j = bisect.bisect_left(self._ends, self.loop.now, 0, self._run)
         if j + 1 < self._run:
-            self._rest = self._ends[j + 1:]
             self._run = j + 1
             self.reschedule_end(float(self._ends[j]))
+
+    def _soft_command(self, fn, args: tuple) -> bool:
+        """Hold a reservation or keepalive for the step boundary it waits for, without
+        ending the run there; False when that boundary is the run's end anyway."""
+        if not self.stepping or self._run <= 1:
+            return False
+        j = bisect.bisect_left(self._ends, self.loop.now, 0, self._run)
+        if j + 1 >= self._run:
+            return False
+        if not self._soft:  # one boundary at a time: a later command waits for the same
+            self._soft_at = j + 1
+            self._soft_version += 1
+            self.loop.at(float(self._ends[j]), self._boundary, self._soft_version)
+        self._soft.append((fn, args))
+        return True
+
+    def _boundary(self, version: int) -> None:
+        """``_soft_at`` steps of the run are done: the blocks they took are taken (what
+        ``schedule()`` allocates step by step), the held commands run, and the run goes on
+        when its remaining steps still fit what nobody was promised (so the real
+        scheduler could preempt no one); else it ends here and the next step is a fresh
+        ``schedule()``."""
+        if version != self._soft_version or not self._soft:
+            return
+        commands, self._soft = self._soft, []
+        done, grow, bs = self._soft_at, self.sched.grow, self.bm.block_size
+        items = [it for it in self._items if it.request.status == RequestStatus.RUNNING]
+        for it in items:
+            r = it.request
+            if len(r.block_ids) * bs < r.num_cached_tokens + done:
+                if not grow(r, r.num_cached_tokens + done):
+                    raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
+        for fn, args in commands:
+            fn(*args)
+        run = self._run
+        need = sum(max(0, -(-(it.request.num_cached_tokens + run) // bs)
+                       - len(it.request.block_ids)) for it in items)
+        if need > self.sched.promised_free_blocks():
+            self._run = done
+            self.reschedule_end(self.loop.now)
 
     # ---- the step -----------------------------------------------------------------
     def _take_kv(self, now: float) -> float:
@@ -191,34 +237,8 @@ class SimDecode(SimWorker):
                 tracer.span(leg, "decode_admit", self.worker_id, now + seconds, now + seconds)
         return seconds
 
-    def _resume(self) -> tuple[float, bool] | None:
-        """Go on with the steps a soft cut left, if the scheduler would decide them the
-        same way: the same legs run and their blocks still fit what nobody was promised
-        (the reservations just taken included), so schedule() could preempt no one."""
-        rest, items = self._rest, self._prev
-        self._rest = None
-        if rest is None or self._hard or self.inbox or not items or self._expiry_due:
-            return None
-        if any(it.request.status != RequestStatus.RUNNING for it in items):
-            return None
-        free = self.sched.promised_free_blocks()
-        k = len(rest)
-        if sum(self.bm.blocks_needed(it.request, it.request.num_cached_tokens + k)
-               for it in items) > free:
-            return None
-        for it in items:  # this step's blocks, as schedule() takes them at a step's start
-            it.start = it.request.num_cached_tokens
-            if not self.sched.grow(it.request, it.start + 1):
-                raise AssertionError(f"{it.request.request_id}: a checked block is missing")
-        self._items, self._ends, self._run = items, rest, k
-        return float(rest[-1]) - self._t0, True
-
     def start_step(self) -> tuple[float, bool] | None:
         now = self._t0 = self.loop.now
-        resumed = self._resume()
-        self._hard = False
-        if resumed is not None:
-            return resumed
         import_s = self._take_kv(now) if self.inbox else 0.0
         self._expire(now)
         items, preempted = self.sched.schedule()
@@ -228,14 +248,18 @@ class SimDecode(SimWorker):
             self._flush(now)
             self._items, self._run = [], 0
             return (import_s, False) if import_s > 0 else None
-        n = len(self.step_times)
+        n, first, b = len(self.step_times), self.first_step, len(items)
         ctx = longest = 0
         for it in items:
-            self.first_step.setdefault(it.request.request_id, n)
-            ctx += it.start + 1
-            longest = max(longest, it.start + 1)
+            start = it.start
+            ctx += start
+            if start > longest:
+                longest = start
+            rid = it.request.request_id
+            if rid not in first:
+                first[rid] = n
+        ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
         k = self._run_length(items) if self.fast else 1
-        b = len(items)
         fixed = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
         run = self.costs.decode_run_s(b, ctx, longest, k)
         if k <= SMALL_RUN:  # the same float operations as the numpy path, without numpy
@@ -256,21 +280,21 @@ class SimDecode(SimWorker):
     def _run_length(self, items: list[ScheduledItem]) -> int:
         """Steps that can go as one after this one: none finishes a leg before the last,
         and their blocks fit what nobody was promised (so no preemption can happen)."""
-        k = MAX_RUN
+        k, max_len = MAX_RUN, self.max_len
         for it in items:
             r = it.request
-            left = min(r.sampling_params.max_tokens - len(r.output_token_ids),
-                       self.max_len - r.num_tokens)
+            out = len(r.output_token_ids)
+            left = min(r.sampling_params.max_tokens - out,
+                       max_len - len(r.prompt_token_ids) - out)
             if left < k:
                 k = max(1, left)
         if k <= 1:
             return 1
-        free = self.sched.promised_free_blocks()
-        bm = self.bm
+        free, bs = self.sched.promised_free_blocks(), self.bm.block_size
+        held = [(it.request.num_cached_tokens, len(it.request.block_ids)) for it in items]
 
-        def need(steps: int) -> int:
-            return sum(bm.blocks_needed(it.request, it.request.num_cached_tokens + steps)
-                       for it in items)
+        def need(steps: int) -> int:  # BlockManager.blocks_needed over the items
+            return sum(max(0, -(-(c + steps) // bs) - nb) for c, nb in held)
 
         if need(k) <= free:
             return k
@@ -282,7 +306,7 @@ class SimDecode(SimWorker):
 
     def end_step(self) -> None:
         items, j = self._items, self._run
-        self._items, self._prev = [], items
+        self._items = []
         if not j:  # a step that only took KV in
             self.busy_s += self.loop.now - self._t0
             return
@@ -303,19 +327,23 @@ class SimDecode(SimWorker):
                     tracer.span(it.request.request_id, "decode_step", self.worker_id, s, e,
                                 batch_num_seqs=len(items), batch_num_tokens=len(items),
                                 tenant=it.request.tenant)
+        running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        grow, bs, max_len = self.sched.grow, self.bm.block_size, self.max_len
         for it in items:
             r = it.request
-            if r.status != RequestStatus.RUNNING:
+            if r.status != running:
                 continue  # aborted while the steps ran: already freed
-            if j > 1 and not self.sched.grow(r, r.num_cached_tokens + j):
-                raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
-            r.num_cached_tokens += j
+            n = r.num_cached_tokens + j
             if j > 1:
+                if len(r.block_ids) * bs < n and not grow(r, n):
+                    raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
                 r.output_token_ids.extend([token] * (j - 1))
+            r.num_cached_tokens = n
             r.append_token(token)
-            if not r.is_finished and r.num_tokens >= self.max_len:
-                r.status = RequestStatus.FINISHED_LENGTH
-            if r.is_finished:
+            status = r.status
+            if status < stopped and len(r.prompt_token_ids) + len(r.output_token_ids) >= max_len:
+                r.status = status = RequestStatus.FINISHED_LENGTH
+            if status >= stopped:  # Request.is_finished
                 self.sched.finish(r)
                 self._out.append(self._leg_out(r.request_id, r, finished=True))
         self._flush(self.loop.now)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sim.adapters import PrefillLoad, simulated_token
+from sim.adapters import DecodeLoad, PrefillLoad, simulated_token
 from sim.admission import SimAdmission
 
 if TYPE_CHECKING:
@@ -67,6 +67,12 @@ class SimRouter:
         self.outstanding = {w.worker_id: 0 for w in sim.prefill}
         self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
+        # the placement and decode-order policies' inputs, kept current (a NamedTuple per
+        # worker is rebuilt when its figures change, not per decision)
+        self.prefill_loads = [PrefillLoad(w.worker_id, 0) for w in sim.prefill]
+        self.decode_loads = [DecodeLoad(w.worker_id, 0.0, 0) for w in sim.decode]
+        self._load_index = {w.worker_id: i for ws in (sim.prefill, sim.decode)
+                            for i, w in enumerate(ws)}
         self._dispatches = itertools.count(1)
         self.decode_by_id = {w.worker_id: w for w in sim.decode}
         self.admission = SimAdmission(self)
@@ -132,19 +138,27 @@ class SimRouter:
         """The head's decode reservation held: pick its prefill worker and queue it."""
         flight.decode = decode
         self.held[decode.worker_id].add(flight.leg_id)
+        self._decode_load(decode.worker_id)
         req = flight.req
         prompt = list(req.prompt_token_ids)
         if flight.generated:
             prompt += [simulated_token()] * flight.generated
-        loads = [PrefillLoad(w.worker_id, self.outstanding[w.worker_id]) for w in self.sim.prefill]
-        wid = self.placement.pick(loads, prompt)
+        wid = self.placement.pick(self.prefill_loads, prompt)
         p = self.sim.prefill_by_id[wid]
         flight.prefill = p
         self.held[wid].add(flight.leg_id)
-        self.outstanding[wid] += len(prompt)
+        self._add_outstanding(wid, len(prompt))
         deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
         self.sim.emit(p.command, p.add, flight.leg_id, prompt, req.max_tokens - flight.generated,
                       req.tenant, decode, deadline)
+
+    def _add_outstanding(self, wid: str, tokens: int) -> None:
+        n = self.outstanding[wid] = max(0, self.outstanding[wid] + tokens)
+        self.prefill_loads[self._load_index[wid]] = PrefillLoad(wid, n)
+
+    def _decode_load(self, wid: str) -> None:
+        self.decode_loads[self._load_index[wid]] = DecodeLoad(
+            wid, self.kv_view[wid], len(self.held[wid]))
 
     # ---- worker events --------------------------------------------------------------
     def _current(self, leg: str, w: Any, role: str) -> Flight | None:
@@ -171,7 +185,7 @@ class SimRouter:
         f.timing["transfer_s"] = f.timing.get("transfer_s", 0.0) + transfer_s
         if leg in self.held[w.worker_id] and not f.prefill_done:
             f.prefill_done = True
-            self.outstanding[w.worker_id] = max(0, self.outstanding[w.worker_id] - f.leg_prompt_len)
+            self._add_outstanding(w.worker_id, -f.leg_prompt_len)
             self.held[w.worker_id].discard(leg)
 
     def on_decode_end(self, w: SimDecode, leg: str, first: int, count: int, finished: bool,
@@ -219,11 +233,13 @@ class SimRouter:
         self.legs.pop(leg, None)
         p = f.prefill
         if p is not None and leg in self.held[p.worker_id] and not f.prefill_done:
-            self.outstanding[p.worker_id] = max(0, self.outstanding[p.worker_id] - f.leg_prompt_len)
+            self._add_outstanding(p.worker_id, -f.leg_prompt_len)
         for w in dict.fromkeys(x for x in (p, f.decode) if x is not None):
             if leg in self.held[w.worker_id] and not any(w is e for e in ended):
                 self.abort_on(w, leg)
             self.held[w.worker_id].discard(leg)
+        if f.decode is not None:
+            self._decode_load(f.decode.worker_id)
         f.prefill = f.decode = None
         self.wake_head()
 
@@ -271,6 +287,7 @@ class SimRouter:
     def refresh_stats(self, period: float) -> None:
         for w in self.sim.decode:
             self.kv_view[w.worker_id] = w.bm.usage
+            self._decode_load(w.worker_id)
         if self.flights or self.sim.arrivals_left:
             self.loop.at(self.loop.now + period, self.refresh_stats, period)
 
