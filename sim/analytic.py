@@ -164,9 +164,18 @@ class RooflineCosts(CostModel):
             attn, kvb, fl, bw, floor = self.attn, self.kv_bytes, self.flops, self.bw, self.floor
             return [max((c0 + attn * ctx) / fl, (m0 + (ctx + batch) * kvb) / bw, floor)
                     for ctx in map(float, range(context, context + batch * steps, batch))]
-        ctx = context + batch * np.arange(steps, dtype=float)
-        flops, nbytes = (c0 + self.attn * ctx) / self.flops, (m0 + (ctx + batch) * self.kv_bytes) / self.bw
-        return np.maximum(np.maximum(flops, nbytes), self.floor)
+        # the same element-wise float operations, in place (each numpy call costs more than
+        # its arithmetic on a run's few hundred elements)
+        ctx = np.arange(context, context + batch * steps, batch, dtype=float)
+        nbytes = ctx + batch
+        nbytes *= self.kv_bytes
+        nbytes += m0
+        nbytes /= self.bw
+        ctx *= self.attn
+        ctx += c0
+        ctx /= self.flops
+        np.maximum(ctx, nbytes, out=nbytes)
+        return np.maximum(nbytes, self.floor, out=nbytes)
 
     def sample_s(self, rows: int) -> float:
         return self.a["sample_fixed_s"] + rows * self.a["sample_per_row_s"]

@@ -76,6 +76,7 @@ class SimDecode(SimWorker):
         self._soft_at = 0  # steps of the run done at that boundary
         self._soft_version = 0
         self._t0 = 0.0
+        self._fixed: dict[int, float] = {}  # batch size -> step overhead + sampling
         self._failed: list[str] = []  # legs whose KV wait expired, reported at step end
         self._expiry_at: float | None = None  # the pending expiry check
         self._expiry_due = False
@@ -260,7 +261,9 @@ class SimDecode(SimWorker):
                 first[rid] = n
         ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
         k = self._run_length(items) if self.fast else 1
-        fixed = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
+        fixed = self._fixed.get(b)
+        if fixed is None:  # the costs are pure functions of the batch: asked once per size
+            fixed = self._fixed[b] = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
         run = self.costs.decode_run_s(b, ctx, longest, k)
         if k <= SMALL_RUN:  # the same float operations as the numpy path, without numpy
             durations = [x + fixed for x in run]
@@ -271,7 +274,7 @@ class SimDecode(SimWorker):
             durations = np.asarray(run) + fixed
             durations[0] += import_s
             durations[0] += now
-            self._ends = np.cumsum(durations)
+            self._ends = durations.cumsum()
         if self._out or self._failed:  # reported with the first step's events
             self._flush(float(self._ends[0]))
         self._items, self._run = items, k
@@ -315,12 +318,12 @@ class SimDecode(SimWorker):
             self.step_times.extend(ends)
         else:
             self.step_times.frombytes(ends.tobytes())
-            ends = ends.tolist()
-        self.step_batch.extend([len(items)] * j)
+        self.step_batch.extend(array("i", (len(items),)) * j)
         self.num_steps += j
         self.busy_s += float(ends[-1]) - self._t0
         tracer, token = self.sim.tracer, simulated_token()
         if tracer is not None:
+            ends = list(ends)
             starts = [self._t0, *ends[:-1]]
             for s, e in zip(starts, ends, strict=True):
                 for it in items:
