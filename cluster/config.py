@@ -161,7 +161,10 @@ class TransferSection(Section):
                                       "x its KV bytes per token); 0 = credit_window_mb alone",
                                       ge=0)
     send_queue: str = opt("fcfs", "order of queued KV sends", choices=SEND_QUEUES)
-    link_gbps: float | None = opt(None, "emulated link bandwidth cap in Gbit/s (studies)", gt=0)
+    link_gbps: float | None = opt(None, "emulated link rate in Gbit/s beneath every send "
+                                  "policy (studies; kv_transfer/emulated_link.py)", gt=0)
+    link_latency_us: float = opt(0.0, "emulated link one-way latency in microseconds "
+                                 "(frames and acks)", ge=0)
     bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")
     failure_timeout_s: float = opt(10.0, "a silent peer fails its requests after this", gt=0)
 
@@ -171,7 +174,7 @@ class TransferSection(Section):
             raise self._bad("rate_gbps", f"must be set when send_policy is {self.send_policy!r}")
         if not paced and self.rate_gbps is not None:
             raise self._bad("rate_gbps", f"paces a pacing send_policy only, not "
-                            f"{self.send_policy!r} (link_gbps caps every policy)")
+                            f"{self.send_policy!r} (link_gbps emulates the link beneath every policy)")
 
 
 @dataclass(frozen=True)

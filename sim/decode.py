@@ -229,7 +229,7 @@ class SimDecode(SimWorker):
             n = p.token_end - p.token_start
             if kept and n:  # a piece split by layer carries a share of the tokens' bytes
                 seconds += self.costs.kv_import_s(max(1, round(p.nbytes / self.kvb)))
-            self.loop.at(now + p.link.cost.latency_s, p.link.ack, p, kept)
+            self.loop.at(now + p.link.ack_latency_s, p.link.ack, p, kept)
         tracer = self.sim.tracer
         for leg in startable(self.sched):
             self.sched.start(leg)

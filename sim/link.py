@@ -8,6 +8,11 @@ delivered when its write ends; its credit returns when the decode worker takes i
 start of its next step, kv_transfer/receiver.py ``release``) plus the link latency. A
 leg's sends are finished once its final frame is queued and every frame acked
 (kv_transfer/sender.py ``_on_acks``): the prefill worker then reports PREFILL_DONE.
+
+An emulated link (``transfer.link_gbps`` / ``link_latency_us``, kv_transfer/emulated_link.py)
+sits beneath the same scheduler: a write holds the link thread for ``n / rate``, the
+frames then reach the real transport ``latency`` later, one write after the other (its
+cost from the cost model), and acks come back ``latency`` later too.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ class SimLink:
         self.layers, self.kvb = plan.num_layers, plan.kv_bytes_per_token
         self.max_payload = plan.transfer.max_payload_bytes
         self.busy = False
+        t = plan.transfer
+        self.emu_rate, self.emu_latency = t.link_rate_bytes_per_s, t.link_latency_s
+        self.emulated = t.link_emulated
+        self.ack_latency_s = self.cost.latency_s + self.emu_latency
+        self._inner_free = 0.0  # when the real transport under an emulated link is free
         self._wake_version = 0
         self._outstanding: dict[str, list] = {}  # leg -> [frames not acked, final queued]
         self.bytes_sent = 0
@@ -78,7 +88,14 @@ class SimLink:
         if batch:
             nbytes = sum(f.nbytes for f in batch)
             self.busy = True
-            self.loop.at(now + self.cost.write_s(nbytes), self._written, batch, now)
+            if not self.emulated:
+                self.loop.at(now + self.cost.write_s(nbytes), self._written, batch, now)
+                return
+            wire_end = now + (nbytes / self.emu_rate if self.emu_rate > 0 else 0.0)
+            start = max(wire_end + self.emu_latency, self._inner_free)
+            self._inner_free = start + self.cost.write_s(nbytes)
+            self.loop.at(wire_end, self._wire_done, batch, now)
+            self.loop.at(self._inner_free, self._arrived, batch)
         elif wait is not None:
             self._wake_version += 1
             self.loop.at(now + wait, self._wake, self._wake_version)
@@ -88,17 +105,25 @@ class SimLink:
             self.kick()
 
     def _written(self, batch: list[QueuedFrame], t0: float) -> None:
+        self._wire_done(batch, t0, kick=False)
+        self._arrived(batch)
+        self.kick()
+
+    def _wire_done(self, batch: list[QueuedFrame], t0: float, kick: bool = True) -> None:
+        """The link thread's write returned (on an emulated link: its bytes left the wire)."""
         self.busy = False
         now = self.loop.now
-        pieces = [f.item for f in batch]
-        self.bytes_sent += sum(p.nbytes for p in pieces)
-        self.frames_sent += len(pieces)
+        self.bytes_sent += sum(f.nbytes for f in batch)
+        self.frames_sent += len(batch)
         if self.sim.tracer is not None:
             for f in batch:
                 self.sim.tracer.span(f.request_id, "kv_send", self.name, t0, now,
                                      bytes=f.nbytes)
-        self.dst.deliver(pieces)
-        self.kick()
+        if kick:
+            self.kick()
+
+    def _arrived(self, batch: list[QueuedFrame]) -> None:
+        self.dst.deliver([f.item for f in batch])
 
     def ack(self, piece: Piece, kept: bool) -> None:
         """Credit of ``piece`` is back; ``kept``: the decode worker took it (else dropped)."""

@@ -105,13 +105,14 @@ def test_teaching_example_reproduces_from_real_traces(ctx) -> None:
 
 
 def test_pacing_sweep_in_process_records_policies_overlap_and_link(ctx) -> None:
-    ctx.opts = dataclasses.replace(ctx.opts, transport="inproc", configs=("eager", "at_end-raw"))
+    ctx.opts = dataclasses.replace(ctx.opts, transport="inproc", configs=("eager", "at_end"))
     run_study("pacing", ctx, echo=lambda _: None)
-    data = check_files_agree(ctx, "pacing", ["eager", "at_end-raw"])
+    data = check_files_agree(ctx, "pacing", ["eager", "at_end"])
     eager, at_end = data["rows"]
-    assert (eager["send_policy"], eager["link_emulated"]) == ("paced", True)
+    # both policies, unchanged, on the same emulated link
+    assert (eager["send_policy"], eager["link_emulated"]) == ("eager", True)
+    assert (at_end["send_policy"], at_end["link_emulated"]) == ("at_end", True)
     assert eager["rate_gbps"] == pytest.approx(data["link"]["link_gbps"])
-    assert (at_end["send_policy"], at_end["link_emulated"]) == ("at_end", False)
     check_traces(ctx, data)
     for r in (eager, at_end):
         assert 0.0 <= r["transfer_overlap"] <= 1.0 and 0.0 <= r["link_utilization"] <= 1.0

@@ -18,13 +18,14 @@ PROMPT = 32
 KV_BYTES = PROMPT * 2 * 2 * 2 * 16 * 4  # tiny shape: layers x K,V x kv heads x dim x fp32
 
 
-def one_request_sim(stepping: str) -> Simulation:
+def one_request_sim(stepping: str, **transfer) -> Simulation:
     cal = synthetic_calibration(prefill=lambda c, p: PREFILL_S, decode=lambda b, L: DECODE_S,
                                 rpc_s=RPC_S, link_latency_s=LINK_LAT_S,
                                 link_bytes_per_s=KV_BYTES / 0.001, idle_wait_s=IDLE_S)
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
-        "cache.num_blocks": 256, "model.max_model_len": 2048})
+        "cache.num_blocks": 256, "model.max_model_len": 2048,
+        **{f"transfer.{k}": v for k, v in transfer.items()}})
     return Simulation(cfg, load_costs(cal), SimOptions(decode_stepping=stepping))
 
 
@@ -57,6 +58,31 @@ def test_one_request_times_equal_the_arithmetic_of_its_path(stepping: str) -> No
     assert rec.prefill_s == pytest.approx(PREFILL_S, abs=1e-12)
     assert rec.transfer_s == pytest.approx(done_tick - prefill_end, abs=1e-12)
     assert rec.decode_s == pytest.approx(3 * DECODE_S, abs=1e-12)
+    sim.check_quiescent()
+
+
+@pytest.mark.parametrize("policy", ["eager", "at_end"])
+def test_an_emulated_link_holds_the_wire_then_delays_frames_and_acks_by_its_latency(
+        policy: str) -> None:
+    """kv_transfer/emulated_link.py's arithmetic beneath an unchanged send policy: the
+    KV holds the emulated wire 4 ms, reaches the transport 2 ms later and takes its
+    1.5 ms write; the ack comes back the transport's 0.5 ms plus the 2 ms latency."""
+    wire_s, latency_s = 0.004, 0.002
+    sim = one_request_sim("fast", send_policy=policy,
+                          link_gbps=KV_BYTES * 8 / wire_s / 1e9, link_latency_us=latency_s * 1e6)
+    req = WorkloadRequest("r0", 0.0, list(range(1, PROMPT + 1)), max_tokens=3)
+    rec = sim.run([req]).records()[0]
+    prefill_end = 3 * RPC_S + PREFILL_S
+    arrived = prefill_end + wire_s + latency_s + LINK_LAT_S + 0.001  # 20.5 ms
+    tick = RPC_S + IDLE_S * -(-(arrived - RPC_S) // IDLE_S)
+    assert tick == pytest.approx(0.021)
+    assert rec.token_times == pytest.approx(
+        (prefill_end + RPC_S, tick + DECODE_S + RPC_S, tick + 2 * DECODE_S + RPC_S), abs=1e-12)
+    ack = tick + LINK_LAT_S + latency_s
+    done_tick = prefill_end + IDLE_S * -(-(ack - prefill_end) // IDLE_S)
+    assert rec.transfer_s == pytest.approx(done_tick - prefill_end, abs=1e-12)
+    link = sim.links[0]
+    assert link.sched.hold_until_final == (policy == "at_end")  # the policy, unchanged
     sim.check_quiescent()
 
 
