@@ -23,7 +23,6 @@ from bench.studies.common import (
     pct_ms,
     trace_metrics,
 )
-from cluster.worker_specs import credit_window_bytes
 
 NAME = "pacing"
 SMALL_WINDOW_BLOCKS = 4  # the small credit window: a few KV blocks in flight per link
@@ -83,7 +82,7 @@ def run(ctx: StudyContext) -> StudyResult:
         rate = t.rate_gbps if t.rate_gbps is not None else t.link_gbps
         rows.append({
             **metrics_row(m, r), "send_policy": t.send_policy, "rate_gbps": rate,
-            "credit_window_mb": credit_window_bytes(cfg, ctx.model_config) / float(1 << 20),
+            "credit_window_mb": ctx.credit_window_mb(cfg),
             "link_emulated": t.link_gbps is not None,
             "first_itl_p99_ms": pct_ms(first_gaps),
             "chat_itl_p99_ms": pct_ms([g for c in chat for g in c.itls]),
