@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cluster.config_fields import Section, did_you_mean, opt
+from cluster.routing_policies import PREFILL_PLACEMENTS
 from engine.attention.registry import ATTENTION_BACKENDS
 from engine.config import DTYPES
 from engine.model_fetch import REAL_MODELS
@@ -90,6 +91,10 @@ class PoolsSection(Section):
         None, "custom Ray resources each decode worker needs, e.g. 'decode_node=0.01'",
         factory=dict)
     max_restarts: int = opt(2, "times Ray restarts a dead worker actor", ge=0)
+    prefill_placement: str | None = opt(
+        None, "which prefill worker takes a prompt (cluster/routing_policies.py; default: "
+        "prefix-affinity with prefix caching on, else least-outstanding)",
+        choices=tuple(PREFILL_PLACEMENTS))
     trace: bool = opt(False, "record per-request trace events on every worker (studies)")
 
     def _check(self) -> None:

@@ -8,7 +8,7 @@ Prefill placement (``PREFILL_PLACEMENTS``):
   prefix-affinity    least-outstanding, but a prompt goes back to the worker that last
                      took the same first block (whose prefix cache likely holds it) unless
                      that one is more than ``slack_tokens`` busier than the least loaded:
-                     today's router with prefix caching on (cluster/pool.py PrefixAffinity)
+                     the router's default with prefix caching on (cluster/router.py)
   length-buckets     short / medium / long / ultra-long prompts (``thresholds``) go to
                      dedicated slices of the pool, least-outstanding inside a slice
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from sim.adapters import ServeConfig, make_placement, plan_workers
+from sim.adapters import ServeConfig, plan_workers
 from sim.costs import CostModel, Limits
 from sim.decode import SimDecode
 from sim.link import SimLink
@@ -45,14 +46,10 @@ class Simulation:
         self.idle_wait_s = costs.idle_wait_s
         self.loop = EventLoop()
         self.tracer = SimTracer() if options.trace else None
-        name = options.placement or _default_placement(self.plan.prefix_caching)
-        params: dict[str, Any] = {}
-        if name == "prefix-affinity":
-            params = {"block_size": self.plan.router.affinity_block_size,
-                      "slack_tokens": self.plan.router.affinity_slack_tokens}
-        elif name == "length-buckets":
-            params = {"thresholds": options.length_buckets}
-        self.placement = make_placement(name, **params)
+        # the router's own choice (RouterConfig.make_placement), or the one asked for
+        router = replace(self.plan.router, length_buckets=tuple(options.length_buckets),
+                         placement=options.placement or self.plan.router.placement)
+        self.placement = router.make_placement()
         self.prefill = [SimPrefill(self, f"prefill-{i}") for i in range(cfg.pools.prefill_workers)]
         self.decode = [SimDecode(self, f"decode-{i}") for i in range(cfg.pools.decode_workers)]
         self.prefill_by_id = {w.worker_id: w for w in self.prefill}
@@ -142,12 +139,6 @@ class Simulation:
             problems.append("router: legs or outstanding tokens left")
         if problems:
             raise AssertionError("simulation left state behind: " + "; ".join(problems))
-
-
-def _default_placement(prefix_caching: bool) -> str:
-    from sim.adapters import default_placement
-
-    return default_placement(prefix_caching)
 
 
 def _gpu_memory(cal) -> float | None:

@@ -4,11 +4,12 @@ exactly (differentially against cluster/pool.py's PrefixAffinity), and length bu
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
-from cluster.pool import PrefixAffinity as RouterPrefixAffinity
+from cluster.flight import RouterConfig
+from cluster.pool import WorkerHandle
+from cluster.router import Router
 from cluster.routing_policies import (
     DECODE_ORDERS,
     PREFILL_PLACEMENTS,
@@ -19,12 +20,6 @@ from cluster.routing_policies import (
     default_placement,
     make_placement,
 )
-
-
-@dataclass
-class _Handle:  # what PrefixAffinity reads of a WorkerHandle
-    worker_id: str
-    outstanding_tokens: int
 
 
 def test_registry_names_and_unknown_name_is_an_error_naming_the_choices() -> None:
@@ -57,13 +52,19 @@ def test_prefix_affinity_decides_exactly_as_the_router_over_a_random_history() -
     rng = random.Random(7)
     prefixes = [[rng.randrange(1, 500) for _ in range(40)] for _ in range(6)]
     ours = make_placement("prefix-affinity", block_size=16, slack_tokens=300, capacity=4)
-    theirs = RouterPrefixAffinity(16, 300, capacity=4)
+    handles = {f"p{i}": WorkerHandle(f"p{i}", "prefill", None) for i in range(4)}
+    router = Router(list(handles.values()), [], RouterConfig(affinity_slack_tokens=300),
+                    None, 1000, 2048)
+    router._placement.capacity = 4
+    theirs = router._placement
     loads = {f"p{i}": 0 for i in range(4)}
     sticky_kept = 0
     for _ in range(600):
         alive = [w for w in loads if rng.random() > 0.15] or ["p0"]
         prompt = rng.choice(prefixes)[: rng.randrange(8, 40)] + [rng.randrange(1, 500)]
-        want = theirs.pick([_Handle(w, loads[w]) for w in alive], tuple(prompt)).worker_id
+        for w, h in handles.items():
+            h.alive, h.outstanding_tokens = w in alive, loads[w]
+        want = router._pick_prefill(tuple(prompt)).worker_id
         got = ours.pick([PrefillLoad(w, loads[w]) for w in alive], prompt)
         assert got == want
         least = min(loads[w] for w in alive)
