@@ -97,16 +97,26 @@ def rel(real: float | None, sim: float | None) -> float | None:
     return (sim - real) / real
 
 
+# the terms a metric is made of: TTFT = queueing + the prefill's steps (+ RPCs);
+# ITL p50 = a decode step; ITL p99 = a decode step or the wait for a leg's KV
+TERMS = {"ttft_p50": ("prefill queue", "prefill phase"),
+         "ttft_p99": ("prefill queue", "prefill phase"),
+         "itl_p50": ("decode step",), "itl_p99": ("decode step", "KV transfer")}
+
+
 def diagnose(real: dict, sim: dict, metric: str) -> str:
-    """The term furthest off among those that make up ``metric``."""
-    terms = (("prefill step", "prefill queue", "prefill phase") if metric.startswith("ttft")
-             else ("decode step", "KV transfer"))
-    errs = {t: rel(real["terms"][t], sim["terms"][t]) for t in terms}
-    errs = {t: e for t, e in errs.items() if e is not None}
+    """The term of ``metric`` whose simulated value is furthest off in seconds."""
+    if metric.startswith("itl") and real["terms"]["decode step"] and \
+            real[metric] < 0.5 * real["terms"]["decode step"]:
+        # the client saw several steps' tokens at once: delivery, not the step, is off
+        return "token delivery (real tokens arrive coalesced)"
+    errs = {t: (real["terms"][t], sim["terms"][t]) for t in TERMS[metric]}
+    errs = {t: (a, b) for t, (a, b) in errs.items() if a is not None and b is not None}
     if not errs:
         return "?"
-    t = max(errs, key=lambda k: abs(errs[k]))
-    return f"{t} {errs[t]:+.0%}"
+    t = max(errs, key=lambda k: abs(errs[k][1] - errs[k][0]))
+    a, b = errs[t]
+    return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms"
 
 
 def table(rows: list[dict]) -> str:
@@ -136,11 +146,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=30, help="per load level")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="sim_validate_out", help="calibration, JSON, table")
+    p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run's "
+                   "sim_validate.json and exit")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.reprint:
+        data = json.loads(Path(args.reprint).read_text())
+        print(f"cost model: {data['label']}\n{table(data['rows'])}")
+        return 0
     logging.basicConfig(level=logging.WARNING)
     from bench.studies.service import ServicePool, ensure_ray
     from sim.adapters import resolve_model_dir
