@@ -65,6 +65,17 @@ class Frame:
         self.nbytes = nbytes
 
 
+def wait_for(inner: Recording, n: int) -> None:
+    """Until the delay line has handed ``n`` writes to the transport (it runs on its own
+    thread); a lost write fails here instead of hanging."""
+    for _ in range(100):
+        if len(inner.writes) >= n:
+            return
+        inner.got.wait(0.1)
+        inner.got.clear()
+    assert len(inner.writes) >= n, inner.writes
+
+
 def emulated(latency_s: float, fail: bool = False) -> tuple[EmulatedLink, Recording, Events,
                                                              ManualClock]:
     clock, events = ManualClock(), Events()
@@ -83,10 +94,7 @@ def test_back_to_back_writes_hold_the_wire_for_their_bytes_and_an_idle_gap_resta
         clock.advance(0.010)  # idle: the next write starts when it is made
         link.transmit([Frame(2000)])
         assert clock() == pytest.approx(0.0165, abs=1e-12)
-        assert inner.got.wait(5.0)
-        while len(inner.writes) < 4:
-            inner.got.clear()
-            assert inner.got.wait(5.0)
+        wait_for(inner, 4)
         # no latency: each write reaches the transport, in order, once its last byte
         # left the wire (never before)
         assert [n for _, n in inner.writes] == [1000, 3000, 500, 2000]
@@ -105,9 +113,7 @@ def test_frames_and_acks_arrive_one_latency_late_in_order() -> None:
         clock.advance(0.003)  # now 5 ms: nothing may have arrived
         assert inner.writes == []
         clock.advance(0.0025)  # 7.5 ms: both are due
-        while len(inner.writes) < 2:
-            inner.got.wait(5.0)
-            inner.got.clear()
+        wait_for(inner, 2)
         assert all(t >= due for (t, _), due in zip(inner.writes, (0.006, 0.007), strict=True))
         ack = Ack("r", 0, 0, 0)
         link.events.on_acks([ack])  # the receiver's credit at 7.5 ms reaches the sender at 12.5
