@@ -119,7 +119,7 @@ def test_pacing_sweep_in_process_records_policies_overlap_and_link(ctx) -> None:
         assert r["chat_itl_p99_ms"] > 0 and r["first_itl_p99_ms"] > 0
     summary = data["configs"]["eager"]["trace_summary"]
     assert summary["link_bytes"] > 0 and summary["num_events"] > 0
-    assert ctx.pool.launches == 3  # chunk-64, the shared default, at_end-raw
+    assert ctx.pool.launches == 3  # chunk-64 (the module's earlier test), the shared default, at_end
 
 
 def test_pdserve_bench_against_a_running_server_prints_the_block_and_writes_json(
