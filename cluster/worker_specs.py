@@ -77,8 +77,9 @@ def transfer_config(cfg: ServeConfig, model: ModelConfig, secret: bytes) -> Tran
         connector=t.connector,
         send_policy=t.send_policy,
         rate_bytes_per_s=(t.rate_gbps or 0.0) * 1e9 / 8,
-        # link emulation caps every policy (at_end and eager too) without changing it
+        # the emulated link is the transport's: every send policy runs unchanged above it
         link_rate_bytes_per_s=(t.link_gbps or 0.0) * 1e9 / 8,
+        link_latency_s=t.link_latency_us * 1e-6,
         burst_bytes=int(t.burst_mb * (1 << 20)),
         credit_window_bytes=window,
         # a frame never exceeds the window, so small windows can be studied
