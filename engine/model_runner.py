@@ -24,6 +24,8 @@ from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.llama import AttentionMetadata
+from engine.parallel.loader import load_shard
+from engine.parallel.state import rank_shard
 
 __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
@@ -110,15 +112,24 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.backend = get_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
+        # tensor parallelism: this rank's heads and MLP rows (the whole model without TP)
+        self.group, self.shard = rank_shard(config)
+        if self.group is None:
+            self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
+        else:
+            self.model = load_shard(config.model, config.model_dir, self.shard, self.device,
+                                    self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
         memory = device_memory(self.device) if self.device.type == "cuda" else None
         if num_blocks is None:
             num_blocks = num_kv_blocks(config, memory=memory)
         elif memory is not None:
             check_kv_fits(config, num_blocks, free=memory[0])
+        if self.group is not None:  # every rank of a group holds as many blocks
+            num_blocks = self.group.agree_min(num_blocks)
         self.num_blocks = num_blocks
-        self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(self.shard.local_config(config.model), num_blocks, self.block_size,
+                          self.dtype, self.device)
         self._buf = _StepBuffer(self.device)
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warmup()
