@@ -95,6 +95,7 @@ class DriverRunner(ModelRunner):
         super().__init__(config, num_blocks)  # (its warm-up runs on every rank at once)
         self.group = group
         self.describe_failure = describe_failure  # () -> str | None: which rank died
+        self.on_failure = None  # (TPGroupError) -> None: e.g. end the process for a restart
         self.failed: TPGroupError | None = None
         self.kv = GroupKV(self.kv, group, _shards(group, config))
 
@@ -115,6 +116,8 @@ class DriverRunner(ModelRunner):
         self.failed = TPGroupError(
             f"tensor-parallel group of {self.group.size} failed: "
             f"{what or 'a rank stopped answering'} ({type(error).__name__}: {error})")
+        if self.on_failure is not None:
+            self.on_failure(self.failed)
         return self.failed
 
     def stop_ranks(self) -> None:
