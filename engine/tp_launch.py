@@ -18,6 +18,7 @@ connection, while starting) fails and they exit: no orphans.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -37,13 +38,25 @@ from engine.tp_driver import make_runner, serve_rank
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 300.0  # loading a big model on a slow disk still joins within this
+ONE_GPU_ENV = "PDSERVE_TP_ONE_GPU"
 _JOINED, _ERROR, _CONFIG = "pdserve/tp/joined/", "pdserve/tp/error/", "pdserve/tp/config"
+
+
+def one_gpu() -> bool:
+    """`PDSERVE_TP_ONE_GPU=1`: every rank on the configured GPU, all-reduces over gloo. A
+    check of the CUDA code path on a one-GPU machine (NCCL refuses two ranks on one GPU);
+    it says nothing of NCCL or of speed."""
+    return os.environ.get(ONE_GPU_ENV, "") == "1"
+
+
+def _backend(config: EngineConfig) -> str | None:
+    return "gloo" if one_gpu() else None
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
     """Rank r of a one-host group runs on the r-th GPU after the configured one."""
     device = torch.device(config.device)
-    if device.type != "cuda":
+    if device.type != "cuda" or one_gpu():
         return config.device
     index = (device.index or 0) + rank
     count = torch.cuda.device_count()
@@ -61,7 +74,7 @@ def _rank_main(rank: int, size: int, port: int, threads: int) -> None:
         config = pickle.loads(store.get(_CONFIG))
         config = replace(config, device=rank_device(config, rank))
         store.set(f"{_JOINED}{rank}", "1")
-        group = init_group(rank, size, store, torch.device(config.device))
+        group = init_group(rank, size, store, torch.device(config.device), _backend(config))
         serve_rank(make_runner(config, config.cache.num_blocks), group)
     except BaseException as e:
         try:
@@ -93,7 +106,7 @@ class LocalGroup:
             for r, p in enumerate(self.procs, start=1):
                 self._wait_joined(r, p)
             self.group = init_group(0, size, self.store,
-                                    torch.device(rank_device(config, 0)))
+                                    torch.device(rank_device(config, 0)), _backend(config))
         except BaseException:
             self.close()
             raise

@@ -83,14 +83,16 @@ def rank_shard(config: EngineConfig) -> tuple[TPGroup | None, Shard]:
     return group, Shard.of(config.model, size, group.rank)
 
 
-def init_group(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
+def init_group(rank: int, size: int, store: dist.Store, device: torch.device,
+               backend: str | None = None) -> TPGroup:
     """Join the group of `size` ranks that meet at `store` (a TCPStore rank 0 serves).
-    Every rank calls this; it returns once all have joined."""
+    Every rank calls this; it returns once all have joined. `backend`: NCCL on CUDA and
+    gloo on CPU unless given (gloo on CUDA: ranks may share one GPU, for checks)."""
     global _current
     if _current is not None:
         raise RuntimeError(f"this process is already rank {_current.rank} of a "
                            f"tensor-parallel group of {_current.size}")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=STEP_TIMEOUT)
     cpu = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
