@@ -77,7 +77,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
     p = cfg.pools
     provisional = plan_pools(p.prefill_workers, p.decode_workers, device="cpu",
                              gpus_per_worker=0, cpus_per_worker=p.cpus_per_worker,
-                             available={})
+                             available={}, prefill_tp=p.prefill_tp, decode_tp=p.decode_tp)
     started = _init_ray(cfg, provisional.total_cpus)
     plan = plan_pools(p.prefill_workers, p.decode_workers, device=cfg.model.device,
                       gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,

@@ -27,6 +27,7 @@ import traceback
 import weakref
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,9 +98,13 @@ class LocalGroup:
                                    timeout=timedelta(seconds=JOIN_TIMEOUT_S))
         self.store.set(_CONFIG, pickle.dumps(config))
         threads = max(1, torch.get_num_threads() // size)
+        # the children import this package from where this process found it
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "engine.tp_launch", str(r), str(size),
-             str(self.store.port), str(threads)]) for r in range(1, size)]
+             str(self.store.port), str(threads)], env=env) for r in range(1, size)]
         self.closed = False
         self.stop = None  # () -> None: rank 0's DriverRunner.stop_ranks
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import psutil
 import pytest
 import torch
 from safetensors import safe_open
@@ -112,6 +113,12 @@ def test_tp3_nine_heads_over_three_kv_heads_matches_transformers(model_9h, block
         kv = llm.runner.kv.local.data  # [L, 2, blocks, block, KVH, D]: rank 0 holds 1 head
         assert kv.shape[-2:] == (1, 8)
         _check(llm, model_9h, prompts)
+        ranks = list(llm._tp.procs)
+    # leaving the block stopped the ranks cleanly: they left serve_rank on STOP (exit 0,
+    # not killed) and none is left running
+    assert [p.returncode for p in ranks] == [0, 0]
+    assert not {c.pid for c in psutil.Process().children(recursive=True)} & {
+        p.pid for p in ranks}
 
 
 def test_tp_kv_export_and_import_carry_every_head(tiny_model):
@@ -153,14 +160,3 @@ def test_a_dead_rank_fails_the_next_step_with_its_name_and_shutdown_reaps_it(tin
         llm.abort(rid)
     assert llm.block_manager.num_used_blocks == 0
     llm.block_manager.check_integrity()
-
-
-def test_shutdown_stops_every_rank_cleanly(model_9h):
-    import psutil
-
-    with LLM(str(model_9h), block_size=8, tensor_parallel_size=3) as llm:
-        procs = list(llm._tp.procs)
-        assert all(p.poll() is None for p in procs)
-    assert [p.returncode for p in procs] == [0, 0]  # left serve_rank on STOP, not killed
-    mine = {c.pid for c in psutil.Process().children(recursive=True)}
-    assert not mine & {p.pid for p in procs}
