@@ -18,13 +18,13 @@ from tests.integration.test_pd_grpc import assert_no_leaks
 from tests.unit.test_engine_exactness import hf_greedy, prompt
 
 
-def _serve(model_dir, prefill_tp: int, decode_tp: int):
+def _serve(model_dir, prefill_tp: int, decode_tp: int, connector: str = "tcp"):
     cfg = ServeConfig.from_dict({
         "model": {"path": str(model_dir), "device": "cpu"},
-        "pools": {"cpus_per_worker": 1.0, "prefill_tp": prefill_tp, "decode_tp": decode_tp},
+        "pools": {"cpus_per_worker": 0.5, "prefill_tp": prefill_tp, "decode_tp": decode_tp},
         "cache": {"prefill_block_size": 16, "decode_block_size": 8},
         "scheduler": {"max_prefill_chunk": 9},
-        "transfer": {"connector": "tcp"},
+        "transfer": {"connector": connector},
         "server": {"port": 0},
     })
     srv = BackgroundServer(build_disaggregated_router(cfg), cfg, health_poll_s=0.05)
@@ -40,10 +40,11 @@ def _check_exact(client, model_dir, lengths) -> None:
         assert toks == hf_greedy(model_dir, p, 8), f"prompt len {n}"
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "connector"),
+                         [(2, 1, "tcp"), (1, 2, "tcp"), (2, 2, "torchdist")])
 def test_different_tp_on_the_two_pools_matches_transformers(ray_session, tiny_model,
-                                                            prefill_tp, decode_tp):
-    srv, client = _serve(tiny_model, prefill_tp, decode_tp)
+                                                            prefill_tp, decode_tp, connector):
+    srv, client = _serve(tiny_model, prefill_tp, decode_tp, connector)
     try:
         _check_exact(client, tiny_model, (1, 9, 17, 40))
         sizes = {w.role: w.extra["tensor_parallel_size"] for w in client.stats().workers}
