@@ -33,17 +33,21 @@ class GroupKV:
     """Rank 0's view of the group's KV cache: whole heads in, whole heads out. Everything
     else (the per-layer views the forward writes, wait_imports) is rank 0's own cache."""
 
-    def __init__(self, local: KVCache, group: TPGroup, shards: list[Shard]):
+    def __init__(self, local: KVCache, group: TPGroup, shards: list[Shard], on_error):
         self.local, self.group, self.shards = local, group, shards
+        self.on_error = on_error  # (RuntimeError) -> TPGroupError: the driver's `fail`
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
 
     def export_tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """KV of tokens [start, end), every KV head: `[L, 2, T, KVH, D]` on the CPU."""
-        self.group.send((EXPORT, tuple(block_ids), start, end))
-        return gather_heads(self.local.export_tokens(block_ids, start, end), self.group,
-                            self.shards)
+        try:
+            self.group.send((EXPORT, tuple(block_ids), start, end))
+            return gather_heads(self.local.export_tokens(block_ids, start, end), self.group,
+                                self.shards)
+        except RuntimeError as e:
+            raise self.on_error(e) from e
 
     def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:
         return PendingExport(self.export_tokens(block_ids, start, end))
@@ -51,9 +55,12 @@ class GroupKV:
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                       layer_start: int = 0) -> None:
         """Write whole-head KV `data` `[L', 2, T, KVH, D]`: each rank gets its heads."""
-        self.group.send((IMPORT, tuple(block_ids), start, tuple(data.shape),
-                         str(data.dtype).removeprefix("torch."), layer_start))
-        part = scatter_heads(data, self.group, self.shards)
+        try:
+            self.group.send((IMPORT, tuple(block_ids), start, tuple(data.shape),
+                             str(data.dtype).removeprefix("torch."), layer_start))
+            part = scatter_heads(data, self.group, self.shards)
+        except RuntimeError as e:
+            raise self.on_error(e) from e
         self.local.import_tokens(block_ids, start, part, layer_start)
 
 
@@ -97,7 +104,7 @@ class DriverRunner(ModelRunner):
         self.describe_failure = describe_failure  # () -> str | None: which rank died
         self.on_failure = None  # (TPGroupError) -> None: e.g. end the process for a restart
         self.failed: TPGroupError | None = None
-        self.kv = GroupKV(self.kv, group, _shards(group, config))
+        self.kv = GroupKV(self.kv, group, _shards(group, config), self.fail)
 
     def run(self, chunks: list[SeqChunk]) -> StepLogits:
         if not chunks:
@@ -112,6 +119,8 @@ class DriverRunner(ModelRunner):
             raise self.fail(e) from e
 
     def fail(self, error: BaseException) -> TPGroupError:
+        if self.failed is not None:
+            return self.failed
         what = self.describe_failure() if self.describe_failure else None
         self.failed = TPGroupError(
             f"tensor-parallel group of {self.group.size} failed: "

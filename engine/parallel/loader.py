@@ -79,6 +79,27 @@ def iter_shard(model: ModelConfig, model_dir: str | Path, shard: Shard,
                 yield name, t.contiguous().to(device=device)
 
 
+def shard_weight_bytes(model: ModelConfig, model_dir: str | Path, shard: Shard,
+                       dtype: torch.dtype) -> int:
+    """Bytes this rank's tensors take in `dtype`, from the safetensors headers (what it
+    will load: a GPU's KV budget is what is left of its memory after them)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    n = 0
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                if name.endswith("rotary_emb.inv_freq") or (
+                        name == "lm_head.weight" and shard.rank > 0):
+                    continue
+                shape = list(f.get_slice(name).get_shape())
+                rule = _split(name)
+                if rule is not None and rule[0] != "bias0":
+                    start, end = _range(shard, rule[0], model.head_dim)
+                    shape[rule[1]] = end - start
+                n += int(torch.Size(shape).numel()) * elem
+    return n
+
+
 def load_shard(model: ModelConfig, model_dir: str | Path, shard: Shard,
                device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
     """The model of rank `shard.rank` (the whole model when the group has one rank)."""

@@ -160,3 +160,19 @@ def test_a_dead_rank_fails_the_next_step_with_its_name_and_shutdown_reaps_it(tin
         llm.abort(rid)
     assert llm.block_manager.num_used_blocks == 0
     llm.block_manager.check_integrity()
+
+
+def test_a_ranks_weight_bytes_count_only_its_slices(model_9h):
+    from engine.memory import weight_bytes
+    from engine.parallel.loader import shard_weight_bytes
+
+    cfg = load_model_config(model_9h)
+    total = weight_bytes(model_9h, torch.float32)
+    ranks = [shard_weight_bytes(cfg, model_9h, Shard.of(cfg, 3, r), torch.float32)
+             for r in range(3)]
+    loaded = [sum(t.numel() * 4 for _, t in iter_shard(cfg, model_9h, Shard.of(cfg, 3, r),
+                                                        "cpu", torch.float32))
+              for r in range(3)]
+    assert ranks == loaded  # what each rank will hold, read from the headers alone
+    assert ranks[0] > ranks[1] == ranks[2]  # rank 0 alone keeps the (untied) LM head
+    assert ranks[1] < total / 2
