@@ -143,7 +143,11 @@ def _wait_all_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=5.0)
         for ref in done:
-            refs[ref].refresh(ray.get(ref))
+            info = ray.get(ref)
+            refs[ref].refresh(info)
+            if info.tp_ranks:
+                log.info("placement: %s is a TP group of %d: %s", info.worker_id,
+                         len(info.tp_ranks), "; ".join(info.tp_ranks))
         if pending and time.monotonic() > deadline:
             names = [refs[r].worker_id for r in pending]
             raise RuntimeError(

@@ -103,7 +103,9 @@ class WorkerBase:
             block_size=self.cfg.cache.block_size, endpoint=self.endpoint(), pid=os.getpid(),
             node_id=ray.get_runtime_context().get_node_id(), device=self.cfg.device,
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
-            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            tp_ranks=(_where(0), *ray.get([a.where.remote() for a in self.ranks]))
+            if self.ranks else ())
 
     def endpoint(self) -> str:
         return ""
@@ -164,6 +166,15 @@ class TPRank:
 
     def ping(self) -> str:
         return f"{self.spec.worker_id}/rank{self.rank}"
+
+    def where(self) -> str:
+        return _where(self.rank)
+
+
+def _where(rank: int) -> str:
+    """'rank r: pid P on node N, GPUs [..]' of the calling actor (placement reports)."""
+    node = ray.get_runtime_context().get_node_id()
+    return f"rank {rank}: pid {os.getpid()} on node {node[:12]}, GPUs {ray.get_gpu_ids()}"
 
 
 RemoteTPRank = ray.remote(max_concurrency=2)(TPRank)

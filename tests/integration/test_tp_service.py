@@ -49,6 +49,11 @@ def test_different_tp_on_the_two_pools_matches_transformers(ray_session, tiny_mo
         _check_exact(client, tiny_model, (1, 9, 17, 40))
         sizes = {w.role: w.extra["tensor_parallel_size"] for w in client.stats().workers}
         assert sizes == {"prefill": prefill_tp, "decode": decode_tp}
+        for handle, tp in ((srv.router.prefill[0], prefill_tp), (srv.router.decode[0], decode_tp)):
+            ranks = ray.get(handle.actor.ready.remote()).tp_ranks  # the placement report
+            assert len(ranks) == (tp if tp > 1 else 0)
+            assert [r.split(":")[0] for r in ranks] == [f"rank {i}" for i in range(len(ranks))]
+            assert len({r.split(" on node ")[1].split(",")[0] for r in ranks}) <= 1  # one node
         assert_no_leaks(client)
     finally:
         client.close()
