@@ -192,7 +192,8 @@ class DecodeEngine:
         if chunk.num_tokens:
             r = self.scheduler.allocate_range(chunk.request_id, chunk.token_end)
             self.runner.kv.import_tokens(r.block_ids, chunk.token_start, chunk.payload,
-                                         layer_start=chunk.layer_start)
+                                         layer_start=chunk.layer_start,
+                                         head_start=chunk.head_start)  # (0: every head)
             key = (chunk.token_start, chunk.token_end)
             if chunk.layer_end == layers and key not in p.ranges:
                 p.ranges.add(key)

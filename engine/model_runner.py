@@ -129,7 +129,7 @@ class ModelRunner:
             num_blocks = self.group.agree_min(num_blocks)
         self.num_blocks = num_blocks
         self.kv = KVCache(self.shard.local_config(config.model), num_blocks, self.block_size,
-                          self.dtype, self.device)
+                          self.dtype, self.device, kv_head_start=self.shard.kv_heads[0])
         self._buf = _StepBuffer(self.device)
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warmup()

@@ -2,16 +2,16 @@
 step it broadcasts the step's SeqChunks, and every rank runs the same forward on its
 shard (the all-reduces inside keep them in lockstep). Ranks > 0 sit in `serve_rank`.
 
-KV export and import (prefill -> decode transfer) go through rank 0 as whole-head
-tensors `[L, 2, T, KVH, D]`: an export gathers every rank's heads, an import scatters
-each rank's heads to it. So any connector carries a TP group's KV unchanged and the
-two pools may use different TP sizes (frames carrying a KV-head range, so that each
-rank sends its own heads, avoid the gather; see kv_transfer).
+Rank 0's `runner.kv` (GroupKV) speaks for the group. By default its export gathers every
+rank's heads into whole-head tensors `[L, 2, T, KVH, D]` and an import scatters each rank
+its heads. A worker of the service instead moves each rank's own heads over that rank's
+own KV link (runtime/tp_links.py installs hooks here): rank 0 then exports and imports
+only its own heads, and the other ranks do theirs on its word.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -36,13 +36,21 @@ class GroupKV:
     def __init__(self, local: KVCache, group: TPGroup, shards: list[Shard], on_error):
         self.local, self.group, self.shards = local, group, shards
         self.on_error = on_error  # (RuntimeError) -> TPGroupError: the driver's `fail`
+        # per-rank KV links (runtime/tp_links.py): (block_ids, start, end) -> rank 0's
+        # heads, after telling the ranks to export theirs; (block_ids, start, data,
+        # layer_start, head_start) -> True when `data` was another rank's and it imported it
+        self.export_hook = None
+        self.import_hook = None
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)
 
     def export_tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        """KV of tokens [start, end), every KV head: `[L, 2, T, KVH, D]` on the CPU."""
+        """KV of tokens [start, end), every KV head: `[L, 2, T, KVH, D]` on the CPU (rank
+        0's heads only with per-rank links)."""
         try:
+            if self.export_hook is not None:
+                return self.export_hook(block_ids, start, end)
             self.group.send((EXPORT, tuple(block_ids), start, end))
             return gather_heads(self.local.export_tokens(block_ids, start, end), self.group,
                                 self.shards)
@@ -53,9 +61,17 @@ class GroupKV:
         return PendingExport(self.export_tokens(block_ids, start, end))
 
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
-                      layer_start: int = 0) -> None:
-        """Write whole-head KV `data` `[L', 2, T, KVH, D]`: each rank gets its heads."""
+                      layer_start: int = 0, head_start: int | None = None) -> None:
+        """Write KV `data` `[L', 2, T, H', D]` of the model's heads [head_start, +H'):
+        whole-head data is scattered, each rank getting its heads; with per-rank links
+        `data` is rank 0's own heads, or another rank's chunk that rank then imports."""
         try:
+            if self.import_hook is not None and self.import_hook(
+                    block_ids, start, data, layer_start, head_start):
+                return
+            if data.shape[3] != self.shards[0].num_kv_heads or head_start:
+                self.local.import_tokens(block_ids, start, data, layer_start, head_start)
+                return
             self.group.send((IMPORT, tuple(block_ids), start, tuple(data.shape),
                              str(data.dtype).removeprefix("torch."), layer_start))
             part = scatter_heads(data, self.group, self.shards)
@@ -135,10 +151,12 @@ class DriverRunner(ModelRunner):
             self.group.send((STOP,))
 
 
-def serve_rank(runner: ModelRunner, group: TPGroup) -> None:
+def serve_rank(runner: ModelRunner, group: TPGroup,
+               handlers: Mapping[str, Callable[[tuple], None]] | None = None) -> None:
     """Ranks > 0: run what rank 0 sends until it sends STOP (or dies: the collective
-    raises, and so does this)."""
+    raises, and so does this). `handlers`: further message kinds (e.g. the KV links')."""
     shards = _shards(group, runner.config)
+    handlers = handlers or {}
     while True:
         msg = group.recv()
         kind = msg[0]
@@ -153,6 +171,8 @@ def serve_rank(runner: ModelRunner, group: TPGroup) -> None:
             _, block_ids, start, shape, dtype, layer_start = msg
             part = scatter_heads(None, group, shards, shape, torch_dtype(dtype))
             runner.kv.import_tokens(block_ids, start, part, layer_start)
+        elif kind in handlers:
+            handlers[kind](msg)
         else:
             raise TPGroupError(f"unknown tensor-parallel message {kind!r}")
 

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from datetime import timedelta
+from typing import Any
 
 import ray
 import torch
@@ -23,14 +24,25 @@ from engine.device import local_device
 from engine.parallel.state import TPGroupError, destroy_group, init_group
 from engine.tp_driver import DriverRunner, make_runner, serve_rank
 from engine.tracing import TraceRecorder
+from kv_transfer.heads import rank_heads
+from kv_transfer.registry import make_receiver, make_sender
 from runtime.loop import SteppableEngine, WorkerLoop
 from runtime.messages import WorkerEvent, WorkerInfo
 from runtime.spec import WorkerSpec, resolve_engine, worker_fault_injector
 from runtime.stats import EngineStats
+from runtime.tp_links import HeadSender, RankLinks
 
 ACTOR_CONCURRENCY = 8
 JOIN_TIMEOUT = timedelta(minutes=10)
 log = logging.getLogger(__name__)
+
+
+def advertised(endpoint: str) -> str:
+    """`endpoint` as peers on other nodes reach it (a wildcard bind -> this node's IP)."""
+    for wildcard in ("0.0.0.0", "[::]"):
+        if f"//{wildcard}:" in endpoint:
+            endpoint = endpoint.replace(wildcard, ray.util.get_node_ip_address())
+    return endpoint
 
 
 def rank_actor_name(actor_name: str, rank: int) -> str:
@@ -153,6 +165,24 @@ class TPRank:
         device = local_device(spec.engine.device, ray.get_gpu_ids())
         self.cfg: EngineConfig = dataclasses.replace(spec.engine, device=str(device))
         self._serving = threading.Lock()  # one group at a time
+        # this rank's own KV link, kept across groups (a decode rank's endpoint is fixed)
+        mine = dataclasses.replace(spec, worker_id=f"{spec.worker_id}-rank{rank}",
+                                   actor_name=rank_actor_name(spec.actor_name, rank))
+        h, tp = self.cfg.model.num_kv_heads, self.cfg.tensor_parallel_size
+        if spec.role == "prefill":
+            self.links = RankLinks(sender=HeadSender(
+                make_sender(spec.transfer, **mine.connector_kwargs()), h, tp, rank))
+        else:
+            receiver = make_receiver(spec.transfer, **mine.connector_kwargs())
+            receiver.set_head_range(rank_heads(h, tp, rank))
+            self.links = RankLinks(receiver=receiver)
+
+    def endpoint(self) -> str:
+        return advertised(self.links.receiver.endpoint) if self.links.receiver else ""
+
+    def kv_deliver(self, msg: dict, payload: Any = None) -> list:
+        """Entry point of the Ray connector (a decode rank's frames)."""
+        return self.links.receiver.deliver(msg, payload)
 
     def join(self, host: str, port: int, rank: int, num_blocks: int) -> None:
         size = self.cfg.tensor_parallel_size
@@ -160,7 +190,8 @@ class TPRank:
             store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
             group = init_group(rank, size, store, torch.device(self.cfg.device))
             try:
-                serve_rank(make_runner(self.cfg, num_blocks), group)
+                runner = make_runner(self.cfg, num_blocks)
+                serve_rank(runner, group, self.links.handlers(runner, group))
             finally:
                 destroy_group()
 
@@ -177,4 +208,4 @@ def _where(rank: int) -> str:
     return f"rank {rank}: pid {os.getpid()} on node {node[:12]}, GPUs {ray.get_gpu_ids()}"
 
 
-RemoteTPRank = ray.remote(max_concurrency=2)(TPRank)
+RemoteTPRank = ray.remote(max_concurrency=ACTOR_CONCURRENCY)(TPRank)

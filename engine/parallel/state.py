@@ -54,6 +54,12 @@ class TPGroup:
         dist.broadcast(data, 0, group=self.cpu_group)
         return pickle.loads(data.numpy().tobytes())
 
+    def gather(self, obj: object) -> list | None:
+        """Every rank's picklable `obj` to rank 0 (a list by rank); None on the others."""
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        return out
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. KV blocks: every rank has as many)."""
         t = torch.tensor([value], dtype=torch.int64)

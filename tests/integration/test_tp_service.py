@@ -47,8 +47,12 @@ def test_different_tp_on_the_two_pools_matches_transformers(ray_session, tiny_mo
     srv, client = _serve(tiny_model, prefill_tp, decode_tp, connector)
     try:
         _check_exact(client, tiny_model, (1, 9, 17, 40))
-        sizes = {w.role: w.extra["tensor_parallel_size"] for w in client.stats().workers}
-        assert sizes == {"prefill": prefill_tp, "decode": decode_tp}
+        stats = {w.role: w.extra for w in client.stats().workers}
+        assert {r: e["tensor_parallel_size"] for r, e in stats.items()} == {
+            "prefill": prefill_tp, "decode": decode_tp}
+        # each rank sends its own heads, cut for each decode rank: two streams per request,
+        # so two frames per chunk (9 chunks of <= 9 tokens), none gathered through rank 0
+        assert stats["prefill"]["kv_frames_sent"] == 2 * 9, stats["prefill"]
         for handle, tp in ((srv.router.prefill[0], prefill_tp), (srv.router.decode[0], decode_tp)):
             ranks = ray.get(handle.actor.ready.remote()).tp_ranks  # the placement report
             assert len(ranks) == (tp if tp > 1 else 0)
