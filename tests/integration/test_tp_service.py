@@ -41,7 +41,7 @@ def _check_exact(client, model_dir, lengths) -> None:
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "connector"),
-                         [(2, 1, "tcp"), (1, 2, "tcp"), (2, 2, "torchdist")])
+                         [(2, 1, "tcp"), (1, 2, "ray"), (2, 2, "torchdist")])
 def test_different_tp_on_the_two_pools_matches_transformers(ray_session, tiny_model,
                                                             prefill_tp, decode_tp, connector):
     srv, client = _serve(tiny_model, prefill_tp, decode_tp, connector)
