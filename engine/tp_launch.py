@@ -93,6 +93,7 @@ class LocalGroup:
     def __init__(self, config: EngineConfig):
         size = config.tensor_parallel_size
         self.size = size
+        rank_device(config, size - 1)  # enough GPUs for every rank, before starting any
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True,
                                    wait_for_workers=False,
                                    timeout=timedelta(seconds=JOIN_TIMEOUT_S))
