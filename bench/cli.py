@@ -120,6 +120,23 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-trace", action="store_true", help="do not record worker traces")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
+    g = p.add_argument_group("simulate (sim/study.py): the sweeps at cluster scale")
+    g.add_argument("--simulate", action="store_true",
+                   help="run the configurations in the simulator instead of launching them")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--calibration", help="a calibration file from `pdserve calibrate`")
+    src.add_argument("--analytic", help="an analytic profile (h200, h100, a100): labelled "
+                     "'analytic, not measured'")
+    g.add_argument("--model-shape", default="llama-3-8b", help="with --analytic")
+    g.add_argument("--analytic-dtype", default="bfloat16", help="with --analytic")
+    g.add_argument("--prefill-workers", type=int, default=8, help="simulated prefill pool")
+    g.add_argument("--decode-workers", type=int, default=24, help="simulated decode pool")
+    g.add_argument("--load-scale", type=float, default=8.0,
+                   help="each study's request count and rate times this (default 8)")
+    g.add_argument("--interconnect", help="link cost entry of the cost model (default: the "
+                   "connector)")
+    g.add_argument("--decode-order", default="least-legs",
+                   help="decode order (cluster/routing_policies.py; default least-legs)")
 
 
 def study_options(args: argparse.Namespace):
@@ -162,12 +179,24 @@ def run_study_cmd(args: argparse.Namespace) -> int:
         opts = study_options(args)
     except ValueError as e:
         return _study_error(str(e))
+    factory = None
+    try:
+        if args.simulate or args.calibration or args.analytic:
+            from sim.study import sim_context_factory
+
+            factory = sim_context_factory(args)
+    except ValueError as e:
+        return _study_error(str(e))
     if args.name == "all":
-        return run_all(opts, studies)
+        return run_all(opts, studies, factory)
     from bench.studies.context import StudyContext
 
     print(f"pdserve study {args.name}: {opts.summary()}", flush=True)
-    ctx = StudyContext(opts)
+    try:
+        ctx = factory(opts) if factory else StudyContext(opts)
+    except ValueError as e:
+        return _study_error(str(e))
+    print(f"   runs: {ctx.describe()}", flush=True)
     try:
         run_study(args.name, ctx)
     except ValueError as e:

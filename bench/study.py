@@ -59,6 +59,8 @@ def run_study(name: str, ctx: StudyContext, *, echo: Callable[[str], None] = pri
     t0 = time.monotonic()
     result = fn(ctx)
     result.elapsed_s = result.elapsed_s or time.monotonic() - t0
+    if ctx.simulated:  # every output says what ran it (an analytic model says so)
+        result.notes.insert(0, ctx.describe())
     paths = write_result(ctx, result)
     echo(format_result(result, ctx, paths["md"]))
     return result
@@ -76,18 +78,20 @@ def format_result(result: StudyResult, ctx: StudyContext, md: Path) -> str:
     return "\n".join(lines)
 
 
-def run_all(opts: StudyOptions, studies: tuple[str, ...] = ORDER) -> int:
+def run_all(opts: StudyOptions, studies: tuple[str, ...] = ORDER,
+            ctx_factory: Callable[[StudyOptions], StudyContext] | None = None) -> int:
     """Every study in ``studies``, then ``OUT/README.md`` linking every table, plot and
     trace, and ``OUT/run_all.json``; the exit status is 1 when any study failed."""
     from bench.studies.context import StudyContext
 
     t0 = time.monotonic()
     print(f"bench.run_all: {opts.summary()}", flush=True)
-    ctx = StudyContext(opts)
+    ctx = ctx_factory(opts) if ctx_factory else StudyContext(opts)
     done: dict[str, StudyResult] = {}
     failed: dict[str, str] = {}
     try:
         print(f"reference: {ctx.link.describe()}", flush=True)
+        print(f"runs: {ctx.describe()}", flush=True)
         for name in studies:
             try:
                 done[name] = run_study(name, ctx)
@@ -100,10 +104,10 @@ def run_all(opts: StudyOptions, studies: tuple[str, ...] = ORDER) -> int:
     elapsed = time.monotonic() - t0
     index = write_index(ctx, done, failed, elapsed)
     (ctx.out / "run_all.json").write_text(json.dumps(
-        {"elapsed_s": elapsed, "launches": ctx.pool.launches, "done": list(done),
+        {"elapsed_s": elapsed, "launches": ctx.launches, "done": list(done),
          "failed": failed, "link": ctx.link.to_dict()}, indent=2))
     print(f"bench.run_all: {len(done)} studies in {elapsed / 60:.1f} min "
-          f"({ctx.pool.launches} service launches), {len(failed)} failed -> {index}")
+          f"({ctx.launches} service launches), {len(failed)} failed -> {index}")
     return 1 if failed else 0
 
 
@@ -113,7 +117,7 @@ def write_index(ctx: StudyContext, done: dict[str, StudyResult], failed: dict[st
     lines = ["# pdserve study results", "",
              f"`python -m bench.run_all {'--quick ' if o.quick else ''}--out {o.out}` — "
              f"{o.summary()}; {elapsed_s / 60:.1f} min, "
-             f"{ctx.pool.launches} service launches.", "",
+             f"{ctx.launches} service launches.", "",
              f"Emulated KV link: {ctx.link.describe()}.", "",
              "| study | configurations | time (s) | table | plots |", "|---|---|---|---|---|"]
     for name in ORDER:

@@ -25,7 +25,7 @@ from cluster.startup import (  # noqa: F401  (build_router, launcher_available: 
     startup_errors,
 )
 
-PLUGIN_MODULES = ("bench.cli", "bench.soak_cli")
+PLUGIN_MODULES = ("bench.cli", "bench.soak_cli", "sim.cli")
 DEFAULT_ADDR = "127.0.0.1:50051"
 log = logging.getLogger("pdserve")
 

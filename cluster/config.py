@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cluster.config_fields import Section, did_you_mean, opt
+from cluster.routing_policies import PREFILL_PLACEMENTS
 from engine.attention.registry import ATTENTION_BACKENDS
-from engine.config import DTYPES
+from engine.config import COMPILE_MODES, DTYPES
 from engine.logprobs import LOGPROBS_MODES
 from engine.model_fetch import REAL_MODELS
 from kv_transfer.pacing import SEND_POLICIES
@@ -50,6 +51,9 @@ class ModelSection(Section):
     max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
                                     ge=2)
     attention_backend: str = opt("auto", "attention kernels", choices=ATTENTION_BACKENDS)
+    compile: str = opt("auto", "compiled model step (torch.compile; CUDA graphs for decode on "
+                       "CUDA): none, decode (decode-only steps), all, or auto = the device's "
+                       "default (engine/compile.py)", choices=COMPILE_MODES)
 
     def _check(self) -> None:
         if not self.path:
@@ -103,6 +107,10 @@ class PoolsSection(Section):
     decode_tp: int = opt(1, "tensor-parallel ranks per decode worker (as prefill_tp; the "
                          "two pools may differ)", ge=1)
     max_restarts: int = opt(2, "times Ray restarts a dead worker actor", ge=0)
+    prefill_placement: str | None = opt(
+        None, "which prefill worker takes a prompt (cluster/routing_policies.py; default: "
+        "prefix-affinity with prefix caching on, else least-outstanding)",
+        choices=tuple(PREFILL_PLACEMENTS))
     trace: bool = opt(False, "record per-request trace events on every worker (studies)")
 
     def _check(self) -> None:
@@ -174,7 +182,10 @@ class TransferSection(Section):
                                       "x its KV bytes per token); 0 = credit_window_mb alone",
                                       ge=0)
     send_queue: str = opt("fcfs", "order of queued KV sends", choices=SEND_QUEUES)
-    link_gbps: float | None = opt(None, "emulated link bandwidth cap in Gbit/s (studies)", gt=0)
+    link_gbps: float | None = opt(None, "emulated link rate in Gbit/s beneath every send "
+                                  "policy (studies; kv_transfer/emulated_link.py)", gt=0)
+    link_latency_us: float = opt(0.0, "emulated link one-way latency in microseconds "
+                                 "(frames and acks)", ge=0)
     bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")
     failure_timeout_s: float = opt(10.0, "a silent peer fails its requests after this", gt=0)
 
@@ -184,7 +195,7 @@ class TransferSection(Section):
             raise self._bad("rate_gbps", f"must be set when send_policy is {self.send_policy!r}")
         if not paced and self.rate_gbps is not None:
             raise self._bad("rate_gbps", f"paces a pacing send_policy only, not "
-                            f"{self.send_policy!r} (link_gbps caps every policy)")
+                            f"{self.send_policy!r} (link_gbps emulates the link beneath every policy)")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cluster.pool import WorkerHandle
+from cluster.routing_policies import PrefillPlacement, default_placement, make_placement
 from cluster.types import GenerateSpec, RouterError, Usage
 from runtime.messages import EventKind, LegTiming
 
@@ -32,6 +33,9 @@ class RouterConfig:
     adaptive_chunks: bool = False  # feed decode pressure to the prefill chunk policy
     itl_target_s: float = 0.1
     kv_keepalive_s: float = 1.0  # how often decode hears that a leg's prefill is still on
+    # cluster/routing_policies.py PREFILL_PLACEMENTS; None: default_placement(prefix_affinity)
+    placement: str | None = None
+    length_buckets: tuple[int, ...] = (256, 1024, 4096)  # thresholds of length-buckets
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
@@ -40,6 +44,22 @@ class RouterConfig:
                     self.admission_timeout_s if self.admission_timeout_s is not None else 1.0)
         if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
+        self.make_placement()  # ValueError names an unknown policy or bad parameters
+
+    @property
+    def placement_name(self) -> str:
+        return self.placement or default_placement(self.prefix_affinity)
+
+    def make_placement(self) -> PrefillPlacement:
+        """A fresh prefill placement policy (the router's and the simulator's)."""
+        name = self.placement_name
+        params: dict[str, Any] = {}
+        if name == "prefix-affinity":
+            params = {"block_size": self.affinity_block_size,
+                      "slack_tokens": self.affinity_slack_tokens}
+        elif name == "length-buckets":
+            params = {"thresholds": self.length_buckets}
+        return make_placement(name, **params)
 
 
 @dataclass

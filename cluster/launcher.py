@@ -110,6 +110,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                      request_timeout_s=cfg.limits.request_timeout_s,
                      prefix_affinity=cfg.cache.enable_prefix_caching,
                      affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
+                     placement=cfg.pools.prefill_placement,
                      unavailable_grace_s=cfg.limits.restart_grace_s,
                      adaptive_chunks=CHUNK_POLICIES.get(cfg.scheduler.chunk_policy).uses_decode_pressure,
                      itl_target_s=cfg.scheduler.itl_target_ms / 1000),

@@ -1,19 +1,15 @@
-"""WorkerHandle: the router's view of one worker actor (liveness, load, endpoint), and
-PrefixAffinity: which prefill worker last took a prompt's first block."""
+"""WorkerHandle: the router's view of one worker actor (liveness, load, endpoint). Where a
+prompt goes is cluster/routing_policies.py's (the router's and the simulator's)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cluster.types import WorkerStats
-from engine.block_manager import block_hashes
 from runtime.actor import WorkerActor
 from runtime.messages import WorkerInfo
 from runtime.stats import EngineStats, PrefillStats
-
-MAX_AFFINITY_KEYS = 1 << 16  # first blocks remembered (they come from clients' prompts)
 
 
 @dataclass
@@ -58,31 +54,3 @@ class WorkerHandle:
         return WorkerStats(self.worker_id, self.role, self.alive, s.num_running, s.num_waiting,
                            s.kv_blocks_used, s.kv_blocks_free, s.queue_depth,
                            s.send_queue_depth, s.figures())
-
-
-class PrefixAffinity:
-    """Sends a prompt to the prefill worker that last took the same first block (whose
-    prefix cache likely holds it) unless that one is more than `slack_tokens` busier
-    than the least loaded; otherwise the least outstanding prefill tokens wins. Keeps
-    the most recent MAX_AFFINITY_KEYS first blocks."""
-
-    def __init__(self, block_size: int, slack_tokens: int, capacity: int = MAX_AFFINITY_KEYS):
-        self.block_size, self.slack_tokens, self.capacity = block_size, slack_tokens, capacity
-        self._last: OrderedDict[bytes, str] = OrderedDict()  # first block -> worker_id
-
-    def __len__(self) -> int:
-        return len(self._last)
-
-    def pick(self, alive: list[WorkerHandle], prompt: tuple[int, ...]) -> WorkerHandle:
-        best = min(alive, key=lambda w: w.outstanding_tokens)
-        if len(prompt) <= self.block_size:
-            return best
-        key = block_hashes(prompt[: self.block_size], self.block_size)[0]
-        sticky = next((w for w in alive if w.worker_id == self._last.get(key)), None)
-        if sticky and sticky.outstanding_tokens <= best.outstanding_tokens + self.slack_tokens:
-            best = sticky
-        self._last[key] = best.worker_id
-        self._last.move_to_end(key)
-        while len(self._last) > self.capacity:
-            self._last.popitem(last=False)
-        return best

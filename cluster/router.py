@@ -27,8 +27,9 @@ from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
 from cluster.flight import Flight, RouterConfig
-from cluster.pool import PrefixAffinity, WorkerHandle
+from cluster.pool import WorkerHandle
 from cluster.router_events import EventPump
+from cluster.routing_policies import PrefillLoad
 from cluster.types import ClusterStats, ErrorCode, GenerateSpec, RouterError, TokenDelta
 from engine.request import SamplingParams
 from runtime.messages import DecodeTask, PrefillTask
@@ -52,8 +53,7 @@ class Router:
         self.legs: dict[str, Flight] = {}
         self.admission = DecodeAdmission(self)
         self.serving = True
-        self._affinity = PrefixAffinity(config.affinity_block_size,
-                                        config.affinity_slack_tokens)
+        self._placement = config.make_placement()  # cluster/routing_policies.py
         self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
@@ -229,9 +229,9 @@ class Router:
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
-        if not self.config.prefix_affinity:
-            return min(alive, key=lambda w: w.outstanding_tokens)
-        return self._affinity.pick(alive, prompt)
+        wid = self._placement.pick([PrefillLoad(w.worker_id, w.outstanding_tokens)
+                                    for w in alive], prompt)
+        return next(w for w in alive if w.worker_id == wid)
 
     # ---- workers ----------------------------------------------------------------------
     def mark_dead(self, w: WorkerHandle) -> None:

@@ -44,7 +44,8 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
             enable_chunked_prefill=s.enable_chunked_prefill if colocated else True,
             max_model_len=cfg.model.max_model_len or model.max_position_embeddings),
         device=cfg.model.device, dtype=cfg.model.dtype,
-        attention_backend=cfg.model.attention_backend, tensor_parallel_size=tp)
+        attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
+        tensor_parallel_size=tp)
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:
@@ -78,8 +79,9 @@ def transfer_config(cfg: ServeConfig, model: ModelConfig, secret: bytes) -> Tran
         connector=t.connector,
         send_policy=t.send_policy,
         rate_bytes_per_s=(t.rate_gbps or 0.0) * 1e9 / 8,
-        # link emulation caps every policy (at_end and eager too) without changing it
+        # the emulated link is the transport's: every send policy runs unchanged above it
         link_rate_bytes_per_s=(t.link_gbps or 0.0) * 1e9 / 8,
+        link_latency_s=t.link_latency_us * 1e-6,
         burst_bytes=int(t.burst_mb * (1 << 20)),
         credit_window_bytes=window,
         # a frame never exceeds the window, so small windows can be studied

@@ -10,11 +10,17 @@ A promise holds for the request's whole stay: a started request keeps what is le
 its headroom and decodes into it without competing with anyone. Beyond its promise a
 running request may only take *unpromised* free blocks; when there are none, the newest
 running request is preempted (recompute through a prefill worker), never a promise.
+
+The blocks still owed on promises are kept as a running total (every allocation and
+release goes through `_allocate` / `_release`), so `promised_free_blocks()` is O(1) and a
+step is linear in the running list. Time comes from `clock` (the wall clock in a worker,
+a simulated one in sim/): the KV wait of `expired` counts on it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -50,12 +56,16 @@ class Pending:
 
 
 class DecodeScheduler:
-    def __init__(self, config: DecodeSchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: DecodeSchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.bm = block_manager
+        self.clock = clock
         self.pending: dict[str, Pending] = {}
         self.running: list[Request] = []  # oldest first
+        self._running_ids: dict[str, Request] = {}
         self.promises: dict[str, int] = {}  # request_id -> blocks promised (pending, running)
+        self._owed_total = 0  # sum of _owed over every pending and running request
         # A sequence stops where the whole pool is full: past that point it could only
         # preempt itself and come back forever.
         self.max_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
@@ -65,9 +75,18 @@ class DecodeScheduler:
         return max(0, self.promises.get(r.request_id, 0) - len(r.block_ids))
 
     def promised_free_blocks(self) -> int:
-        owed = sum(self._owed(p.request) for p in self.pending.values())
-        owed += sum(self._owed(r) for r in self.running)
-        return self.bm.num_free_blocks - owed
+        return self.bm.num_free_blocks - self._owed_total
+
+    def owed_blocks(self) -> int:
+        """Blocks owed on promises, summed afresh (what `_owed_total` must equal)."""
+        return (sum(self._owed(p.request) for p in self.pending.values())
+                + sum(self._owed(r) for r in self.running))
+
+    def _allocate(self, r: Request, num_tokens: int) -> bool:
+        before = self._owed(r)
+        ok = self.bm.allocate(r, num_tokens)
+        self._owed_total += self._owed(r) - before
+        return ok
 
     def reserve(self, task: DecodeTask) -> bool:
         """Admit a request if its prompt + headroom fits the unpromised free blocks."""
@@ -85,25 +104,27 @@ class DecodeScheduler:
         req = Request(task.leg_id, [0] * task.prompt_len, task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant,
                       status=RequestStatus.WAITING_FOR_KV)
-        self.pending[task.leg_id] = Pending(req, time.monotonic(), ranges=set())
+        self.pending[task.leg_id] = Pending(req, self.clock(), ranges=set())
         self.promises[task.leg_id] = promise
+        self._owed_total += promise
         return True
 
     def find_running(self, request_id: str) -> Request | None:
-        return next((r for r in self.running if r.request_id == request_id), None)
+        return self._running_ids.get(request_id)
 
     def abort(self, request_id: str) -> Request | None:
         p = self.pending.pop(request_id, None)
         r = p.request if p else self.find_running(request_id)
         if r is None:
             return None
-        if r in self.running:
+        if self._running_ids.pop(request_id, None) is not None:
             self.running.remove(r)
         r.status = RequestStatus.FINISHED_ABORTED
         self._release(r)
         return r
 
     def _release(self, r: Request) -> None:
+        self._owed_total -= self._owed(r)
         self.bm.free(r)
         self.promises.pop(r.request_id, None)
 
@@ -117,15 +138,16 @@ class DecodeScheduler:
         if token_end > n:
             raise ValueError(f"KV chunk ends at token {token_end}, beyond the announced "
                              f"prompt of {n} tokens")
-        if not self.bm.allocate(p.request, token_end):  # unreachable while promises hold
+        if not self._allocate(p.request, token_end):  # unreachable while promises hold
             raise RuntimeError(f"no free block for {request_id!r} within its promise "
                                f"({self.promises.get(request_id)} blocks)")
-        p.since = time.monotonic()  # progress: the KV wait counts from the latest chunk
+        p.since = self.clock()  # progress: the KV wait counts from the latest chunk
         return p.request
 
-    def touch(self, request_ids: list[str], now: float) -> int:
+    def touch(self, request_ids: list[str], now: float | None = None) -> int:
         """The router vouches that these requests' prefills are queued or running on a live
         worker: their KV wait restarts (a long prefill queue is not a lost transfer)."""
+        now = self.clock() if now is None else now
         n = 0
         for rid in request_ids:
             p = self.pending.get(rid)
@@ -142,41 +164,55 @@ class DecodeScheduler:
         r.status = RequestStatus.RUNNING
         r.output_token_ids.append(p.first_token)
         self.running.append(r)
+        self._running_ids[request_id] = r
         return r
 
-    def expired(self, now: float) -> list[str]:
+    def expired(self, now: float | None = None) -> list[str]:
+        now = self.clock() if now is None else now
         return [rid for rid, p in self.pending.items()
                 if now - p.since > self.config.kv_wait_timeout_s]
 
-    def _grow(self, r: Request, num_tokens: int) -> bool:
+    def grow(self, r: Request, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens: first from r's own promise, then only from blocks
         nobody was promised."""
         need = self.bm.blocks_needed(r, num_tokens)
-        beyond = need - min(need, self._owed(r))
-        if beyond > self.promised_free_blocks():
+        if need == 0:
+            return True  # the slots are in r's blocks already
+        owed = self._owed(r)
+        if need - min(need, owed) > self.promised_free_blocks():
             return False
-        return self.bm.allocate(r, num_tokens)  # need <= owed(r) + unpromised <= free
+        if not self.bm.allocate(r, num_tokens):  # need <= owed(r) + unpromised <= free
+            return False
+        self._owed_total -= min(need, owed)
+        return True
 
     def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
         """One decode token per running request; preempts the newest when out of blocks."""
         items: list[ScheduledItem] = []
         preempted: list[Request] = []
-        for r in list(self.running[: self.config.max_num_seqs]):
-            if r not in self.running:
+        running_ids, bs = self._running_ids, self.bm.block_size
+        for r in self.running[: self.config.max_num_seqs]:
+            if r.request_id not in running_ids:
+                continue  # preempted by an earlier request of this step
+            start = r.num_cached_tokens
+            if len(r.block_ids) * bs > start:  # the new token's slot is in r's blocks
+                items.append(ScheduledItem(r, start, 1, False))
                 continue
-            while not self._grow(r, r.num_cached_tokens + 1):
+            while not self.grow(r, start + 1):
                 victim = self.running.pop()
+                del running_ids[victim.request_id]
                 self._release(victim)
                 victim.status = RequestStatus.PREEMPTED
                 preempted.append(victim)
                 if victim is r:
                     break
             else:
-                items.append(ScheduledItem(r, r.num_cached_tokens, 1, is_prefill=False))
-        # a preempted request may have been scheduled before it was chosen as a victim
-        items = [i for i in items if i.request.status == RequestStatus.RUNNING]
+                items.append(ScheduledItem(r, start, 1, False))
+        if preempted:  # one may have been scheduled before it was chosen as a victim
+            items = [i for i in items if i.request.status == RequestStatus.RUNNING]
         return items, preempted
 
     def finish(self, r: Request) -> None:
         self.running.remove(r)
+        del self._running_ids[r.request_id]
         self._release(r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from xxhash import xxh3_128_digest
 
@@ -41,17 +41,21 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Chained hashes of every *full* block of `token_ids` (stable across processes and
     machines: no Python `hash()`, a fixed byte order)."""
+    return list(iter_block_hashes(token_ids, block_size))
+
+
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = _ROOT
+                      ) -> Iterator[bytes]:
+    """`block_hashes` one block at a time (a lookup stops at its first miss), chained
+    from `parent` (the hash of the block before `token_ids[0]`)."""
     n = len(token_ids) // block_size
     if n == 0:
-        return []
+        return
     data = memoryview(_pack(token_ids[: n * block_size]))
     step = len(data) // n  # bytes per block
-    out: list[bytes] = []
-    parent = _ROOT
     for off in range(0, n * step, step):
         parent = xxh3_128_digest(parent + data[off : off + step])
-        out.append(parent)
-    return out
+        yield parent
 
 
 class BlockManager:
@@ -67,7 +71,9 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._block_to_hash: dict[int, bytes] = {}
         self._owners: dict[str, list[int]] = {}  # request_id -> its block table (shared list)
-        self._num_hashed: dict[str, int] = {}  # request_id -> leading blocks already hashed
+        # request_id -> the hashes of its leading full blocks, so far: a chunk hashes only
+        # the blocks it filled, chained from the last one
+        self._chains: dict[str, list[bytes]] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -101,7 +107,7 @@ class BlockManager:
             return []
         usable = (len(token_ids) - 1) // self.block_size
         hit: list[int] = []
-        for h in block_hashes(token_ids[: usable * self.block_size], self.block_size):
+        for h in iter_block_hashes(token_ids[: usable * self.block_size], self.block_size):
             b = self._hash_to_block.get(h)
             if b is None:
                 break
@@ -129,19 +135,30 @@ class BlockManager:
             self._ref[b] += 1
         request.block_ids.extend(blocks)
         self._owners[request.request_id] = request.block_ids
-        self._num_hashed[request.request_id] = len(blocks)
+        # a hit block is cached, so it holds its hash: the chain goes on from there
+        self._chains[request.request_id] = [self._block_to_hash[b] for b in blocks]
 
     # ---- allocation -----------------------------------------------------------------
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow `request`'s block table to hold `num_tokens` tokens; False if out of blocks."""
-        n = self.blocks_needed(request, num_tokens)
-        if n > self.num_free_blocks:
+        blocks, free = request.block_ids, self._free
+        n = -(-num_tokens // self.block_size) - len(blocks)
+        if n > len(free) + len(self._cached_free):
             return False
-        self._owners[request.request_id] = request.block_ids
+        self._owners[request.request_id] = blocks
+        if n <= 0:
+            return True
+        ref = self._ref
+        if n <= len(free):  # no eviction: the free list in order
+            for _ in range(n):
+                b = free.popleft()
+                ref[b] = 1
+                blocks.append(b)
+            return True
         for _ in range(n):
             b = self._pop_block()
-            self._ref[b] = 1
-            request.block_ids.append(b)
+            ref[b] = 1
+            blocks.append(b)
         return True
 
     def _pop_block(self) -> int:
@@ -155,34 +172,35 @@ class BlockManager:
         """Publish hashes of the request's blocks that `token_ids` (KV written) fills."""
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
-        done = self._num_hashed.get(rid, 0)
-        full = min(len(token_ids) // self.block_size, len(request.block_ids))
+        chain = self._chains.setdefault(request.request_id, [])
+        done, bs = len(chain), self.block_size
+        full = min(len(token_ids) // bs, len(request.block_ids))
         if full <= done:
             return
-        hashes = block_hashes(token_ids[: full * self.block_size], self.block_size)
+        chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
+                                       chain[-1] if chain else _ROOT))
         for i in range(done, full):
-            b = request.block_ids[i]
-            if hashes[i] not in self._hash_to_block and b not in self._block_to_hash:
-                self._hash_to_block[hashes[i]] = b
-                self._block_to_hash[b] = hashes[i]
-        self._num_hashed[rid] = full
+            b, h = request.block_ids[i], chain[i]
+            if h not in self._hash_to_block and b not in self._block_to_hash:
+                self._hash_to_block[h] = b
+                self._block_to_hash[b] = h
 
     def free(self, request: Request) -> None:
         """Drop the request's references; cached blocks go to the LRU, tail first."""
         blocks = self._owners.pop(request.request_id, None)
-        self._num_hashed.pop(request.request_id, None)
+        self._chains.pop(request.request_id, None)
         if blocks is None:
             request.block_ids.clear()
             return
+        ref, hashed, cached, free = self._ref, self._block_to_hash, self._cached_free, self._free
         for b in reversed(blocks):
-            self._ref[b] -= 1
-            assert self._ref[b] >= 0, f"block {b} refcount below zero"
-            if self._ref[b] == 0:
-                if b in self._block_to_hash:
-                    self._cached_free[b] = None
+            left = ref[b] = ref[b] - 1
+            assert left >= 0, f"block {b} refcount below zero"
+            if left == 0:
+                if b in hashed:
+                    cached[b] = None
                 else:
-                    self._free.append(b)
+                    free.append(b)
         blocks.clear()
 
     def reset_prefix_cache(self) -> None:

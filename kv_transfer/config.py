@@ -37,7 +37,10 @@ class TransferConfig:
     connector: str = "inproc"  # kv_transfer.registry.CONNECTORS
     send_policy: str = "eager"  # kv_transfer.pacing.SEND_POLICIES
     rate_bytes_per_s: float = 0.0  # per link, "paced" only
-    link_rate_bytes_per_s: float = 0.0  # emulated link capacity (studies): caps every policy
+    # the emulated link beneath every policy (kv_transfer/emulated_link.py; studies):
+    # 0 = the transport's own rate / latency
+    link_rate_bytes_per_s: float = 0.0
+    link_latency_s: float = 0.0
     burst_bytes: int = 4 << 20  # token-bucket depth, "paced" only
     credit_window_bytes: int = 256 << 20  # max unreleased payload bytes per link
     send_queue: str = "fcfs"  # kv_transfer.send_queue.SEND_QUEUES
@@ -72,6 +75,8 @@ class TransferConfig:
                       f"got {self.rate_bytes_per_s}")
         if not (math.isfinite(self.link_rate_bytes_per_s) and self.link_rate_bytes_per_s >= 0):
             raise bad("link_rate_bytes_per_s", f"must be >= 0, got {self.link_rate_bytes_per_s}")
+        if not (math.isfinite(self.link_latency_s) and self.link_latency_s >= 0):
+            raise bad("link_latency_s", f"must be >= 0, got {self.link_latency_s}")
         if self.rate_bytes_per_s < 0:
             raise bad("rate_bytes_per_s", f"must be >= 0, got {self.rate_bytes_per_s}")
         if self.burst_bytes <= 0:
@@ -140,6 +145,10 @@ class TransferConfig:
 
     def tenant_weight(self, tenant: str) -> float:
         return float(self.tenant_weights.get(tenant, self.default_tenant_weight))
+
+    @property
+    def link_emulated(self) -> bool:
+        return self.link_rate_bytes_per_s > 0 or self.link_latency_s > 0
 
     @property
     def max_payload_bytes(self) -> int:

@@ -27,7 +27,6 @@ class PacingConfig(Protocol):
     """What a pacer reads of the transfer config (kv_transfer.config.TransferConfig)."""
 
     rate_bytes_per_s: float
-    link_rate_bytes_per_s: float
     burst_bytes: int
 
 
@@ -133,16 +132,17 @@ def get_send_policy(name: str) -> SendPolicy:
     return SEND_POLICIES.get(name)
 
 
-def link_pacer(cfg: PacingConfig, rate: float = 0.0) -> Pacer:
-    """A token bucket at `rate` capped by the emulated link (`link_rate_bytes_per_s`), or
-    no pacing when neither is set: the policy decides *when* frames may go, the link
-    how fast they can."""
-    caps = [r for r in (rate, cfg.link_rate_bytes_per_s) if r > 0]
-    return TokenBucket(min(caps), cfg.burst_bytes) if caps else Unpaced()
+def unpaced(cfg: PacingConfig) -> Pacer:
+    """Frames go as fast as the link takes them (an emulated link's rate is the
+    transport's, kv_transfer/emulated_link.py, beneath every policy)."""
+    return Unpaced()
 
 
-register_send_policy(SendPolicy("eager", False, link_pacer, "as chunks finish"))
-register_send_policy(SendPolicy("at_end", True, link_pacer, "after the last chunk"))
-register_send_policy(SendPolicy(
-    "paced", False, lambda cfg: link_pacer(cfg, cfg.rate_bytes_per_s),
-    "token bucket at rate_gbps", needs_rate=True))
+def rate_pacer(cfg: PacingConfig) -> Pacer:
+    return TokenBucket(cfg.rate_bytes_per_s, cfg.burst_bytes)
+
+
+register_send_policy(SendPolicy("eager", False, unpaced, "as chunks finish"))
+register_send_policy(SendPolicy("at_end", True, unpaced, "after the last chunk"))
+register_send_policy(SendPolicy("paced", False, rate_pacer, "token bucket at rate_gbps",
+                                needs_rate=True))

@@ -19,12 +19,13 @@ from typing import Any
 from engine.tombstones import RecentIds
 from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
 from kv_transfer.config import TransferConfig
+from kv_transfer.emulated_link import EmulatedLink
 from kv_transfer.frames import Ack, AckStatus, Piece, split_chunk
 from kv_transfer.link_scheduler import LinkScheduler
 from kv_transfer.pacing import Clock, monotonic_clock
 from kv_transfer.send_queue import QueuedFrame
 from kv_transfer.stats import LinkStats, RequestStats
-from kv_transfer.transport import LinkTransport
+from kv_transfer.transport import LinkEvents, LinkTransport
 
 _MAX_RECORDS = 100_000  # frame records kept between polls (oldest dropped first)
 _MAX_DEAD = 65_536  # failed/aborted request ids remembered to drop their late chunks
@@ -57,7 +58,7 @@ class _Link:
             return len(self.inflight), active
 
 
-TransportFactory = Callable[[str, _Link], LinkTransport]
+TransportFactory = Callable[[str, LinkEvents], LinkTransport]
 
 
 class ThreadedSender(KVSender):
@@ -206,7 +207,13 @@ class ThreadedSender(KVSender):
     def _open_link(self, dest: str) -> _Link:
         stats = self._link_stats.setdefault(dest, LinkStats())
         link = self._links[dest] = _Link(self, dest, stats)
-        link.transport = self._factory(dest, link)
+        cfg = self.cfg
+        if cfg.link_emulated:  # the real transport reports to the emulated wire's far end
+            emu = EmulatedLink(cfg.link_rate_bytes_per_s, cfg.link_latency_s, link,
+                               clock=self._clock, name=f"{self._name}->{dest}")
+            link.transport = emu.wrap(self._factory(dest, emu.events))
+        else:
+            link.transport = self._factory(dest, link)
         link.thread = threading.Thread(target=self._run_link, args=(link,),
                                        name=f"{self._name}->{dest}", daemon=True)
         link.thread.start()

@@ -58,6 +58,7 @@ def mixed_workload(ctx: StudyContext, *, n: int, rate: float, tag: str,
     """Streaming chat requests plus a share of long prompts, Poisson arrivals, seeded."""
     from bench.workload import LengthDist, TenantSpec, WorkloadSpec, build_workload
 
+    rate *= ctx.load_scale  # the request count comes scaled from ctx.n_requests
     spec = WorkloadSpec(
         num_requests=n, request_rate=rate, mix="mixed", seed=ctx.opts.seed,
         vocab_range=ctx.vocab_range, prompt_len=LengthDist.uniform(*chat_prompt),

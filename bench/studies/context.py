@@ -72,15 +72,38 @@ def resolve_model_dir(model: str) -> Path:
 
 
 class StudyContext:
-    """Shared by the studies of one process: model, reference timings, link, services."""
+    """Shared by the studies of one process: model, reference timings, link, services.
+
+    ``load_scale`` multiplies each study's request count and rate (1 here; a simulated
+    cluster, sim/study.py, scales the load with its pools)."""
+
+    load_scale = 1.0
+    simulated = False
 
     def __init__(self, opts: StudyOptions):
         self.opts = opts
         self.out = Path(opts.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.model_dir = resolve_model_dir(opts.model)
-        self.pool = ServicePool(trace=opts.trace)
+        self._start_pool()
+
+    def _start_pool(self) -> None:
+        self.pool = ServicePool(trace=self.opts.trace)
         self.pool.pin(self.base_config())
+
+    @property
+    def launches(self) -> int:
+        return self.pool.launches
+
+    def describe(self) -> str:
+        """Where the configurations run (one line for the console and the index)."""
+        return "real services on this machine (Ray workers, router, KV connector)"
+
+    def credit_window_mb(self, cfg: ServeConfig) -> float:
+        """The credit window the workers of ``cfg`` run with."""
+        from cluster.worker_specs import credit_window_bytes
+
+        return credit_window_bytes(cfg, self.model_config) / float(1 << 20)
 
     @cached_property
     def model_config(self):
@@ -135,7 +158,10 @@ class StudyContext:
         return [n for n in names if n in self.opts.configs]
 
     def n_requests(self, quick: int, full: int) -> int:
-        return self.opts.num_requests or (quick if self.opts.quick else full)
+        """A study's request count: ``--num-requests``, else its own times ``load_scale``."""
+        if self.opts.num_requests:
+            return self.opts.num_requests
+        return max(1, round((quick if self.opts.quick else full) * self.load_scale))
 
     def run(self, study: str, name: str, cfg: ServeConfig,
             work: Sequence[WorkloadRequest] | Drive, layout: Layout = DISAGG,

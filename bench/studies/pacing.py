@@ -3,7 +3,8 @@
 Policies: ``at_end`` (hold a request's KV until its last chunk: no streaming), ``eager``
 (each chunk's KV leaves as soon as it is computed; on the emulated link that is the
 link rate), ``paced`` below the link rate (leaves headroom for other traffic), and
-credit windows (max unacknowledged bytes per link). Transfer overlap is the share of a
+credit windows (max unacknowledged bytes per link). All run on the same emulated link:
+it is the transport's (kv_transfer/emulated_link.py), beneath the policy and the window. Transfer overlap is the share of a
 request's (emulated) transfer time hidden behind its own prefill compute, from traces.
 """
 
@@ -24,7 +25,7 @@ from bench.studies.common import (
 )
 
 NAME = "pacing"
-MIN_CREDIT_WINDOW_MB = 64.0  # cluster.launcher raises smaller windows to 64 MiB
+SMALL_WINDOW_BLOCKS = 4  # the small credit window: a few KV blocks in flight per link
 COLUMNS = [
     Column("config", "config"), Column("send_policy", "policy"),
     Column("rate_gbps", "rate (Gbit/s)", "{:.3f}"),
@@ -40,10 +41,11 @@ COLUMNS = [
 ]
 
 
-def credit_can_bind(ctx: StudyContext) -> bool:
-    """Whether one request's KV can exceed the smallest window the launcher allows."""
-    worst = ctx.reference.kv_bytes_per_token * ctx.max_model_len
-    return worst > MIN_CREDIT_WINDOW_MB * (1 << 20)
+def small_window_mb(ctx: StudyContext) -> float:
+    """A credit window of a few KV blocks (at least the 64 KiB of one frame)."""
+    block = ctx.base_config().cache.block_size
+    blocks = SMALL_WINDOW_BLOCKS * ctx.reference.kv_bytes_per_token * block
+    return max(blocks, 64 << 10) / float(1 << 20)
 
 
 def configs(ctx: StudyContext) -> dict[str, dict[str, Any]]:
@@ -51,17 +53,15 @@ def configs(ctx: StudyContext) -> dict[str, dict[str, Any]]:
     link = ctx.link.link_gbps
     out: dict[str, dict[str, Any]] = {
         "eager": {},
-        # cluster.launcher turns any policy into `paced` while link_gbps is set, so at_end
-        # can only run on the raw (unemulated) link; eager-raw is its like-for-like peer
-        "at_end-raw": {"transfer.send_policy": "at_end", "transfer.link_gbps": None},
-        "eager-raw": {"transfer.link_gbps": None},
+        "at_end": {"transfer.send_policy": "at_end"},
     }
     if not ctx.opts.quick:
         for x in (0.5, 0.25):
             out[f"paced-{x:g}x"] = {"transfer.send_policy": "paced",
                                     "transfer.rate_gbps": x * link}
-    if not ctx.opts.quick and credit_can_bind(ctx):
-        out["credit-1024MiB"] = {"transfer.credit_window_mb": 1024.0}  # vs the default 64
+        small = small_window_mb(ctx)  # the window as configured: no floor of chunks
+        out[f"credit-{small * 1024:g}KiB"] = {"transfer.credit_window_mb": small,
+                                              "transfer.credit_window_chunks": 0.0}
     return out
 
 
@@ -79,11 +79,10 @@ def run(ctx: StudyContext) -> StudyResult:
         m, tm, t = r.metrics, trace_metrics(r), cfg.transfer
         chat = [r2 for r2 in r.records if r2.kind == "chat" and r2.success]
         first_gaps = [r2.itls[0] for r2 in r.records if r2.success and r2.itls]
-        effective_policy = "paced" if t.link_gbps is not None else t.send_policy
         rate = t.rate_gbps if t.rate_gbps is not None else t.link_gbps
         rows.append({
-            **metrics_row(m, r), "send_policy": effective_policy, "rate_gbps": rate,
-            "credit_window_mb": max(t.credit_window_mb, MIN_CREDIT_WINDOW_MB),
+            **metrics_row(m, r), "send_policy": t.send_policy, "rate_gbps": rate,
+            "credit_window_mb": ctx.credit_window_mb(cfg),
             "link_emulated": t.link_gbps is not None,
             "first_itl_p99_ms": pct_ms(first_gaps),
             "chat_itl_p99_ms": pct_ms([g for c in chat for g in c.itls]),
@@ -101,13 +100,12 @@ def run(ctx: StudyContext) -> StudyResult:
         "prefilling) and link utilisation (busy share of the emulated link over the run).",
         COLUMNS, rows, details, extra={"workload": workload})
     result.notes += [
-        "`at_end-raw` runs on the raw loopback link (compare it with `eager-raw`): with "
-        "`transfer.link_gbps` set the launcher replaces every send policy by `paced`, so "
-        "holding KV to the end cannot be combined with the emulated link yet.",
-        f"Credit windows below {MIN_CREDIT_WINDOW_MB:g} MiB are raised to "
-        f"{MIN_CREDIT_WINDOW_MB:g} MiB by the launcher, so windows are swept (64 MiB vs "
-        "1 GiB, full runs) only for models whose requests' KV can exceed 64 MiB; "
-        "otherwise no window ever binds.",
+        "Every configuration runs on the same emulated link (rate "
+        "`transfer.link_gbps`, latency `transfer.link_latency_us`), a property of the "
+        "transport: the send policy, pacer and credit window above it are as configured.",
+        "The credit window column is the window the workers run with "
+        "(`transfer.credit_window_mb`, raised to `credit_window_chunks` prefill chunks "
+        "of KV unless that is 0).",
     ]
     if rows:
         from bench.plots import plot_grouped_bars

@@ -448,3 +448,53 @@ def test_any_event_sequence_keeps_integrity_and_drains_without_leaks(
     run_to_end(s, max_steps=2000)
     assert all(r.is_finished for r in live)
     assert_no_leak(s)
+
+
+def test_chunked_caching_hashes_each_block_once_and_equals_the_full_chain(monkeypatch):
+    """A request's chain is kept: every chunk hashes only the blocks it filled (chained
+    from the last one), and the published hashes are the whole prompt's chain."""
+    import engine.block_manager as bmod
+
+    calls = []
+    real = bmod.xxh3_128_digest
+    monkeypatch.setattr(bmod, "xxh3_128_digest", lambda b: calls.append(1) or real(b))
+    bm = BlockManager(16, 4)
+    r = make("a", 30, base=7)
+    tokens = r.prompt_token_ids
+    for end in (3, 9, 10, 17, 26, 30):  # chunks that end inside and on block edges
+        assert bm.allocate(r, end)
+        bm.cache_full_blocks(r, tokens[:end])
+    assert len(calls) == 30 // 4  # 7 full blocks, each hashed once
+    assert [bm._block_to_hash[b] for b in r.block_ids[:7]] == block_hashes(tokens, 4)
+    # a second request takes the prefix and goes on from the hit's last hash
+    calls.clear()
+    b = make("b", 30, base=7)
+    hit = bm.match_prefix(b.prompt_token_ids)
+    assert len(hit) == 7 and len(calls) == 7
+    bm.take_prefix(b, hit)
+    calls.clear()
+    b.prompt_token_ids.extend(range(500, 506))  # 36 tokens: block 8 is new
+    assert bm.allocate(b, 36)
+    bm.cache_full_blocks(b, b.prompt_token_ids)
+    assert len(calls) == 2  # blocks 8 and 9 only, chained from the hit
+    assert bm._block_to_hash[b.block_ids[8]] == block_hashes(b.prompt_token_ids, 4)[8]
+    bm.free(r)
+    bm.free(b)
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def test_a_prefix_lookup_hashes_up_to_its_first_miss(monkeypatch):
+    import engine.block_manager as bmod
+
+    bm = BlockManager(16, 4)
+    r = make("a", 12)
+    assert bm.allocate(r, 12)
+    bm.cache_full_blocks(r, r.prompt_token_ids)
+    bm.free(r)
+    calls = []
+    real = bmod.xxh3_128_digest
+    monkeypatch.setattr(bmod, "xxh3_128_digest", lambda b: calls.append(1) or real(b))
+    other = list(range(100, 104)) + [1] * 36  # block 0 hits, block 1 misses
+    assert len(bm.match_prefix(other)) == 1
+    assert len(calls) == 2  # not the 9 usable blocks of the prompt

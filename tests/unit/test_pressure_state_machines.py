@@ -289,6 +289,8 @@ class DecodePool(PoolMachine):
         if hasattr(self, "s"):
             assert self.s.promised_free_blocks() >= 0
             assert set(self.s.promises) == set(self.live_ids())
+            # the running total of owed blocks equals the sum over every leg
+            assert self.s.promised_free_blocks() == self.bm.num_free_blocks - self.s.owed_blocks()
 
 
 # ---- colocated: chunked prefill, prefix cache, preemption by recompute ---------------

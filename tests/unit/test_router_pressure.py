@@ -306,14 +306,34 @@ def test_preemptions_that_make_no_progress_count_as_failures():
 
 
 def test_prefix_affinity_remembers_a_bounded_number_of_first_blocks():
-    from cluster.pool import PrefixAffinity, WorkerHandle
+    from cluster.routing_policies import PrefillLoad, PrefixAffinity
 
-    a, b = WorkerHandle("p0", "prefill", None), WorkerHandle("p1", "prefill", None)
+    a, b = PrefillLoad("p0", 0), PrefillLoad("p1", 0)
     aff = PrefixAffinity(block_size=2, slack_tokens=10, capacity=3)
-    assert aff.pick([a, b], (1, 2, 3)) is a
-    a.outstanding_tokens = 5  # busier, within the slack: the same first block sticks
-    assert aff.pick([a, b], (1, 2, 9)) is a
+    assert aff.pick([a, b], (1, 2, 3)) == "p0"
+    a = PrefillLoad("p0", 5)  # busier, within the slack: the same first block sticks
+    assert aff.pick([a, b], (1, 2, 9)) == "p0"
     for i in range(10):  # clients' prompts cannot grow the map past its capacity
         aff.pick([a, b], (100 + i, 7, 7))
     assert len(aff) == 3
-    assert aff.pick([a, b], (1, 2, 3)) is b  # forgotten: the least loaded wins
+    assert aff.pick([a, b], (1, 2, 3)) == "p1"  # forgotten: the least loaded wins
+
+
+def test_the_router_places_prefills_by_the_configured_policy_of_the_registry():
+    """RouterConfig.placement names a cluster/routing_policies.py policy (the simulator's
+    too); unset, the router does what it always did: prefix affinity with prefix caching."""
+    from cluster.flight import RouterConfig
+    from cluster.pool import WorkerHandle
+    from cluster.router import Router
+    from cluster.routing_policies import LeastOutstanding, LengthBuckets, PrefixAffinity
+
+    assert isinstance(RouterConfig().make_placement(), PrefixAffinity)
+    assert isinstance(RouterConfig(prefix_affinity=False).make_placement(), LeastOutstanding)
+    with pytest.raises(ValueError, match="unknown prefill placement 'nearest'"):
+        RouterConfig(placement="nearest")
+    ws = [WorkerHandle(f"p{i}", "prefill", None) for i in range(4)]
+    router = Router(ws, [], RouterConfig(placement="length-buckets", length_buckets=(100,)),
+                    None, 1000, 2048)
+    assert isinstance(router._placement, LengthBuckets)
+    short, long = router._pick_prefill((1,) * 50), router._pick_prefill((1,) * 500)
+    assert short is ws[0] and long is ws[2]  # two buckets: p0-p1 short, p2-p3 long

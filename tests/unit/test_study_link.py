@@ -16,7 +16,8 @@ from bench.studies.link import (
 from bench.trace import link_utilization, transfer_overlap
 from cluster.config import ServeConfig
 from engine.tracing import TraceEvent
-from kv_transfer.pacing import ManualClock, TokenBucket
+from kv_transfer.emulated_link import EmulatedLink
+from kv_transfer.pacing import ManualClock
 
 KIB = 1024
 LINK = "link:prefill-0->decode-0"
@@ -52,22 +53,31 @@ def test_emulation_from_ratio_or_rate_records_both_and_one_block_of_burst() -> N
     assert REF.prefill_estimate_s(1024) == pytest.approx(0.2)
 
 
-def test_the_pacer_at_the_emulated_rate_and_burst_moves_bytes_at_that_rate() -> None:
-    """Frames of one 64-token chunk each (32 KiB) through the token bucket the launcher
-    builds from the emulation: each frame waits for the previous one's bytes, so the
-    last leaves after (total - frame) / rate and the link is busy total / rate."""
+def test_the_emulated_link_moves_the_reference_prompt_in_the_reference_transfer_time() -> None:
+    """Frames of one 64-token chunk each (32 KiB) over the emulated link the launcher
+    builds (kv_transfer/emulated_link.py): back to back on the wire, so the whole
+    prompt's KV takes the reference transfer time whatever the send policy's pacer."""
     emu = LinkEmulation.from_ratio(REF, 0.15, block_size=16)
     rate = emu.link_gbps * 1e9 / 8
-    bucket = TokenBucket(rate, int(emu.burst_mb * (1 << 20)))
-    clock, frame, sent = ManualClock(), 32 * KIB, 0
-    for _ in range(8):  # 256 KiB: the reference prompt
-        while (wait := bucket.delay(frame, clock())) > 0:
-            clock.advance(wait)
-        bucket.consume(frame, clock())
-        sent += frame
-    assert clock() == pytest.approx((sent - frame) / rate, rel=1e-6)
-    # the whole prompt's KV takes the reference transfer time (a 4 MiB burst: no time)
-    assert clock() + frame / rate == pytest.approx(emu.reference_transfer_s, rel=1e-6)
+    clock = ManualClock()
+    link = EmulatedLink(rate, 0.0, _NoEvents(), clock=clock, sleep=clock.advance)
+    try:
+        for _ in range(8):  # 256 KiB: the reference prompt
+            link.wire_schedule(32 * KIB, clock())
+            clock.advance(link.wire_free_at - clock())
+        assert clock() == pytest.approx(emu.reference_transfer_s, rel=1e-6)
+    finally:
+        link.close()
+        link.release()
+
+
+class _NoEvents:
+    def on_acks(self, acks) -> None: ...
+
+    def on_failure(self, reason: str) -> None: ...
+
+    def busy(self) -> tuple[int, int]:
+        return (0, 0)
 
 
 def send(start: float, end: float, nbytes: int, rid: str = "r") -> TraceEvent:

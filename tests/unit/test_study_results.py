@@ -157,8 +157,13 @@ def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, 
         interference.layout_config(base, layout, spec.long_prompt)
     shared = [n for n, c in cfgs.items() if config_key(c, DISAGG) == config_key(base, DISAGG)]
     assert shared == ["chunk-256", "pacing-eager", "fairness-fcfs+fcfs"]
-    assert cfgs["pacing-at_end-raw"].transfer.link_gbps is None
-    assert not pacing.credit_can_bind(ctx)  # tiny: 2048 tokens of KV are 1 MiB
+    # every send policy runs on the same emulated link, the window as configured
+    assert cfgs["pacing-at_end"].transfer.link_gbps == base.transfer.link_gbps
+    assert cfgs["pacing-at_end"].transfer.send_policy == "at_end"
+    if not quick:
+        small = next(c for n, c in cfgs.items() if n.startswith("pacing-credit-"))
+        assert small.transfer.credit_window_chunks == 0
+        assert small.transfer.credit_window_mb < base.transfer.credit_window_mb
     assert len(fairness.config_names(False)) == 10 and len(cfgs) == len(set(map(str, cfgs)))
 
 

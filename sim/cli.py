@@ -1,0 +1,219 @@
+"""`pdserve simulate` and `pdserve calibrate`, plugged into cluster/cli.py (SUBCOMMANDS).
+
+    pdserve calibrate --model tiny --quick --out cal.json
+    pdserve simulate --calibration cal.json --prefill-workers 2 --decode-workers 4 \\
+        --num-prompts 500 --request-rate 20 --mix mixed --json sim.json --trace-out sim-trace.json
+    pdserve simulate --analytic h200 --model-shape llama-3-8b --interconnect infiniband \\
+        --prefill-workers 8 --decode-workers 24 --request-rate 100 --num-prompts 360000
+
+`simulate` takes `pdserve bench`'s workload flags (bench/workload_args.py, the same
+argparse helper) and `pdserve serve`'s configuration flags and `--config` (generated
+from ServeConfig by cluster/config_cli.py), prints bench's metric block and writes
+bench's JSON keys. Module imports stay light: `pdserve --help` must be instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench.workload_args import add_workload_args, workload_spec
+
+
+def _calibration_source(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cost model")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--calibration", metavar="FILE", help="calibration from `pdserve calibrate`")
+    src.add_argument("--analytic", metavar="PROFILE", help="an analytic hardware profile "
+                     "(h200, h100, a100): roofline, not measured")
+    g.add_argument("--model-shape", default="llama-3-8b", help="with --analytic: a model "
+                   "shape name (llama-3-8b, qwen2.5-7b, qwen2-0.5b, smollm2-135m) or a HF "
+                   "model directory (default llama-3-8b)")
+    g.add_argument("--analytic-dtype", default="bfloat16", help="with --analytic (default "
+                   "bfloat16)")
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    from cluster.config_cli import add_cli_flags
+
+    _calibration_source(p)
+    s = p.add_argument_group("simulator")
+    s.add_argument("--placement", help="prefill placement policy (cluster/routing_policies.py: "
+                   "least-outstanding, prefix-affinity, length-buckets; default: the router's)")
+    s.add_argument("--length-buckets", default="256,1024,4096",
+                   help="length-buckets: prompt-length thresholds (default 256,1024,4096)")
+    s.add_argument("--decode-order", default="least-kv-usage",
+                   help="order the router asks decode workers (least-kv-usage, least-legs)")
+    s.add_argument("--stats-refresh-s", type=float, default=None,
+                   help="how often the router refreshes decode KV usage (default: as the "
+                   "service: every 1 s with --metrics-port, else never)")
+    s.add_argument("--interconnect", help="link cost entry of the calibration (default: "
+                   "transfer.connector; analytic profiles: nvlink, infiniband)")
+    s.add_argument("--decode-stepping", choices=("fast", "exact"), default="fast",
+                   help="exact: the decode scheduler runs every step (slower, same result)")
+    s.add_argument("--trace-out", metavar="OUT", help="write a Perfetto trace of the run here "
+                   "(engine/tracing.py events on the simulated clock)")
+    b = p.add_argument_group("bench output")
+    b.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
+    b.add_argument("--long-prompt-threshold", type=int, default=1024,
+                   help="prompts longer than this are 'long' for the short-TTFT line")
+    b.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight; later arrivals wait (default: unlimited)")
+    b.add_argument("--json", metavar="OUT", help="write metrics, workload and records here")
+    b.add_argument("--no-records", action="store_true", help="--json without per-request records")
+    add_workload_args(p)
+    add_cli_flags(p)
+
+
+def load_cost_model(args: argparse.Namespace):
+    from sim.analytic import analytic_calibration
+    from sim.calibration import Calibration
+    from sim.cost_loader import load_costs
+
+    if args.calibration:
+        return load_costs(Calibration.load(args.calibration))
+    shape = args.model_shape
+    if Path(shape).is_dir():
+        from sim.adapters import engine_tools
+
+        mc = engine_tools().load_model_config(shape)
+        shape = {"name": Path(shape).name, **{k: getattr(mc, k) for k in (
+            "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+            "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+            "tie_word_embeddings")}}
+    return load_costs(analytic_calibration(args.analytic, shape, args.analytic_dtype))
+
+
+def run_simulate_cmd(args: argparse.Namespace) -> int:
+    from bench.metrics import parse_slo
+    from bench.workload import build_workload, summarize_workload
+    from cluster.config_cli import config_from_args
+    from sim.calibration import CalibrationError
+    from sim.cluster import Simulation
+    from sim.options import SimOptions
+
+    try:
+        slos = parse_slo(args.slo)
+        cfg = config_from_args(args)
+        costs = load_cost_model(args)
+        opts = SimOptions(
+            placement=args.placement, decode_order=args.decode_order,
+            length_buckets=tuple(int(x) for x in args.length_buckets.split(",") if x),
+            interconnect=args.interconnect, decode_stepping=args.decode_stepping,
+            stats_refresh_s=args.stats_refresh_s, trace=bool(args.trace_out),
+            max_concurrency=args.max_concurrency)
+        sim = Simulation(cfg, costs, opts)
+        model = costs.calibration.get("model")
+        spec = replace(workload_spec(args, model["vocab_size"], sim.plan.max_model_len),
+                       id_prefix="sim-")
+        requests = build_workload(spec)
+    except (ValueError, OSError) as e:  # CalibrationError is a ValueError
+        kind = "calibration" if isinstance(e, CalibrationError) else "error"
+        print(f"pdserve simulate: {kind}: {e}", file=sys.stderr)
+        return 2
+    summary = summarize_workload(requests)
+    print(f"pdserve simulate: {costs.label}", flush=True)
+    print(f"pdserve simulate: {cfg.pools.prefill_workers}P/{cfg.pools.decode_workers}D, "
+          f"{summary['num_requests']} requests, mix {spec.mix}, rate {spec.request_rate:g}/s, "
+          f"prompt mean {summary['prompt_len']['mean']:.0f}, output mean "
+          f"{summary['max_tokens']['mean']:.0f}", flush=True)
+    try:
+        result = sim.run(requests)
+    except ValueError as e:
+        print(f"pdserve simulate: calibration: {e}", file=sys.stderr)
+        return 2
+    weights = {t.name: t.weight for t in spec.tenants}
+    m = result.metrics(slos=slos, long_prompt_threshold=args.long_prompt_threshold,
+                       tenant_weights=weights)
+    print(m.format("Serving Benchmark Result (simulated)"))
+    s = result.summary()
+    print(f"simulated {s['simulated_s']:.1f} s in {s['wall_s']:.1f} s of wall time "
+          f"({s['speedup_vs_real_time']:.0f}x real time, {s['events']} events)")
+    if "analytic" == costs.calibration.kind:
+        print("NOTE: analytic, not measured: a roofline of published peak figures")
+    errors = sorted({f.error for f in result.flights if f.error})
+    for e in errors[:5]:
+        print(f"  error: {e}", file=sys.stderr)
+    if args.trace_out:
+        from sim.trace import write_sim_trace
+
+        path = write_sim_trace(result.events, args.trace_out, costs.label)
+        print(f"wrote {path} ({len(result.events)} events, simulated clock)")
+    if args.json:
+        records = [] if args.no_records else [asdict(r) for r in result.records()]
+        out = {"addr": "simulated", "backend": "simulate", "workload": summary,
+               "max_concurrency": args.max_concurrency, "metrics": m.to_json_dict(),
+               "records": records, "simulation": s,
+               "config": cfg.to_dict(), "worker_stats": result.worker_stats}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0 if m.completed else 1
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="calibration file to write (JSON)")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a HF model directory")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence to cover (default: the model's, at most its limit)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="largest prefill step to cover (default 512)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="largest decode batch to cover (default 64)")
+    p.add_argument("--quick", action="store_true", help="a coarse grid (seconds on tiny)")
+    p.add_argument("--repeats", type=int, default=None, help="timings per point (median)")
+    p.add_argument("--connectors", default="inproc,tcp", help="links to measure")
+    p.add_argument("--rpc-ms", type=float, default=None, help="assume this one-way Ray call "
+                   "latency instead of measuring it (recorded as assumed)")
+    p.add_argument("--client-ms", type=float, default=0.0,
+                   help="one-way client <-> router latency to assume (default 0: in-process)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a worker's cores)")
+    p.add_argument("--analytic", metavar="PROFILE", help="write an analytic profile instead "
+                   "of measuring (h200, h100, a100)")
+    p.add_argument("--model-shape", default="llama-3-8b", help="with --analytic: shape name")
+    p.add_argument("--analytic-dtype", default="bfloat16")
+
+
+def run_calibrate_cmd(args: argparse.Namespace) -> int:
+    from sim.calibration import CalibrationError
+
+    try:
+        if args.analytic:
+            cal = load_cost_model(argparse.Namespace(
+                calibration=None, analytic=args.analytic, model_shape=args.model_shape,
+                analytic_dtype=args.analytic_dtype)).calibration
+            cal.save(args.out)
+            print(f"pdserve calibrate: wrote {args.out}: {cal.label}")
+            return 0
+        from sim.calibrate import calibrate, fit_report
+
+        cal = calibrate(args.model, out=args.out, device=args.device, dtype=args.dtype,
+                        backend=args.attention_backend, block_size=args.block_size,
+                        max_model_len=args.max_model_len,
+                        max_batch_tokens=args.max_num_batched_tokens,
+                        max_seqs=args.max_num_seqs, quick=args.quick, repeats=args.repeats,
+                        connectors=tuple(c for c in args.connectors.split(",") if c),
+                        rpc_ms=args.rpc_ms, client_ms=args.client_ms, threads=args.threads)
+    except (CalibrationError, ValueError, OSError) as e:
+        print(f"pdserve calibrate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"pdserve calibrate: wrote {args.out}: {cal.label} "
+          f"({cal.data['workload']['seconds']:.0f} s)")
+    for line in fit_report(cal):
+        print(line)
+    return 0
+
+
+SUBCOMMANDS = {
+    "simulate": ("simulate a cluster on a calibrated cost model (bench's flags and output)",
+                 add_simulate_args, run_simulate_cmd),
+    "calibrate": ("measure this machine for `pdserve simulate` (or write an analytic profile)",
+                  add_calibrate_args, run_calibrate_cmd),
+}

@@ -1,0 +1,377 @@
+"""A simulated decode worker: the real DecodeScheduler (promises, admission per arriving
+chunk, continuous batching, preemption of the newest) over the real BlockManager. Around
+it, what decode_worker/engine.py DecodeEngine does: take the arrived KV pieces at the
+start of a step (allocation per chunk, credit back to the link), start legs whose KV is
+complete, one decode step, tokens out, finished legs freed.
+
+Fast stepping: between two events that concern this worker, consecutive steps differ only
+by one token per running leg. When the real ``schedule()`` has run a step and the next
+``k - 1`` steps can neither finish a leg nor need more blocks than nobody was promised
+(so the scheduler can preempt no one), the k steps are taken as one: durations from the
+cost model, one ``BlockManager.allocate`` per leg. A command or a KV piece that arrives
+meanwhile cuts the run at the first step boundary after it, exactly where the real loop
+would take it. ``--decode-stepping exact`` calls ``schedule()`` for every step; the
+tests check both give the same run.
+
+KV-wait expiry runs on the simulated clock (``DecodeScheduler(clock=loop)``): a timer at
+the oldest pending leg's deadline cuts a run (or wakes a napping worker) so the step that
+starts after it expires the leg, as the real step's ``_expire`` does; the router's
+keepalives (sim/router.py) restart the wait of legs whose prefill is still on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from array import array
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sim.adapters import (
+    BlockManager,
+    DecodeScheduler,
+    DecodeTask,
+    RequestStatus,
+    ScheduledItem,
+    simulated_token,
+    startable,
+    take_kv_piece,
+)
+from sim.costs import SMALL_RUN
+from sim.worker import SimWorker
+
+if TYPE_CHECKING:
+    from sim.cluster import Simulation
+    from sim.link import Piece
+
+MAX_RUN = 1024  # most steps taken as one
+
+
+class SimDecode(SimWorker):
+    role = "decode"
+
+    def __init__(self, sim: Simulation, worker_id: str):
+        super().__init__(sim, worker_id)
+        plan = sim.plan
+        self.bm = BlockManager(plan.decode_blocks, plan.decode_block_size,
+                               enable_prefix_caching=False)
+        self.sched = DecodeScheduler(plan.decode, self.bm, clock=sim.loop)
+        self.max_len = min(plan.max_model_len, self.sched.max_len)
+        self.num_layers = plan.num_layers
+        self.kvb = plan.kv_bytes_per_token
+        self.fast = sim.options.decode_stepping == "fast"
+        self.inbox: list[Piece] = []
+        self.started: dict[str, float] = {}
+        self.first_step: dict[str, int] = {}  # leg -> index of its first decode step
+        self._aborted_early: set[str] = set()
+        self.step_times = array("d")  # end of every step that ran the model
+        self.step_batch = array("i")
+        self._items: list[ScheduledItem] = []
+        self._ends = np.empty(0)
+        self._run = 0  # steps in the current (macro) step
+        self._out: list[tuple] = []  # legs that left, reported at the end of the step
+        self._soft: list[tuple] = []  # commands that run at the boundary self._soft_at
+        self._soft_at = 0  # steps of the run done at that boundary
+        self._soft_version = 0
+        self._t0 = 0.0
+        self._fixed: dict[int, float] = {}  # batch size -> step overhead + sampling
+        self._failed: list[str] = []  # legs whose KV wait expired, reported at step end
+        self._expiry_at: float | None = None  # the pending expiry check
+        self._expiry_due = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.sched.pending or self.sched.running)
+
+    def pending_io(self) -> bool:
+        return bool(self.inbox) or self._expiry_due
+
+    # ---- commands and I/O ---------------------------------------------------------
+    def command(self, fn, *args) -> None:
+        # a reservation or a keepalive changes no running leg: it runs at the next step
+        # boundary and the run goes on after it when no decision can change (_boundary)
+        if fn == self.reserve or fn == self.keepalive:
+            if self._soft_command(fn, args):
+                return
+        else:
+            self._cut()
+        super().command(fn, *args)
+
+    def keepalive(self, legs: list[str]) -> None:
+        """DecodeEngine.keepalive: these legs' prefills are on, their KV wait restarts."""
+        self.sched.touch(legs)
+
+    def reserve(self, task: DecodeTask, reply) -> None:
+        if task.leg_id in self._aborted_early:
+            self._aborted_early.discard(task.leg_id)
+            reply(False, None)
+            return
+        try:
+            ok = self.sched.reserve(task)
+        except ValueError as e:  # can never fit: the router says so at once
+            reply(False, str(e))
+            return
+        if ok:
+            self._arm_expiry()
+        reply(ok, None)
+
+    # ---- KV-wait expiry -----------------------------------------------------------
+    def _arm_expiry(self) -> None:
+        """One timer at the oldest pending leg's deadline (deadlines only move later)."""
+        if self._expiry_at is not None or not self.sched.pending:
+            return
+        timeout = self.sched.config.kv_wait_timeout_s
+        since = min(p.since for p in self.sched.pending.values())
+        self._expiry_at = max(math.nextafter(since + timeout, math.inf), self.loop.now)
+        self.loop.at(self._expiry_at, self._expiry_check)
+
+    def _expiry_check(self) -> None:
+        self._expiry_at = None
+        if not self.sched.pending:
+            return
+        if not self.sched.expired():  # the wait restarted meanwhile (a chunk, a keepalive)
+            self._arm_expiry()
+            return
+        self._expiry_due = True  # the next step expires it (re-armed there)
+        if self.stepping:
+            self._cut()
+        else:
+            self.io_ready()
+
+    def _expire(self, now: float) -> None:
+        """DecodeEngine._expire: fail the legs whose KV stopped coming."""
+        self._expiry_due = False
+        if self.sched.pending:
+            for leg in self.sched.expired(now):
+                if self._end(leg):
+                    self._failed.append(leg)
+            self._arm_expiry()
+
+    def abort(self, leg_id: str) -> None:
+        if not self._end(leg_id):
+            self._aborted_early.add(leg_id)
+
+    def _end(self, leg_id: str) -> bool:
+        self.started.pop(leg_id, None)
+        self.first_step.pop(leg_id, None)
+        return self.sched.abort(leg_id) is not None
+
+    def deliver(self, pieces: list[Piece]) -> None:
+        self.inbox.extend(pieces)
+        self._cut()
+        self.io_ready()
+
+    def _cut(self) -> None:
+        """End a multi-step run at the first step boundary from now on (the commands
+        waiting for that boundary then run with the others, in arrival order)."""
+        if self._soft:  # they wait for this same boundary: they run there, first
+            self._commands[:0] = self._soft
+            self._soft = []
+            self._soft_version += 1
+        if not self.stepping or self._run <= 1:
+            return
+        j = bisect.bisect_left(self._ends, self.loop.now, 0, self._run)
+        if j + 1 < self._run:
+            self._run = j + 1
+            self.reschedule_end(float(self._ends[j]))
+
+    def _soft_command(self, fn, args: tuple) -> bool:
+        """Hold a reservation or keepalive for the step boundary it waits for, without
+        ending the run there; False when that boundary is the run's end anyway."""
+        if not self.stepping or self._run <= 1:
+            return False
+        j = bisect.bisect_left(self._ends, self.loop.now, 0, self._run)
+        if j + 1 >= self._run:
+            return False
+        if not self._soft:  # one boundary at a time: a later command waits for the same
+            self._soft_at = j + 1
+            self._soft_version += 1
+            self.loop.at(float(self._ends[j]), self._boundary, self._soft_version)
+        self._soft.append((fn, args))
+        return True
+
+    def _boundary(self, version: int) -> None:
+        """``_soft_at`` steps of the run are done: the blocks they took are taken (what
+        ``schedule()`` allocates step by step), the held commands run, and the run goes on
+        when its remaining steps still fit what nobody was promised (so the real
+        scheduler could preempt no one); else it ends here and the next step is a fresh
+        ``schedule()``."""
+        if version != self._soft_version or not self._soft:
+            return
+        commands, self._soft = self._soft, []
+        done, grow, bs = self._soft_at, self.sched.grow, self.bm.block_size
+        items = [it for it in self._items if it.request.status == RequestStatus.RUNNING]
+        for it in items:
+            r = it.request
+            if len(r.block_ids) * bs < r.num_cached_tokens + done:
+                if not grow(r, r.num_cached_tokens + done):
+                    raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
+        for fn, args in commands:
+            fn(*args)
+        run = self._run
+        need = sum(max(0, -(-(it.request.num_cached_tokens + run) // bs)
+                       - len(it.request.block_ids)) for it in items)
+        if need > self.sched.promised_free_blocks():
+            self._run = done
+            self.reschedule_end(self.loop.now)
+
+    # ---- the step -----------------------------------------------------------------
+    def _take_kv(self, now: float) -> float:
+        """DecodeEngine._take_kv: write every arrived piece, return its credit, start the
+        legs whose KV is complete; returns the seconds the imports take."""
+        seconds = 0.0
+        inbox, self.inbox = self.inbox, []
+        for p in inbox:
+            kept = take_kv_piece(self.sched, p.leg_id, p.token_start, p.token_end,
+                                 p.layer_end, self.num_layers, p.first_token)
+            n = p.token_end - p.token_start
+            if kept and n:  # a piece split by layer carries a share of the tokens' bytes
+                seconds += self.costs.kv_import_s(max(1, round(p.nbytes / self.kvb)))
+            self.loop.at(now + p.link.ack_latency_s, p.link.ack, p, kept)
+        tracer = self.sim.tracer
+        for leg in startable(self.sched):
+            self.sched.start(leg)
+            self.started[leg] = now + seconds
+            if tracer is not None:
+                tracer.span(leg, "decode_admit", self.worker_id, now + seconds, now + seconds)
+        return seconds
+
+    def start_step(self) -> tuple[float, bool] | None:
+        now = self._t0 = self.loop.now
+        import_s = self._take_kv(now) if self.inbox else 0.0
+        self._expire(now)
+        items, preempted = self.sched.schedule()
+        for r in preempted:  # reported with the step's events, at its end
+            self._out.append(self._leg_out(r.request_id, r, finished=False))
+        if not items:
+            self._flush(now)
+            self._items, self._run = [], 0
+            return (import_s, False) if import_s > 0 else None
+        n, first, b = len(self.step_times), self.first_step, len(items)
+        ctx = longest = 0
+        for it in items:
+            start = it.start
+            ctx += start
+            if start > longest:
+                longest = start
+            rid = it.request.request_id
+            if rid not in first:
+                first[rid] = n
+        ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
+        k = self._run_length(items) if self.fast else 1
+        fixed = self._fixed.get(b)
+        if fixed is None:  # the costs are pure functions of the batch: asked once per size
+            fixed = self._fixed[b] = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
+        run = self.costs.decode_run_s(b, ctx, longest, k)
+        if k <= SMALL_RUN:  # the same float operations as the numpy path, without numpy
+            durations = [x + fixed for x in run]
+            durations[0] += import_s
+            durations[0] += now  # summed from now: the same additions as step by step
+            self._ends = list(accumulate(durations))
+        else:
+            durations = np.asarray(run) + fixed
+            durations[0] += import_s
+            durations[0] += now
+            self._ends = durations.cumsum()
+        if self._out or self._failed:  # reported with the first step's events
+            self._flush(float(self._ends[0]))
+        self._items, self._run = items, k
+        return float(self._ends[-1]) - now, True
+
+    def _run_length(self, items: list[ScheduledItem]) -> int:
+        """Steps that can go as one after this one: none finishes a leg before the last,
+        and their blocks fit what nobody was promised (so no preemption can happen)."""
+        k, max_len = MAX_RUN, self.max_len
+        for it in items:
+            r = it.request
+            out = len(r.output_token_ids)
+            left = min(r.sampling_params.max_tokens - out,
+                       max_len - len(r.prompt_token_ids) - out)
+            if left < k:
+                k = max(1, left)
+        if k <= 1:
+            return 1
+        free, bs = self.sched.promised_free_blocks(), self.bm.block_size
+        held = [(it.request.num_cached_tokens, len(it.request.block_ids)) for it in items]
+
+        def need(steps: int) -> int:  # BlockManager.blocks_needed over the items
+            return sum(max(0, -(-(c + steps) // bs) - nb) for c, nb in held)
+
+        if need(k) <= free:
+            return k
+        lo, hi = 1, k  # need(lo) <= free < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= free else (lo, mid)
+        return lo
+
+    def end_step(self) -> None:
+        items, j = self._items, self._run
+        self._items = []
+        if not j:  # a step that only took KV in
+            self.busy_s += self.loop.now - self._t0
+            return
+        ends = self._ends[:j]
+        if isinstance(ends, list):
+            self.step_times.extend(ends)
+        else:
+            self.step_times.frombytes(ends.tobytes())
+        self.step_batch.extend(array("i", (len(items),)) * j)
+        self.num_steps += j
+        self.busy_s += float(ends[-1]) - self._t0
+        tracer, token = self.sim.tracer, simulated_token()
+        if tracer is not None:
+            ends = list(ends)
+            starts = [self._t0, *ends[:-1]]
+            for s, e in zip(starts, ends, strict=True):
+                for it in items:
+                    tracer.span(it.request.request_id, "decode_step", self.worker_id, s, e,
+                                batch_num_seqs=len(items), batch_num_tokens=len(items),
+                                tenant=it.request.tenant)
+        running, stopped = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        grow, bs, max_len = self.sched.grow, self.bm.block_size, self.max_len
+        for it in items:
+            r = it.request
+            if r.status != running:
+                continue  # aborted while the steps ran: already freed
+            n = r.num_cached_tokens + j
+            if j > 1:
+                if len(r.block_ids) * bs < n and not grow(r, n):
+                    raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
+                r.output_token_ids.extend([token] * (j - 1))
+            r.num_cached_tokens = n
+            r.append_token(token)
+            status = r.status
+            if status < stopped and len(r.prompt_token_ids) + len(r.output_token_ids) >= max_len:
+                r.status = status = RequestStatus.FINISHED_LENGTH
+            if status >= stopped:  # Request.is_finished
+                self.sched.finish(r)
+                self._out.append(self._leg_out(r.request_id, r, finished=True))
+        self._flush(self.loop.now)
+
+    def _leg_out(self, leg_id: str, r, finished: bool) -> tuple:
+        """A leg left this worker (finished or preempted): what the router hears of it."""
+        first = self.first_step.pop(leg_id, len(self.step_times))
+        count = len(r.output_token_ids) - 1  # the first came from the prefill worker
+        start = self.started.pop(leg_id, self.loop.now)
+        return (leg_id, first, count, finished, self.loop.now - start)
+
+    def _flush(self, at: float) -> None:
+        """Report the legs that left with the events of the step ending ``at``."""
+        failed, self._failed = self._failed, []
+        for leg_id in failed:
+            self.loop.at(at + self.sim.rpc_s, self.sim.router.on_failed, self, leg_id,
+                         "timed out waiting for KV from the prefill worker")
+        out, self._out = self._out, []
+        for leg_id, first, count, finished, decode_s in out:
+            self.loop.at(at + self.sim.rpc_s, self.sim.router.on_decode_end, self, leg_id,
+                         first, count, finished, decode_s)
+
+    def stats(self) -> dict[str, float]:
+        return {"role": self.role, "steps": self.num_steps,
+                "mean_step_s": self.busy_s / self.num_steps if self.num_steps else None,
+                "busy_s": self.busy_s, "kv_bytes_sent": 0.0,
+                "mean_batch": (sum(self.step_batch) / len(self.step_batch)
+                               if self.step_batch else None)}

@@ -1,0 +1,313 @@
+"""The simulated router: cluster/router.py's request lifecycle on the simulated clock.
+
+Reproduced: the bounded admission queue (sim/admission.py); prefill placement by a
+registered policy over outstanding prefill tokens (cluster/routing_policies.py); legs (a preemption or a failure
+starts a new leg that recomputes prompt + tokens so far); request deadlines; the
+adaptive-chunk pressure loop.
+
+Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``),
+router <-> client is ``client_s``; the router's own CPU time is not (its event loop is
+assumed never to be the bottleneck); worker death and restarts are not. KV-wait
+keepalives are sent as cluster/router_events.py sends them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sim.adapters import DecodeLoad, PrefillLoad, simulated_token
+from sim.admission import SimAdmission
+
+if TYPE_CHECKING:
+    from bench.workload import WorkloadRequest
+    from sim.cluster import Simulation
+    from sim.decode import SimDecode
+    from sim.prefill import SimPrefill
+
+PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
+
+
+@dataclass(eq=False)
+class Flight:
+    req: WorkloadRequest
+    arrival: float  # at the router
+    send_s: float  # when the client sent it
+    leg: int = 0
+    leg_id: str = ""
+    failures: int = 0
+    preemptions: int = 0
+    prefill: SimPrefill | None = None
+    decode: SimDecode | None = None
+    leg_prompt_len: int = 0
+    generated: int = 0
+    tokens: list = field(default_factory=list)  # router times (float) and decode segments
+    timing: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    error: str = ""
+    finish_reason: str = ""
+    end_time: float | None = None
+    prefill_done: bool = False
+    leg_first_seen: bool = False
+
+
+class SimRouter:
+    def __init__(self, sim: Simulation):
+        self.sim, self.loop = sim, sim.loop
+        self.cfg = sim.plan.router
+        self.flights: dict[str, Flight] = {}
+        self.legs: dict[str, Flight] = {}
+        self.finished: list[Flight] = []
+        self.placement = sim.placement
+        self.outstanding = {w.worker_id: 0 for w in sim.prefill}
+        self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
+        self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
+        # the placement and decode-order policies' inputs, kept current (a NamedTuple per
+        # worker is rebuilt when its figures change, not per decision)
+        self.prefill_loads = [PrefillLoad(w.worker_id, 0) for w in sim.prefill]
+        self.decode_loads = [DecodeLoad(w.worker_id, 0.0, 0) for w in sim.decode]
+        self._load_index = {w.worker_id: i for ws in (sim.prefill, sim.decode)
+                            for i, w in enumerate(ws)}
+        self._dispatches = itertools.count(1)
+        self.decode_by_id = {w.worker_id: w for w in sim.decode}
+        self.admission = SimAdmission(self)
+        self.decode_capacity = max(w.bm.num_blocks * w.bm.block_size for w in sim.decode)
+        self._deadlines: deque[Flight] = deque()
+        self.rejected = 0
+        self.last_end = 0.0  # when the last request ended
+
+    # ---- arrivals -------------------------------------------------------------------
+    def arrive(self, req: WorkloadRequest, send_s: float) -> None:
+        now = self.loop.now
+        flight = Flight(req, now, send_s)
+        if len(self.admission) >= self.cfg.max_queue_len:
+            return self._reject(flight, "RESOURCE_EXHAUSTED: admission queue is full "
+                                f"({self.cfg.max_queue_len} waiting)")
+        cap = self.decode_capacity
+        if req.prompt_len + 1 > cap:
+            return self._reject(flight, f"RESOURCE_EXHAUSTED: prompt of {req.prompt_len} "
+                                f"tokens cannot fit any decode worker's KV cache ({cap} tokens)")
+        self.flights[req.request_id] = flight
+        self._deadlines.append(flight)  # in arrival order: one timer for the oldest
+        if len(self._deadlines) == 1:
+            self.loop.at(now + self.cfg.request_timeout_s, self._deadline_tick)
+        self.dispatch(flight)
+
+    def _reject(self, flight: Flight, error: str) -> None:
+        flight.done, flight.error = True, error
+        self.last_end = self.loop.now
+        self.rejected += 1
+        self.finished.append(flight)
+        self._client_done()
+
+    def _client_done(self) -> None:
+        if self.sim.options.max_concurrency is not None:  # the client waits for the end
+            self.loop.at(self.loop.now + self.sim.client_s, self.sim.client_done)
+
+    def _deadline_tick(self) -> None:
+        """Fail every request older than the timeout; re-arm for the oldest one left."""
+        limit, q = self.cfg.request_timeout_s, self._deadlines
+        while q and (q[0].done or q[0].arrival + limit <= self.loop.now):
+            f = q.popleft()
+            self.fail(f, f"DEADLINE_EXCEEDED: request exceeded {limit:g}s")
+        if q:
+            self.loop.at(q[0].arrival + limit, self._deadline_tick)
+
+    # ---- dispatch: admission queue, decode reservation, prefill placement -----------
+    def dispatch(self, flight: Flight) -> None:
+        if flight.done:
+            return
+        if flight.failures >= self.cfg.max_legs:
+            return self.fail(flight, f"UNAVAILABLE: gave up after {flight.failures} attempts")
+        flight.leg += 1
+        flight.leg_id = f"{flight.req.request_id}#{next(self._dispatches):x}#{flight.leg}"
+        flight.leg_prompt_len = flight.req.prompt_len + flight.generated
+        flight.prefill_done = flight.leg_first_seen = False
+        self.legs[flight.leg_id] = flight
+        self.admission.enqueue(flight)
+
+    def wake_head(self) -> None:
+        self.admission.wake_head()
+
+    def place(self, flight: Flight, decode: SimDecode) -> None:
+        """The head's decode reservation held: pick its prefill worker and queue it."""
+        flight.decode = decode
+        self.held[decode.worker_id].add(flight.leg_id)
+        self._decode_load(decode.worker_id)
+        req = flight.req
+        prompt = list(req.prompt_token_ids)
+        if flight.generated:
+            prompt += [simulated_token()] * flight.generated
+        wid = self.placement.pick(self.prefill_loads, prompt)
+        p = self.sim.prefill_by_id[wid]
+        flight.prefill = p
+        self.held[wid].add(flight.leg_id)
+        self._add_outstanding(wid, len(prompt))
+        deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
+        self.sim.emit(p.command, p.add, flight.leg_id, prompt, req.max_tokens - flight.generated,
+                      req.tenant, decode, deadline)
+
+    def _add_outstanding(self, wid: str, tokens: int) -> None:
+        n = self.outstanding[wid] = max(0, self.outstanding[wid] + tokens)
+        self.prefill_loads[self._load_index[wid]] = PrefillLoad(wid, n)
+
+    def _decode_load(self, wid: str) -> None:
+        self.decode_loads[self._load_index[wid]] = DecodeLoad(
+            wid, self.kv_view[wid], len(self.held[wid]))
+
+    # ---- worker events --------------------------------------------------------------
+    def _current(self, leg: str, w: Any, role: str) -> Flight | None:
+        f = self.legs.get(leg)
+        if f is None or f.done or f.leg_id != leg or getattr(f, role) is not w:
+            return None
+        return f
+
+    def on_first_token(self, w: SimPrefill, leg: str, ended: bool, timing: dict) -> None:
+        f = self._current(leg, w, "prefill")
+        if f is None:
+            return
+        f.timing.update(timing)
+        f.leg_first_seen = True
+        f.generated += 1
+        f.tokens.append(self.loop.now)
+        if ended:
+            self._finish(f, (w,))
+
+    def on_prefill_done(self, w: SimPrefill, leg: str, transfer_s: float) -> None:
+        f = self._current(leg, w, "prefill")
+        if f is None:
+            return
+        f.timing["transfer_s"] = f.timing.get("transfer_s", 0.0) + transfer_s
+        if leg in self.held[w.worker_id] and not f.prefill_done:
+            f.prefill_done = True
+            self._add_outstanding(w.worker_id, -f.leg_prompt_len)
+            self.held[w.worker_id].discard(leg)
+
+    def on_decode_end(self, w: SimDecode, leg: str, first: int, count: int, finished: bool,
+                      decode_s: float) -> None:
+        f = self._current(leg, w, "decode")
+        if f is None:
+            return
+        if count:
+            f.tokens.append((w, first, count))
+            f.generated += count
+        if finished:
+            f.timing["decode_s"] = f.timing.get("decode_s", 0.0) + decode_s
+            self._finish(f, (w, f.prefill))
+        else:  # preempted: a leg that streamed its first token made progress
+            self.redispatch(f, failed=not f.leg_first_seen, ended=(w,))
+
+    def on_failed(self, w: Any, leg: str, message: str) -> None:
+        f = self.legs.get(leg)
+        if f is None or f.done or f.leg_id != leg or w not in (f.prefill, f.decode):
+            return
+        self.redispatch(f, failed=True, ended=(w,))
+
+    def on_add_rejected(self, w: SimPrefill, leg: str, message: str) -> None:
+        f = self._current(leg, w, "prefill")
+        if f is not None:
+            self.fail(f, f"INVALID_ARGUMENT: {message}")
+
+    # ---- endings --------------------------------------------------------------------
+    def _finish(self, f: Flight, ended: tuple) -> None:
+        f.finish_reason = "length"
+        f.end_time = self.loop.now
+        self.release(f)
+        self.end_leg(f, ended)
+
+    def redispatch(self, f: Flight, *, failed: bool, ended: tuple = ()) -> None:
+        if failed:
+            f.failures += 1
+        else:
+            f.preemptions += 1
+        self.end_leg(f, ended)
+        self.loop.at(self.loop.now, self.dispatch, f)
+
+    def end_leg(self, f: Flight, ended: tuple = ()) -> None:
+        leg = f.leg_id
+        self.legs.pop(leg, None)
+        p = f.prefill
+        if p is not None and leg in self.held[p.worker_id] and not f.prefill_done:
+            self._add_outstanding(p.worker_id, -f.leg_prompt_len)
+        for w in dict.fromkeys(x for x in (p, f.decode) if x is not None):
+            if leg in self.held[w.worker_id] and not any(w is e for e in ended):
+                self.abort_on(w, leg)
+            self.held[w.worker_id].discard(leg)
+        if f.decode is not None:
+            self._decode_load(f.decode.worker_id)
+        f.prefill = f.decode = None
+        self.wake_head()
+
+    def abort_on(self, w: Any, leg: str) -> None:
+        """Abort ``leg`` on ``w``; the queue's head retries once that is done."""
+        def run() -> None:
+            w.abort(leg)
+            self.sim.emit(self.wake_head)
+
+        self.sim.emit(w.command, run)
+
+    def release(self, f: Flight) -> None:
+        f.done = True
+        self.last_end = self.loop.now
+        if self.flights.get(f.req.request_id) is f:
+            del self.flights[f.req.request_id]
+            self.finished.append(f)
+            self._client_done()
+        self.admission.forget(f)
+
+    def fail(self, f: Flight, error: str) -> None:
+        if f.done:
+            return
+        f.error = error
+        self.release(f)
+        self.end_leg(f)
+
+    # ---- periodic views ---------------------------------------------------------------
+    def keepalive_loop(self) -> None:
+        """cluster/router_events.py _keepalive_loop: each decode worker hears which of its
+        pending legs still have their prefill queued or running."""
+        by_decode: dict[str, list[str]] = {}
+        for p in self.sim.prefill:
+            for leg in self.held[p.worker_id]:
+                f = self.legs.get(leg)
+                if f is None or f.done or f.prefill_done or f.decode is None or f.prefill is not p:
+                    continue
+                by_decode.setdefault(f.decode.worker_id, []).append(leg)
+        for d in self.sim.decode:  # in worker order: a run never depends on set order
+            if d.worker_id in by_decode:
+                self.sim.emit(d.command, d.keepalive, by_decode[d.worker_id])
+        if self.flights or self.sim.arrivals_left:
+            self.loop.at(self.loop.now + self.cfg.kv_keepalive_s, self.keepalive_loop)
+
+    def refresh_stats(self, period: float) -> None:
+        for w in self.sim.decode:
+            self.kv_view[w.worker_id] = w.bm.usage
+            self._decode_load(w.worker_id)
+        if self.flights or self.sim.arrivals_left:
+            self.loop.at(self.loop.now + period, self.refresh_stats, period)
+
+    def pressure_loop(self) -> None:
+        """cluster/router_events.py _pressure_loop: decode ITL p90 over the last window
+        against the target, to every prefill worker's chunk policy."""
+        now = self.loop.now
+        gaps = []
+        for w in self.sim.decode:
+            t, b = w.step_times, w.step_batch
+            i = bisect.bisect_left(t, now - PRESSURE_WINDOW_S)
+            if len(t) - i >= 2:
+                ends = np.frombuffer(t, dtype=float)[max(i - 1, 0):]
+                gaps.append(np.repeat(np.diff(ends), np.frombuffer(b, dtype=np.int32)[max(i, 1):]))
+        if gaps:
+            g = np.sort(np.concatenate(gaps))
+            pressure = float(g[int(0.9 * (len(g) - 1))]) / self.cfg.itl_target_s if len(g) else 0.0
+        else:
+            pressure = 0.0
+        for p in self.sim.prefill:
+            self.sim.emit(p.command, p.set_decode_pressure, pressure)
+        if self.flights or self.sim.arrivals_left:
+            self.loop.at(now + PRESSURE_PERIOD_S, self.pressure_loop)
