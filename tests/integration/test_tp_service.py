@@ -59,6 +59,10 @@ def test_different_tp_on_the_two_pools_matches_transformers(ray_session, tiny_mo
             assert [r.split(":")[0] for r in ranks] == [f"rank {i}" for i in range(len(ranks))]
             assert len({r.split(" on node ")[1].split(",")[0] for r in ranks}) <= 1  # one node
         assert_no_leaks(client)
+        # no rank's link still holds a request (GetStats merges every rank's link stats)
+        after = {w.role: w.extra for w in client.stats().workers}
+        assert after["prefill"]["send_queue_depth"] == 0
+        assert after["decode"]["kv_rx_active_requests"] == 0
     finally:
         client.close()
         srv.stop(drain_timeout_s=0)
