@@ -12,10 +12,12 @@ import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from xxhash import xxh3_128_digest
 
-from engine.request import Request
+if TYPE_CHECKING:  # hints only: prefix hashing (routing policies, --help) needs no torch
+    from engine.request import Request
 
 _ROOT = bytes(16)  # the parent of a sequence's first block
 

@@ -90,7 +90,7 @@ def test_the_server_imports_and_parses_serve_without_the_bench_extra() -> None:
 
 def test_a_back_import_from_a_lower_layer_breaks_the_layers_contract(tmp_path: Path) -> None:
     for pkg in ("engine", "kv_transfer", "runtime", "prefill_worker", "decode_worker",
-                "cluster", "proto", "bench"):
+                "cluster", "proto", "bench", "sim"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / "cluster" / "router.py").write_text("import runtime.loop\n")
