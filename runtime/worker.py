@@ -74,6 +74,8 @@ class WorkerBase:
                               timeout=JOIN_TIMEOUT)
         self.ranks = [ray.get_actor(rank_actor_name(self.spec.actor_name, r))
                       for r in range(1, size)]
+        # a rank whose actor cannot start fails here, by name, not as a rendezvous timeout
+        ray.get([a.ping.remote() for a in self.ranks], timeout=JOIN_TIMEOUT.total_seconds())
         self._rank_refs = [a.join.remote(host, store.port, r, self.num_blocks)
                            for r, a in enumerate(self.ranks, start=1)]
         self._store = store  # served for as long as the group lives

@@ -20,6 +20,9 @@ from tests.unit.test_engine_exactness import hf_greedy, prompt
 
 def _serve(model_dir, prefill_tp: int, decode_tp: int, connector: str = "tcp"):
     cfg = ServeConfig.from_dict({
+        # a request meeting a pool that is restarting waits for it (however slow the
+        # machine), so the fault test does not race the restart
+        "limits": {"restart_grace_s": 600.0},
         "model": {"path": str(model_dir), "device": "cpu"},
         "pools": {"cpus_per_worker": 0.5, "prefill_tp": prefill_tp, "decode_tp": decode_tp},
         "cache": {"prefill_block_size": 16, "decode_block_size": 8},
