@@ -101,6 +101,11 @@ class PoolsSection(Section):
     decode_resources: Mapping[str, float] = opt(
         None, "custom Ray resources each decode worker needs, e.g. 'decode_node=0.01'",
         factory=dict)
+    prefill_tp: int = opt(1, "tensor-parallel ranks per prefill worker: a group of Ray actors "
+                          "placed together (one placement group per worker, STRICT_PACK, "
+                          "one bundle of cpus_per_worker / gpus_per_worker per rank)", ge=1)
+    decode_tp: int = opt(1, "tensor-parallel ranks per decode worker (as prefill_tp; the "
+                         "two pools may differ)", ge=1)
     max_restarts: int = opt(2, "times Ray restarts a dead worker actor", ge=0)
     prefill_placement: str | None = opt(
         None, "which prefill worker takes a prompt (cluster/routing_policies.py; default: "

@@ -17,6 +17,7 @@ from cluster.config import ServeConfig
 from cluster.placement import PoolPlan, actor_options, plan_colocated, plan_pools
 from cluster.pool import WorkerHandle
 from cluster.router import Router, RouterConfig
+from cluster.tp_groups import TPGroups
 from cluster.worker_specs import worker_specs
 from decode_worker.worker import RemoteDecodeWorker
 from engine.loader import load_model_config, load_tokenizer
@@ -76,24 +77,33 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
     p = cfg.pools
     provisional = plan_pools(p.prefill_workers, p.decode_workers, device="cpu",
                              gpus_per_worker=0, cpus_per_worker=p.cpus_per_worker,
-                             available={})
+                             available={}, prefill_tp=p.prefill_tp, decode_tp=p.decode_tp)
     started = _init_ray(cfg, provisional.total_cpus)
     plan = plan_pools(p.prefill_workers, p.decode_workers, device=cfg.model.device,
                       gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,
                       available=ray.cluster_resources(), nodes=_alive_nodes(),
                       prefill_resources=opts.prefill_resources,
-                      decode_resources=opts.decode_resources)
+                      decode_resources=opts.decode_resources,
+                      prefill_tp=p.prefill_tp, decode_tp=p.decode_tp)
     if plan.note:
         log.warning("placement: %s", plan.note)
+    log.info("placement: %s", plan.report())
     tag = f"pdserve-{secrets.token_hex(3)}"
     handles: list[WorkerHandle] = []
+    groups = TPGroups()
     specs = worker_specs(cfg, plan, model_dir, tag, trace=opts.trace,
                          fault_injection=opts.fault_injection)
-    for spec, w in zip(specs, plan.workers, strict=True):
-        cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
-        actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts)).remote(spec)
-        handles.append(WorkerHandle(w.worker_id, w.role, actor))
-    _wait_ready(handles, plan)
+    try:
+        for spec, w in zip(specs, plan.workers, strict=True):
+            cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
+            pg = groups.start(spec, w, opts.max_restarts)  # None for a one-rank worker
+            actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts,
+                                                pg, 0 if pg else None)).remote(spec)
+            handles.append(WorkerHandle(w.worker_id, w.role, actor))
+        _wait_ready(handles, plan)
+    except BaseException:
+        groups.close()
+        raise
     router = Router(
         [h for h in handles if h.role == "prefill"], [h for h in handles if h.role == "decode"],
         RouterConfig(max_queue_len=cfg.limits.max_queue_len,
@@ -107,7 +117,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
         load_tokenizer(model_dir), model.vocab_size,
         cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
     )
-    router.on_shutdown = lambda: _teardown(handles, started)
+    router.on_shutdown = lambda: _teardown(handles, started, groups)
     return router
 
 
@@ -134,7 +144,11 @@ def _wait_all_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=5.0)
         for ref in done:
-            refs[ref].refresh(ray.get(ref))
+            info = ray.get(ref)
+            refs[ref].refresh(info)
+            if info.tp_ranks:
+                log.info("placement: %s is a TP group of %d: %s", info.worker_id,
+                         len(info.tp_ranks), "; ".join(info.tp_ranks))
         if pending and time.monotonic() > deadline:
             names = [refs[r].worker_id for r in pending]
             raise RuntimeError(
@@ -143,13 +157,16 @@ def _wait_all_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
                 f"{plan.total_cpus:g} CPUs and {plan.total_gpus:g} GPUs")
 
 
-def _teardown(handles: list[WorkerHandle], started_ray: bool) -> None:
+def _teardown(handles: list[WorkerHandle], started_ray: bool,
+              groups: TPGroups | None = None) -> None:
     for h in handles:
         try:
             ray.get(h.actor.shutdown.remote(), timeout=10)
         except Exception:
             pass
         ray.kill(h.actor, no_restart=True)
+    if groups is not None:
+        groups.close()
     if started_ray:
         ray.shutdown()
 

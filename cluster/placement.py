@@ -24,9 +24,25 @@ _RAY_PRECISION = 10_000
 class WorkerPlacement:
     worker_id: str  # "prefill-0", "decode-1", "colocated-0", ...
     role: str
-    num_cpus: float
+    num_cpus: float  # per rank (a worker of tensor-parallel size `tp` has `tp` actors)
     num_gpus: float
     resources: dict[str, float] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel ranks: actors placed together (one placement group)
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per rank (what each rank's actor asks for)."""
+        one = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus > 0:
+            one["GPU"] = self.num_gpus
+        return [dict(one) for _ in range(self.tp)]
+
+    def describe(self) -> str:
+        gpus = f", {self.num_gpus:g} GPU" if self.num_gpus else ""
+        each = f"{self.num_cpus:g} CPU{gpus}"
+        if self.tp == 1:
+            return f"{self.worker_id}: 1 actor ({each})"
+        return (f"{self.worker_id}: TP group of {self.tp} actors ({each} each), one "
+                "STRICT_PACK placement group")
 
     @property
     def torch_threads(self) -> int:
@@ -49,11 +65,15 @@ class PoolPlan:
 
     @property
     def total_cpus(self) -> float:
-        return sum(w.num_cpus for w in self.workers)
+        return sum(w.num_cpus * w.tp for w in self.workers)
 
     @property
     def total_gpus(self) -> float:
-        return sum(w.num_gpus for w in self.workers)
+        return sum(w.num_gpus * w.tp for w in self.workers)
+
+    def report(self) -> str:
+        """One line per worker: its actors and what each asks Ray for."""
+        return "; ".join(w.describe() for w in self.workers)
 
 
 Pool = tuple[str, int, Mapping[str, float]]  # (role, workers, custom resources of each)
@@ -143,7 +163,10 @@ def _groups(pools: Sequence[Pool], nodes: Sequence[Mapping[str, float]]
 
 def _plan(pools: Sequence[Pool], *, device: str, gpus_per_worker: float,
           cpus_per_worker: float, available: Mapping[str, float],
-          nodes: Sequence[Mapping[str, float]] | None) -> PoolPlan:
+          nodes: Sequence[Mapping[str, float]] | None,
+          tp: Mapping[str, int] | None = None) -> PoolPlan:
+    tp = dict(tp or {})
+    ranks = [(role, n * tp.get(role, 1), res) for role, n, res in pools]  # actors to place
     gpus = available.get("GPU", 0.0)
     use_gpus = device.startswith("cuda") or (device == "auto" and gpus > 0)
     share: dict[str, float] = {role: 0.0 for role, _, _ in pools}
@@ -153,12 +176,19 @@ def _plan(pools: Sequence[Pool], *, device: str, gpus_per_worker: float,
             raise ValueError("gpus_per_worker must be > 0 on a GPU cluster")
         if gpus <= 0:
             raise ValueError(f"device {device!r} needs GPUs; the cluster has none")
-        for group, group_nodes in _groups(pools, nodes or [available]):
+        for group, group_nodes in _groups(ranks, nodes or [available]):
             per_gpu, note = _gpu_share(group, gpus_per_worker, group_nodes)
             share.update({role: per_gpu for role, _, _ in group})
             notes += [note] if note else []
+        for role, size in tp.items():
+            if size > 1 and share.get(role, 1.0) < 1:  # NCCL: one rank per GPU
+                raise ValueError(
+                    f"{role} workers of tensor-parallel size {size} need a whole GPU per "
+                    f"rank, but the pools fit only with {share[role]:g} GPU each: fewer "
+                    "workers, a smaller TP size, or more GPUs")
     workers = [
-        WorkerPlacement(f"{role}-{i}", role, cpus_per_worker, share[role], dict(res or {}))
+        WorkerPlacement(f"{role}-{i}", role, cpus_per_worker, share[role], dict(res or {}),
+                        tp.get(role, 1))
         for role, n, res in pools
         for i in range(n)
     ]
@@ -176,19 +206,23 @@ def plan_pools(
     prefill_resources: Mapping[str, float] | None = None,
     decode_resources: Mapping[str, float] | None = None,
     nodes: Sequence[Mapping[str, float]] | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
 ) -> PoolPlan:
     """Split the cluster into the two pools; ValueError names what does not fit.
 
     `available`: the cluster's total resources; `nodes`: each alive node's resources
     (`ray.nodes()`), for placing pinned pools and fractional GPUs per node (default: the
-    whole cluster as one node).
+    whole cluster as one node). `prefill_tp` / `decode_tp`: actors per worker (each
+    asks for `cpus_per_worker` and its GPU share; on GPUs a whole GPU per rank).
     """
     if prefill_workers < 1 or decode_workers < 1:
         raise ValueError("need at least one prefill and one decode worker")
     pools = [("prefill", prefill_workers, dict(prefill_resources or {})),
              ("decode", decode_workers, dict(decode_resources or {}))]
     return _plan(pools, device=device, gpus_per_worker=gpus_per_worker,
-                 cpus_per_worker=cpus_per_worker, available=available, nodes=nodes)
+                 cpus_per_worker=cpus_per_worker, available=available, nodes=nodes,
+                 tp={"prefill": prefill_tp, "decode": decode_tp})
 
 
 def plan_colocated(

@@ -31,6 +31,7 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
     model = model or load_model_config(model_dir)
     c, s = cfg.cache, cfg.scheduler
     block = {"prefill": c.prefill_block_size, "decode": c.decode_block_size}.get(role)
+    tp = {"prefill": cfg.pools.prefill_tp, "decode": cfg.pools.decode_tp}.get(role, 1)
     colocated = role == "colocated"
     return EngineConfig(
         model_dir=model_dir, model=model,
@@ -43,7 +44,8 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
             enable_chunked_prefill=s.enable_chunked_prefill if colocated else True,
             max_model_len=cfg.model.max_model_len or model.max_position_embeddings),
         device=cfg.model.device, dtype=cfg.model.dtype,
-        attention_backend=cfg.model.attention_backend, compile=cfg.model.compile)
+        attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
+        tensor_parallel_size=tp)
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:

@@ -15,9 +15,9 @@ from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.execute import execute_and_sample
-from engine.model_runner import ModelRunner
 from engine.request import RequestStatus
 from engine.tombstones import Tombstones
+from engine.tp_driver import make_runner
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
 from runtime.messages import DecodeTask, EventKind, LegTiming, WorkerEvent
@@ -41,7 +41,7 @@ class DecodeEngine:
         self.worker_id = worker_id
         self.faults = faults  # fault injection (tests only): may refuse admission
         self.config = config
-        self.runner = ModelRunner(config, num_blocks)
+        self.runner = make_runner(config, num_blocks)  # rank 0's, under TP
         self.bm = BlockManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self.scheduler = DecodeScheduler(sched_config, self.bm)
         self.receiver = receiver
@@ -192,7 +192,8 @@ class DecodeEngine:
         if chunk.num_tokens:
             r = self.scheduler.allocate_range(chunk.request_id, chunk.token_end)
             self.runner.kv.import_tokens(r.block_ids, chunk.token_start, chunk.payload,
-                                         layer_start=chunk.layer_start)
+                                         layer_start=chunk.layer_start,
+                                         head_start=chunk.head_start)  # (0: every head)
             key = (chunk.token_start, chunk.token_end)
             if chunk.layer_end == layers and key not in p.ranges:
                 p.ranges.add(key)

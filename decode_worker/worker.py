@@ -8,26 +8,31 @@ import ray
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
+from kv_transfer.heads import rank_heads
 from kv_transfer.registry import make_receiver
 from runtime.messages import DecodeTask
 from runtime.spec import WorkerSpec
-from runtime.worker import ACTOR_CONCURRENCY, WorkerBase
+from runtime.tp_links import GroupReceiver, join_endpoints
+from runtime.worker import ACTOR_CONCURRENCY, WorkerBase, advertised
 
 
 class DecodeWorker(WorkerBase):
     def __init__(self, spec: WorkerSpec[DecodeSchedulerConfig]):
         super().__init__(spec)
         self.receiver = make_receiver(spec.transfer, **spec.connector_kwargs())
-        self.start(DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
-                                self.num_blocks, self.tracer, faults=self.faults))
+        engine = DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
+                              self.num_blocks, self.tracer, faults=self.faults)
+        if self.ranks:  # a TP group: every rank receives its own heads (runtime/tp_links)
+            m = self.cfg.model
+            self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1, 0))
+            engine.receiver = GroupReceiver(self.receiver, engine.runner)
+        self.start(engine)
 
     def endpoint(self) -> str:
-        """The receiver's address as peers on other nodes can reach it."""
-        ep = self.receiver.endpoint
-        for wildcard in ("0.0.0.0", "[::]"):
-            if f"//{wildcard}:" in ep:  # bound to every interface: advertise this node's IP
-                ep = ep.replace(wildcard, ray.util.get_node_ip_address())
-        return ep
+        """The receiver's address as peers on other nodes can reach it; a TP worker's is
+        every rank's, joined in rank order."""
+        own = advertised(self.receiver.endpoint)
+        return join_endpoints([own, *ray.get([a.endpoint.remote() for a in self.ranks])])
 
     def reserve(self, task: DecodeTask) -> bool:
         return self.loop.call(lambda: self.engine.reserve(task))

@@ -3,7 +3,7 @@ a config after creation (use `dataclasses.replace`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The one list of dtype names: weights, KV cache, the config's choices and the KV wire.
 DTYPES = ("float32", "float16", "bfloat16")
@@ -64,6 +64,104 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """K+V bytes of one token over all layers, in fp32 (scale by element size)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+
+# ---- tensor parallelism: which slice of the model one rank holds (Megatron layout) ----
+# Rank r of N holds query heads [r * H/N, (r+1) * H/N) and the KV heads they read:
+#
+#     KVH >= N (KVH % N == 0): KV heads [r * KVH/N, (r+1) * KVH/N), each held by one rank
+#     KVH <  N (N % KVH == 0): one KV head, r * KVH // N, held by N/KVH ranks (replicated)
+#
+#     H = 8, KVH = 2, N = 4:  rank     0    1    2    3
+#                             q heads  0-1  2-3  4-5  6-7
+#                             KV head  0    0    1    1
+#
+# and MLP rows [r * I/N, (r+1) * I/N) of gate/up (columns of down). q/k/v and gate/up are
+# column-parallel (split along their outputs), o_proj and down_proj row-parallel (split
+# along their inputs; their partial sums are all-reduced). Norms, the embedding and the
+# LM head are replicated: see engine/parallel/README.md for why.
+
+
+def check_tp(model: ModelConfig, size: int) -> None:
+    """ValueError naming the numbers when `size` ranks cannot split `model`."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    h, kvh, inter = model.num_heads, model.num_kv_heads, model.intermediate_size
+    if h % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                         f"num_attention_heads={h}")
+    if kvh >= size and kvh % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                         f"num_key_value_heads={kvh}")
+    if kvh < size and size % kvh:
+        raise ValueError(f"tensor_parallel_size={size} is larger than num_key_value_heads="
+                         f"{kvh} and not a multiple of it (KV heads are replicated only "
+                         "evenly)")
+    if inter % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's "
+                         f"intermediate_size={inter}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`: the head, KV-head and MLP ranges it holds."""
+
+    rank: int
+    size: int
+    num_heads: int  # the whole model's
+    num_kv_heads: int
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.size}")
+
+    @classmethod
+    def of(cls, model: ModelConfig, size: int = 1, rank: int = 0) -> Shard:
+        check_tp(model, size)
+        return cls(rank, size, model.num_heads, model.num_kv_heads, model.intermediate_size)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """[start, end) of this rank's query heads."""
+        n = self.num_heads // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """[start, end) of this rank's KV heads (one head, shared, when KVH < size)."""
+        if self.num_kv_heads < self.size:
+            head = self.rank * self.num_kv_heads // self.size
+            return head, head + 1
+        n = self.num_kv_heads // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    @property
+    def kv_owner(self) -> bool:
+        """The first rank holding its KV heads (the one whose copy a gather keeps)."""
+        if self.rank == 0:
+            return True
+        return replace(self, rank=self.rank - 1).kv_heads != self.kv_heads  # ranges ascend
+
+    @property
+    def mlp(self) -> tuple[int, int]:
+        """[start, end) of this rank's MLP rows (gate/up outputs, down inputs)."""
+        n = self.intermediate_size // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def local_config(self, model: ModelConfig) -> ModelConfig:
+        """`model` as this rank sees it: its heads, KV heads and MLP width. Ranks other
+        than 0 never compute logits, so they keep no LM head of their own (tied to the
+        embedding they need anyway)."""
+        if self.size == 1:
+            return model
+        return replace(
+            model,
+            num_heads=self.heads[1] - self.heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.mlp[1] - self.mlp[0],
+            tie_word_embeddings=model.tie_word_embeddings or self.rank > 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -127,9 +225,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     compile: str = "auto"  # compiled model step (engine.compile): auto, none, decode, all
+    tensor_parallel_size: int = 1  # ranks of one engine (engine.parallel), vLLM's name
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        check_tp(self.model, self.tensor_parallel_size)  # heads, KV heads, MLP divide

@@ -66,7 +66,11 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_head_start: int = 0,
     ):
+        """`kv_head_start`: the model's index of this cache's first KV head (a
+        tensor-parallel rank holds heads [kv_head_start, kv_head_start + KVH))."""
+        self.kv_head_start = kv_head_start
         self.num_layers = model.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -125,18 +129,29 @@ class KVCache:
 
     # ---- import (decode side) ------------------------------------------------------------
     def import_tokens(
-        self, block_ids: Sequence[int], start: int, data: torch.Tensor, layer_start: int = 0
+        self, block_ids: Sequence[int], start: int, data: torch.Tensor, layer_start: int = 0,
+        head_start: int | None = None,
     ) -> None:
-        """Write `data` `[L', 2, T, KVH, D]` as the KV of global tokens [start, start + T)
-        for layers [layer_start, layer_start + L'). `data` is read before this returns (it
-        may be released at once); on CUDA the device copy completes asynchronously."""
+        """Write `data` `[L', 2, T, H', D]` as the KV of global tokens [start, start + T)
+        for layers [layer_start, layer_start + L') and the model's KV heads [head_start,
+        head_start + H') (default: this cache's heads). `data` is read before this returns
+        (it may be released at once); on CUDA the device copy completes asynchronously."""
         num_tokens = data.shape[2]
         layers = slice(layer_start, layer_start + data.shape[0])
         assert data.shape[1] == 2 and layers.stop <= self.num_layers, data.shape
+        dst = self._slots[layers]  # [L', 2, slots, KVH, D]
+        h0 = (self.kv_head_start if head_start is None else head_start) - self.kv_head_start
+        if (h0, data.shape[3]) != (0, dst.shape[3]):
+            if not 0 <= h0 < h0 + data.shape[3] <= dst.shape[3]:
+                raise ValueError(
+                    f"KV heads [{h0 + self.kv_head_start}, "
+                    f"{h0 + self.kv_head_start + data.shape[3]}) are not among this cache's "
+                    f"[{self.kv_head_start}, {self.kv_head_start + dst.shape[3]})")
+            dst = dst[:, :, :, h0:h0 + data.shape[3]]  # a view: index_copy_ writes through
         self.bind()
         idx = self._slot_index(block_ids, start, start + num_tokens)
         if not self._cuda:
-            self._slots[layers].index_copy_(2, idx, data.to(self.dtype))
+            dst.index_copy_(2, idx, data.to(self.dtype))
             return
         staging = pinned_empty(data.shape, self.dtype).copy_(data)  # host memcpy (+ cast)
         side = self._stream
@@ -144,7 +159,7 @@ class KVCache:
         with torch.cuda.stream(side):
             idx.record_stream(side)
             dev = staging.to(self.device, non_blocking=True)
-            self._slots[layers].index_copy_(2, idx, dev)
+            dst.index_copy_(2, idx, dev)
             event = torch.cuda.Event()
             event.record(side)
         first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size

@@ -13,9 +13,9 @@ from engine.device import local_device
 from engine.execute import execute_and_sample
 from engine.loader import load_model_config, load_tokenizer
 from engine.logprobs import PromptLogprobs, TokenLogprobs
-from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
+from engine.tp_launch import local_runner
 from engine.validation import validate_prompt
 
 Prompt = str | Sequence[int]
@@ -65,11 +65,15 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         gpu_share: float = 1.0,
         compile: str = "auto",
+        tensor_parallel_size: int = 1,
     ):
         """`device`: 'cpu', 'cuda', 'cuda:N' or 'auto'. The KV cache holds `num_blocks`
         blocks, by default `kv_cache_memory_bytes` on CPU and, on a GPU, what the loaded
         weights leave of `gpu_memory_utilization x gpu_share` of its memory. `compile`:
-        'none', 'decode', 'all' or 'auto' (the device's default; see engine.compile)."""
+        'none', 'decode', 'all' or 'auto' (the device's default; see engine.compile).
+        `tensor_parallel_size` > 1: this process is rank 0 of a group of that many
+        processes (engine.parallel; on CUDA one GPU each from `device` on); `shutdown()`,
+        or leaving a `with` block, stops them."""
         model = load_model_config(model_dir)
         config = EngineConfig(
             model_dir=str(model_dir),
@@ -81,7 +85,7 @@ class LLM:
                 max_model_len or model.max_position_embeddings,
             ),
             device=str(local_device(device)), dtype=dtype, attention_backend=attention_backend,
-            compile=compile,
+            compile=compile, tensor_parallel_size=tensor_parallel_size,
         )
         self._start(config, max_model_len_given=max_model_len is not None)
 
@@ -96,7 +100,8 @@ class LLM:
 
     def _start(self, config: EngineConfig, *, max_model_len_given: bool) -> None:
         self.config = config
-        self.runner = ModelRunner(config, config.cache.num_blocks)
+        # with tensor_parallel_size > 1, rank 0 of a group of local processes
+        self.runner, self._tp = local_runner(self, config)
         n_blocks, block_size = self.runner.num_blocks, config.cache.block_size
         capacity = n_blocks * block_size
         if config.scheduler.max_model_len > capacity:
@@ -117,6 +122,17 @@ class LLM:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (a no-op without them)."""
+        if self._tp is not None:
+            self._tp.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ---- request API ----------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

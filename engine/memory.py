@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig, torch_dtype
+from engine.config import EngineConfig, ModelConfig, SchedulerConfig, Shard, torch_dtype
 from engine.kv_cache import KVCache
 
 MIN_RESERVE_BYTES = 256 << 20  # allocator slack, cuBLAS workspaces, sampler temporaries
@@ -65,6 +65,12 @@ def device_memory(device: torch.device) -> tuple[int, int, int]:
     return int(free), int(total), int(torch.cuda.memory_reserved(device))
 
 
+def rank_model(cfg: EngineConfig) -> ModelConfig:
+    """The model as one tensor-parallel rank holds it (its KV heads: the same count on
+    every rank); the whole model without TP."""
+    return Shard.of(cfg.model, cfg.tensor_parallel_size).local_config(cfg.model)
+
+
 def num_kv_blocks(cfg: EngineConfig, *, memory: tuple[int, int, int] | None = None,
                   pending_bytes: int = 0) -> int:
     """Blocks for `cfg` (see the module doc). `memory`: (free, total, held) of the GPU,
@@ -74,7 +80,7 @@ def num_kv_blocks(cfg: EngineConfig, *, memory: tuple[int, int, int] | None = No
     if c.num_blocks is not None:
         return c.num_blocks
     dtype = torch_dtype(cfg.dtype)
-    per_block = KVCache.bytes_per_block(cfg.model, c.block_size, dtype)
+    per_block = KVCache.bytes_per_block(rank_model(cfg), c.block_size, dtype)
     per_seq = -(-s.max_model_len // c.block_size)
     cap = per_seq * s.max_num_seqs
     if not cfg.device.startswith("cuda"):
@@ -102,7 +108,7 @@ def num_kv_blocks(cfg: EngineConfig, *, memory: tuple[int, int, int] | None = No
 def check_kv_fits(cfg: EngineConfig, num_blocks: int, *, free: int) -> None:
     """A clear error, instead of an out-of-memory one, when `num_blocks` blocks (planned
     before the weights were loaded, or set by hand) no longer fit in the `free` bytes."""
-    per_block = KVCache.bytes_per_block(cfg.model, cfg.cache.block_size,
+    per_block = KVCache.bytes_per_block(rank_model(cfg), cfg.cache.block_size,
                                         torch_dtype(cfg.dtype))
     need = num_blocks * per_block + MIN_RESERVE_BYTES
     if need > free:

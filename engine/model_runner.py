@@ -28,6 +28,8 @@ from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.linear import can_pack
+from engine.parallel.loader import load_shard
+from engine.parallel.state import rank_shard
 
 __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
@@ -120,7 +122,13 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
         self.backend = get_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
+        # tensor parallelism: this rank's heads and MLP rows (the whole model without TP)
+        self.group, self.shard = rank_shard(config)
+        if self.group is None:
+            self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
+        else:
+            self.model = load_shard(config.model, config.model_dir, self.shard, self.device,
+                                    self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
         if can_pack(self.device, self.dtype):
             self.model.pack()  # CPU GEMMs of 2+ rows on oneDNN-packed weights
@@ -129,14 +137,19 @@ class ModelRunner:
             num_blocks = num_kv_blocks(config, memory=memory)
         elif memory is not None:
             check_kv_fits(config, num_blocks, free=memory[0])
+        if self.group is not None:  # every rank of a group holds as many blocks
+            num_blocks = self.group.agree_min(num_blocks)
         self.num_blocks = num_blocks
-        self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(self.shard.local_config(config.model), num_blocks, self.block_size,
+                          self.dtype, self.device, kv_head_start=self.shard.kv_heads[0])
         self._buf = _StepBuffer(self.device)
         self.compiled: CompiledStep | None = None  # eager until built below
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warmup()
-        compiled = CompiledStep(self.model, self.device, config.compile,
-                                config.scheduler.max_num_seqs)
+        # a TP forward runs eager unless compiling is asked for by name: its all-reduces
+        # in a compiled / CUDA-graph step are not yet checked on a multi-GPU machine
+        mode = "none" if self.group is not None and config.compile == "auto" else config.compile
+        compiled = CompiledStep(self.model, self.device, mode, config.scheduler.max_num_seqs)
         # a CUDA-graph decode step's block tables: as wide as the longest sequence that fits
         max_len = min(config.scheduler.max_model_len, num_blocks * self.block_size)
         self._graph_width = -(-max_len // self.block_size)

@@ -40,6 +40,8 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(64, 128, 2, 4, 2, 16, None, 4096, 10000.0, 0.08),
+    # SmolLM2-135M's head layout (9 query heads over 3 KV heads) at tiny size: TP = 3 tests
+    "tiny-9h": Preset(72, 96, 2, 9, 3, 8, None, 4096, 10000.0, 0.08),
     "small": Preset(256, 512, 4, 8, 2, 32, None, 8192, 10000.0, 0.05),
     # the shape of Qwen2-0.5B: the benchmark model
     "qwen2-0.5b-shape": Preset(896, 4864, 24, 14, 2, 64, 151936, 32768, 1000000.0, 0.02),

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.execute import Sampled, execute_and_sample
-from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.tombstones import Tombstones
+from engine.tp_driver import make_runner
 from engine.tracing import TraceRecorder
 from engine.validation import validate_prompt
 from kv_transfer.base import KVChunk, KVSender
@@ -46,7 +46,7 @@ class PrefillEngine:
     ):
         self.worker_id = worker_id
         self.config = config
-        self.runner = ModelRunner(config, num_blocks)
+        self.runner = make_runner(config, num_blocks)  # rank 0's, under TP
         self.bm = BlockManager(num_blocks, config.cache.block_size,
                                config.cache.enable_prefix_caching)
         self.scheduler = PrefillScheduler(sched_config, self.bm)

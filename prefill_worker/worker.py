@@ -9,6 +9,7 @@ from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillSchedulerConfig
 from runtime.messages import PrefillTask
 from runtime.spec import WorkerSpec
+from runtime.tp_links import GroupSender, HeadSender
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase
 
 
@@ -18,8 +19,13 @@ class PrefillWorker(WorkerBase):
         self.sender = make_sender(spec.transfer, **spec.connector_kwargs())
         if self.faults is not None and self.faults.has_kv_faults:
             self.sender.wrap_transports(self.faults.wrap_transport)
-        self.start(PrefillEngine(spec.worker_id, self.cfg, spec.scheduler, self.sender,
-                                 self.num_blocks, self.tracer))
+        # its KV heads to a decode worker of any TP size (runtime/tp_links.py)
+        heads = HeadSender(self.sender, self.cfg.model.num_kv_heads, self.cfg.tensor_parallel_size)
+        engine = PrefillEngine(spec.worker_id, self.cfg, spec.scheduler, heads,
+                               self.num_blocks, self.tracer)
+        if self.ranks:  # a TP group: every rank sends its own heads, rank 0 coordinates
+            engine.sender = GroupSender(heads, engine.runner)
+        self.start(engine)
 
     def add(self, task: PrefillTask) -> None:
         self.loop.call(lambda: self.engine.add(task))

@@ -103,3 +103,5 @@ class WorkerInfo:
     device: str = "cpu"
     gpu_ids: tuple[str, ...] = ()
     cuda_visible_devices: str | None = None
+    # a tensor-parallel worker: one line per rank (pid, node, GPUs), rank 0 first
+    tp_ranks: tuple[str, ...] = ()

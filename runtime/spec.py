@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-from engine.config import EngineConfig, torch_dtype
+from engine.config import EngineConfig, Shard, torch_dtype
 from engine.device import local_device
 from engine.memory import device_memory, num_kv_blocks, weight_bytes
+from engine.parallel.loader import shard_weight_bytes
 from kv_transfer.config import TransferConfig
 from kv_transfer.faults import ENV_VAR, FaultInjector, FaultPlan
 
@@ -69,7 +70,12 @@ def resolve_engine(config: EngineConfig, ray_gpu_ids: Sequence[str | int] | None
     cfg = replace(config, device=str(device))
     if device.type != "cuda" or cfg.cache.num_blocks is not None:
         return cfg, num_kv_blocks(cfg)
-    pending = weight_bytes(cfg.model_dir, torch_dtype(cfg.dtype))
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.tensor_parallel_size > 1:  # rank 0's slice (it alone holds the LM head)
+        shard = Shard.of(cfg.model, cfg.tensor_parallel_size)
+        pending = shard_weight_bytes(cfg.model, cfg.model_dir, shard, dtype)
+    else:
+        pending = weight_bytes(cfg.model_dir, dtype)
     return cfg, num_kv_blocks(cfg, memory=device_memory(device), pending_bytes=pending)
 
 

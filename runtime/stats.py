@@ -24,6 +24,7 @@ class EngineStats:
     loop_error: str = ""  # the last failed step of the worker loop ("" if none)
     send_queue_depth: int = 0  # legs with KV still queued or in flight (prefill)
     faults: Mapping[str, int] = field(default_factory=dict)  # fault_<kind> -> fired (tests)
+    tensor_parallel_size: int = 1  # ranks (actors) of this worker
 
     @property
     def queue_depth(self) -> int:
