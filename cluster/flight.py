@@ -9,6 +9,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from cluster.delta_stream import DeltaStream
 from cluster.pool import WorkerHandle
 from cluster.types import GenerateSpec, RouterError, Usage
 from runtime.messages import EventKind, LegTiming
@@ -32,20 +33,24 @@ class RouterConfig:
     adaptive_chunks: bool = False  # feed decode pressure to the prefill chunk policy
     itl_target_s: float = 0.1
     kv_keepalive_s: float = 1.0  # how often decode hears that a leg's prefill is still on
+    # tokens per streamed message (the first token and the last message go at once)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
             raise ValueError("max_queue_len and max_legs must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         timeouts = (self.request_timeout_s, self.unavailable_grace_s,
                     self.admission_timeout_s if self.admission_timeout_s is not None else 1.0)
         if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
 
 
-@dataclass
+@dataclass(eq=False)
 class Flight:
     spec: GenerateSpec
-    queue: asyncio.Queue
+    queue: asyncio.Queue | DeltaStream  # what the request's consumer reads
     arrival: float
     leg: int = 0
     leg_id: str = ""
@@ -63,6 +68,9 @@ class Flight:
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
     leg_first_seen: bool = False  # the current leg's first token was streamed
     held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
+    unsent: list[int] = field(default_factory=list)  # tokens held for stream_interval
+    streamed: bool = False  # its first token went out
+    detok: Any = None  # its IncrementalDetokenizer (the detokenizer thread's alone)
 
     def add_timing(self, kind: EventKind, t: LegTiming) -> None:
         """A worker's phase times: the first token sets queue, prefill and cache figures
@@ -114,5 +122,7 @@ class RouterCore(Protocol):
     def mark_dead(self, w: WorkerHandle) -> None: ...
 
     def wake_admission(self) -> None: ...
+
+    def deliver(self, out: list) -> None: ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task: ...

@@ -101,9 +101,11 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                      affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
                      unavailable_grace_s=cfg.limits.restart_grace_s,
                      adaptive_chunks=cfg.scheduler.chunk_policy == "adaptive",
-                     itl_target_s=cfg.scheduler.itl_target_ms / 1000),
+                     itl_target_s=cfg.scheduler.itl_target_ms / 1000,
+                     stream_interval=cfg.server.stream_interval),
         load_tokenizer(model_dir), model.vocab_size,
         cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
+        channel_secret=specs[0].transfer.secret,
     )
     router.on_shutdown = lambda: _teardown(handles, started)
     return router
@@ -121,7 +123,7 @@ def _wait_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
     except BaseException:
         for h in handles:
             with contextlib.suppress(Exception):
-                ray.kill(h.actor, no_restart=True)
+                ray.kill(h.handle, no_restart=True)
         raise
 
 
@@ -144,10 +146,10 @@ def _wait_all_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
 def _teardown(handles: list[WorkerHandle], started_ray: bool) -> None:
     for h in handles:
         try:
-            ray.get(h.actor.shutdown.remote(), timeout=10)
+            ray.get(h.handle.shutdown.remote(), timeout=10)
         except Exception:
             pass
-        ray.kill(h.actor, no_restart=True)
+        ray.kill(h.handle, no_restart=True)
     if started_ray:
         ray.shutdown()
 

@@ -73,8 +73,10 @@ class OpenAIRun:
             async for delta in self._stream:
                 ids = tuple(delta.token_ids)
                 self.token_ids.extend(ids)
-                text = self.stops.push(self.detok.push(ids, final=delta.finished),
-                                       final=delta.finished)
+                piece = delta.text  # None: a backend that does not detokenize
+                if piece is None:
+                    piece = self.detok.push(ids, final=delta.finished)
+                text = self.stops.push(piece, final=delta.finished)
                 if self.stops.matched is not None:  # end it now: free its KV at once
                     self._router_done = True
                     self._spawn(self._abort())

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from cluster.types import WorkerStats
 from engine.block_manager import block_hashes
 from runtime.actor import WorkerActor
-from runtime.messages import WorkerInfo
+from runtime.messages import WorkerInfo, WorkerLoad
 from runtime.stats import EngineStats, PrefillStats
 
 MAX_AFFINITY_KEYS = 1 << 16  # first blocks remembered (they come from clients' prompts)
@@ -30,11 +30,34 @@ class WorkerHandle:
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet done
     legs: set[str] = field(default_factory=set)  # leg ids currently on this worker
     stats: EngineStats | None = None  # the last stats it reported (None: none yet)
+    channel: str = ""  # host:port of its control channel ("" : the router polls it)
+    load: WorkerLoad | None = None  # the load its last channel message carried
+    others_outstanding: int = 0  # prefill tokens other front doors put on it (estimate)
+
+    @property
+    def handle(self) -> WorkerActor:
+        """The worker's Ray actor itself (`actor` may wrap it in its channel)."""
+        return getattr(self.actor, "ray_actor", self.actor)
 
     @property
     def kv_usage(self) -> float:
+        """Share of its KV blocks in use or promised (from its last load message; without
+        one, the blocks in use as of its last stats)."""
+        if not self.num_blocks:
+            return 0.0
+        if self.load is not None and self.role == "decode":
+            return 1.0 - self.load.kv_blocks_promisable / self.num_blocks
         used = self.stats.kv_blocks_used if self.stats is not None else 0
-        return used / self.num_blocks if self.num_blocks else 0.0
+        return used / self.num_blocks
+
+    @property
+    def prefill_load(self) -> int:
+        """Prompt tokens queued on it: this router's own plus the others' last seen."""
+        return self.outstanding_tokens + self.others_outstanding
+
+    def observe_load(self, load: WorkerLoad) -> None:
+        self.load = load
+        self.others_outstanding = max(0, load.outstanding_tokens - self.outstanding_tokens)
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -51,6 +74,7 @@ class WorkerHandle:
         self.num_blocks = info.num_blocks
         self.block_size = info.block_size
         self.node_id = info.node_id
+        self.channel = info.channel
 
     def to_stats(self) -> WorkerStats:
         """The last stats this worker reported, as the API's WorkerStats."""
@@ -74,12 +98,12 @@ class PrefixAffinity:
         return len(self._last)
 
     def pick(self, alive: list[WorkerHandle], prompt: tuple[int, ...]) -> WorkerHandle:
-        best = min(alive, key=lambda w: w.outstanding_tokens)
+        best = min(alive, key=lambda w: w.prefill_load)
         if len(prompt) <= self.block_size:
             return best
         key = block_hashes(prompt[: self.block_size], self.block_size)[0]
         sticky = next((w for w in alive if w.worker_id == self._last.get(key)), None)
-        if sticky and sticky.outstanding_tokens <= best.outstanding_tokens + self.slack_tokens:
+        if sticky and sticky.prefill_load <= best.prefill_load + self.slack_tokens:
             best = sticky
         self._last[key] = best.worker_id
         self._last.move_to_end(key)

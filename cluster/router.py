@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
+from cluster.delta_stream import DeltaStream
+from cluster.detokenize import DetokenizerThread
 from cluster.flight import Flight, RouterConfig
 from cluster.pool import PrefixAffinity, WorkerHandle
 from cluster.router_events import EventPump
@@ -40,7 +42,11 @@ log = logging.getLogger(__name__)
 class Router:
     def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
                  config: RouterConfig, tokenizer, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = (), metrics=None):
+                 eos_token_ids: tuple[int, ...] = (), metrics=None,
+                 channel_secret: bytes = b""):
+        """`channel_secret`: the cluster secret that opens the workers' control channels
+        (runtime/channel.py); without it (or for a worker without a channel) the router
+        polls the worker's actor for events."""
         self.prefill, self.decode = prefill, decode
         self.config = config
         self.tokenizer = tokenizer
@@ -54,12 +60,13 @@ class Router:
         self.serving = True
         self._affinity = PrefixAffinity(config.affinity_block_size,
                                         config.affinity_slack_tokens)
-        self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
+        self.tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
-        self.pump = EventPump(self)
+        self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
-        self._started = False
+        self._started: asyncio.Future | None = None
+        self._detok: DetokenizerThread | None = None
 
     # ---- RouterAPI --------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -85,10 +92,24 @@ class Router:
             w.alive for w in self.decode)
 
     async def start(self) -> None:
-        """Start the event pumps on the running loop (idempotent; generate() calls it)."""
-        if not self._started:
-            self._started = True
-            self.pump.start()
+        """Connect the workers' channels and start the event pumps on the running loop
+        (idempotent; generate() calls it)."""
+        if self._started is None:
+            self._detok = DetokenizerThread(self.tokenizer, asyncio.get_running_loop())
+            self._started = asyncio.ensure_future(self.pump.start())
+        await asyncio.shield(self._started)
+
+    def deliver(self, out: list) -> None:
+        """Hand a batch's token deltas [(flight, ids, finished, reason, usage)] to the
+        detokenizer thread; they reach their streams, with text, in order."""
+        self._detok.submit([(f, ids, fin) for f, ids, fin, _, _ in out],
+                           lambda _items, texts: self._deliver(out, texts))
+
+    @staticmethod
+    def _deliver(out: list, texts: list[str]) -> None:
+        for (flight, ids, finished, reason, usage), text in zip(out, texts, strict=True):
+            flight.queue.put_nowait(TokenDelta(flight.spec.request_id, tuple(ids), finished,
+                                               reason, usage, text=text))
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         await self.start()
@@ -101,7 +122,7 @@ class Router:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
         self.admission.check_fits(len(spec.prompt_token_ids))
-        flight = Flight(spec, asyncio.Queue(), time.monotonic())
+        flight = Flight(spec, DeltaStream(spec.request_id), time.monotonic())
         self.flights[spec.request_id] = flight
         # The deadline posts an error into the stream; no wait_for around queue.get(),
         # whose cancellation can be lost when an item lands at the same moment.
@@ -149,6 +170,8 @@ class Router:
         for flight in list(self.flights.values()):
             self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
         await self.pump.stop()
+        if self._detok is not None:
+            self._detok.stop()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -212,7 +235,7 @@ class Router:
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
         spec = flight.spec
         flight.leg += 1
-        leg_id = f"{spec.request_id}#{self._tag}{next(self._dispatches):x}#{flight.leg}"
+        leg_id = f"{spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg}"
         prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
         sampling = replace(spec.sampling,
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
@@ -228,7 +251,7 @@ class Router:
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
         if not self.config.prefix_affinity:
-            return min(alive, key=lambda w: w.outstanding_tokens)
+            return min(alive, key=lambda w: w.prefill_load)
         return self._affinity.pick(alive, prompt)
 
     # ---- workers ----------------------------------------------------------------------

@@ -1,10 +1,19 @@
-"""EventPump: long-polls every worker, applies its events to the router's flights, and
+"""EventPump: receives every worker's events, applies them to the router's flights, and
 watches liveness (a dead actor's legs are re-dispatched; a restarted one is re-adopted).
+
+A worker with a control channel (`WorkerHandle.channel`, runtime/channel.py) sends one
+message per step with every leg's events and its load; `on_batch` applies it on the
+event loop with no task, Future or Ray call per event, and the step's token deltas go
+to the detokenizer thread in one batch (the router's `deliver`). A worker without one
+(a colocated pool, a test's fake) is long-polled over its actor's `poll()`.
 
 A worker's pump never waits on another request: a re-dispatch (which may queue for
 decode admission) runs as its own task, so one preemption cannot delay the tokens of
 every other stream of that worker. An event counts only when it comes from the worker
-that holds the leg in that role (a late reservation elsewhere cannot touch it)."""
+that holds the leg in that role (a late reservation elsewhere cannot touch it).
+A flight's tokens are released every `stream_interval` tokens (the first token and the
+last message at once).
+"""
 
 from __future__ import annotations
 
@@ -16,9 +25,11 @@ from collections import deque
 
 from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
-from cluster.types import ErrorCode, RouterError, TokenDelta, WorkerStats
+from cluster.types import ErrorCode, RouterError, WorkerStats
+from cluster.worker_channel import ChannelActor, WorkerChannel
 from engine.quantiles import percentile
-from runtime.messages import EventKind, WorkerEvent
+from runtime.batch_codec import FINISH_OF, entry_event
+from runtime.messages import EventKind, LegTiming, WorkerEvent
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 0.05
@@ -27,16 +38,32 @@ PRESSURE_PERIOD_S = 0.5
 REVIVE_INTERVAL_S = 0.5
 
 
+Delivery = list  # [(flight, token_ids, finished, finish_reason, usage)] of one batch
+
+
 class EventPump:
-    def __init__(self, router: RouterCore):
+    def __init__(self, router: RouterCore, channel_secret: bytes = b""):
         self.router = router
+        self.channel_secret = channel_secret
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._gaps: deque[tuple[float, float]] = deque()  # (time, inter-token gap)
 
-    def start(self) -> None:
+    def uses_channel(self, w: WorkerHandle) -> bool:
+        return bool(self.channel_secret and w.channel)
+
+    async def start(self) -> None:
+        """Connect every worker's channel (before any request is dispatched: a leg must
+        be created over the link its events come back on), then pump them all."""
+        chans = [w for w in self.router.workers if self.uses_channel(w)]
+        for w, err in zip(chans, await asyncio.gather(
+                *(self._connect(w) for w in chans), return_exceptions=True), strict=True):
+            if isinstance(err, BaseException):
+                log.warning("channel to %s failed: %s", w.worker_id, err)
+                self.mark_dead(w)
         for w in self.router.workers:
-            self._tasks.append(asyncio.ensure_future(self._pump(w)))
+            pump = self._pump_channel(w) if self.uses_channel(w) else self._pump(w)
+            self._tasks.append(asyncio.ensure_future(pump))
         if self.router.config.adaptive_chunks:
             self._tasks.append(asyncio.ensure_future(self._pressure_loop()))
         self._tasks.append(asyncio.ensure_future(self._keepalive_loop()))
@@ -80,6 +107,9 @@ class EventPump:
 
     async def stop(self) -> None:
         self._stopping = True
+        for w in self.router.workers:
+            if isinstance(w.actor, ChannelActor):
+                w.actor.channel.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -104,16 +134,39 @@ class EventPump:
         while not self._stopping:
             try:
                 info = await asyncio.wait_for(w.actor.ready.remote(), timeout=30)
+                w.refresh(info)
+                if self.uses_channel(w):
+                    await self._connect(w)
             except Exception:
                 await asyncio.sleep(REVIVE_INTERVAL_S)
                 continue
-            w.refresh(info)
             w.restarts += 1
             w.stats = None
             w.alive = True
             log.warning("worker %s is back (restart %d)", w.worker_id, w.restarts)
             self.router.wake_admission()
             return
+
+    async def _connect(self, w: WorkerHandle) -> None:
+        name = f"router-{getattr(self.router, 'tag', '')}"
+        ch = await WorkerChannel.connect(w.worker_id, w.channel, self.channel_secret, name,
+                                         lambda _wid, load, entries: self.on_batch(w, load,
+                                                                                   entries))
+        if isinstance(w.actor, ChannelActor):
+            w.actor.channel = ch
+        else:
+            w.actor = ChannelActor(w.actor, ch)
+
+    async def _pump_channel(self, w: WorkerHandle) -> None:
+        """Watch `w`'s channel: its loss marks `w` dead; once back it is re-adopted."""
+        while not self._stopping:
+            if not w.alive:
+                await self._revive(w)
+                continue
+            why = await asyncio.shield(w.actor.channel.lost)
+            if not self._stopping and w.alive:
+                log.warning("channel to %s lost: %s", w.worker_id, why)
+                self.mark_dead(w)
 
     async def _pump(self, w: WorkerHandle) -> None:
         while not self._stopping:
@@ -128,14 +181,44 @@ class EventPump:
                 log.warning("poll of %s failed: %s", w.worker_id, e)
                 self.mark_dead(w)
                 continue
+            out: Delivery = []
             for ev in events:
                 try:
-                    await self._apply(w, ev)
+                    self._apply(w, ev, out)
                 except Exception:
                     log.exception("event %s of %s failed", ev.kind, ev.leg_id)
+            if out:
+                self.router.deliver(out)
 
     # ---- events -----------------------------------------------------------------------
-    async def _apply(self, w: WorkerHandle, ev: WorkerEvent) -> None:
+    def on_batch(self, w: WorkerHandle, load, entries: list) -> None:
+        """One step message of `w`: TOKENS entries straight from the wire (the hot path),
+        the rest as WorkerEvents through `_apply`."""
+        if load is not None:
+            w.observe_load(load)
+        out: Delivery = []
+        legs = self.router.legs
+        for e in entries:
+            try:
+                if e[0] != "tokens":
+                    self._apply(w, entry_event(w.worker_id, e), out)
+                    continue
+                flight = legs.get(e[1])
+                if flight is None or flight.done or flight.leg_id != e[1]:
+                    continue
+                if flight.decode is not w or not flight.leg_first_seen:
+                    self._apply(w, entry_event(w.worker_id, e), out)  # ignored or held
+                    continue
+                if e[5] is not None:
+                    flight.add_timing(EventKind.TOKENS, LegTiming(*e[5]))
+                self._emit(w, flight, EventKind.TOKENS, e[2],
+                           None if e[3] is None else FINISH_OF[e[3]], out)
+            except Exception:
+                log.exception("event %s of %s from %s failed", e[0], e[1], w.worker_id)
+        if out:
+            self.router.deliver(out)
+
+    def _apply(self, w: WorkerHandle, ev: WorkerEvent, out: Delivery) -> None:
         flight = self.router.legs.get(ev.leg_id)
         if flight is None or flight.done or flight.leg_id != ev.leg_id:
             return  # a leg that already ended
@@ -150,13 +233,13 @@ class EventPump:
                 if self.router.metrics:
                     self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
             flight.leg_first_seen = True
-            self._emit(w, flight, ev)
+            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out)
             # decode tokens that overtook the first token (they come from another worker's
             # pump) follow it now, in order
             held, flight.held_tokens = flight.held_tokens, []
             for src, later in held:
                 if not flight.done:
-                    await self._apply(src, later)
+                    self._apply(src, later, out)
         elif ev.kind == EventKind.PREFILL_DONE:
             flight.add_timing(ev.kind, ev.timing)
             p = flight.prefill
@@ -169,36 +252,41 @@ class EventPump:
             flight.held_tokens.append((w, ev))  # the prefill's first token has not arrived
         elif ev.kind == EventKind.TOKENS:
             flight.add_timing(ev.kind, ev.timing)
-            self._emit(w, flight, ev)
+            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out)
         elif ev.kind in (EventKind.PREEMPTED, EventKind.FAILED):
             # a preempted leg that streamed its first token made progress: not a failure
             progressed = ev.kind == EventKind.PREEMPTED and flight.leg_first_seen
             self.redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}",
                             failed=not progressed, ended=(w,))  # w let go of it itself
 
-    def _emit(self, w: WorkerHandle, flight: Flight, ev: WorkerEvent) -> None:
-        flight.generated.extend(ev.token_ids)
+    def _emit(self, w: WorkerHandle, flight: Flight, kind: EventKind, token_ids,
+              finish_reason, out: Delivery) -> None:
+        flight.generated.extend(token_ids)
         now = time.monotonic()
-        if ev.kind == EventKind.TOKENS and flight.last_token_at is not None:
+        if kind == EventKind.TOKENS and flight.last_token_at is not None:
             self._gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
-        if self.router.metrics and flight.generated and ev.kind == EventKind.TOKENS:
+        if self.router.metrics and flight.generated and kind == EventKind.TOKENS:
             self.router.metrics.observe_token(flight)
-        finished = ev.finished
+        finished = finish_reason is not None
         usage = None
         if finished:
             self.router.release(flight)
             # The worker that finished the request ended its part itself, and so did the
             # prefill of a leg that decode finished (decode ran on all of its KV): only a
             # decode reservation left by a request that ended at its first token is aborted.
-            ended = (w,) if ev.kind == EventKind.FIRST_TOKEN else (w, flight.prefill)
+            ended = (w,) if kind == EventKind.FIRST_TOKEN else (w, flight.prefill)
             self.router.end_leg(flight, ended=ended)
             usage = flight.usage()
             if self.router.metrics:
                 self.router.metrics.observe_finish(usage)
-        flight.queue.put_nowait(TokenDelta(
-            flight.spec.request_id, tuple(ev.token_ids), finished,
-            ev.finish_reason.value if finished else None, usage))
+        flight.unsent.extend(token_ids)
+        if (finished or not flight.streamed
+                or len(flight.unsent) >= self.router.config.stream_interval):
+            flight.streamed = True
+            out.append((flight, flight.unsent, finished,
+                        finish_reason.value if finished else None, usage))
+            flight.unsent = []
 
     def redispatch(self, flight: Flight, why: str, *, failed: bool,
                    ended: tuple[WorkerHandle, ...] = ()) -> None:

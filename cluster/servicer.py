@@ -101,9 +101,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if finished:
                     call.ended = True
                     self.state.release(call)  # free before the client sees the end
+                text = delta.text
+                if text is None:  # a backend that does not detokenize (LocalBackend)
+                    text = detok.push(delta.token_ids, final=finished)
                 yield pb.GenerateResponse(
-                    request_id=rid, token_ids=delta.token_ids,
-                    text=detok.push(delta.token_ids, final=finished),
+                    request_id=rid, token_ids=delta.token_ids, text=text,
                     finish_reason=FINISH_TO_PROTO[delta.finish_reason if finished else None],
                     usage=usage_to_proto(delta.usage) if finished and delta.usage else None)
                 if finished:

@@ -20,7 +20,7 @@ from engine.request import RequestStatus
 from engine.tombstones import Tombstones
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
-from runtime.messages import DecodeTask, EventKind, LegTiming, WorkerEvent
+from runtime.messages import NO_TIMING, DecodeTask, EventKind, LegTiming, WorkerEvent
 from runtime.stats import DecodeStats
 
 if TYPE_CHECKING:
@@ -114,19 +114,19 @@ class DecodeEngine:
             return events
         t0, wall0 = time.monotonic(), time.time()
         sampled = execute_and_sample(self.runner, items)
-        now = time.monotonic()
-        for r, tok in sampled:
+        now, wall = time.monotonic(), time.time()
+        for r, tok in sampled:  # one event per request, all sent as one message per step
             r.num_cached_tokens += 1
             r.append_token(tok)
             if not r.is_finished and r.num_tokens >= self.max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
-            timing = LegTiming()
+            timing = NO_TIMING
             if r.is_finished:
                 self.scheduler.finish(r)
                 self.aborted_early.ended(r.request_id)
                 timing = LegTiming(decode_s=now - self.started.pop(r.request_id, now))
             events.append(WorkerEvent(EventKind.TOKENS, r.request_id, self.worker_id, (tok,),
-                                      finish_reason=r.finish_reason, timing=timing))
+                                      r.finish_reason, "", wall, timing))
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:

@@ -1,0 +1,63 @@
+"""The wire form of one worker step's events: one msgpack message per step and link.
+
+    [worker_id, load | None, [entry, ...]]
+    entry = [kind, leg_id, token_ids, finish_reason | None, message, timing | None,
+             wall_time, extras | None]
+
+`kind` and `finish_reason` are the enums' string values; `timing` the five LegTiming
+fields in order (None when all are zero); `load` the WorkerLoad fields in order.
+`extras` is a map of optional per-token data a request asked for (e.g. log-probabilities):
+each name in EXTRAS is a WorkerEvent attribute carried when it is not None, so a new
+optional field costs one name here (and a plain-data form msgpack can carry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, fields
+from typing import Any
+
+import msgpack
+
+from engine.request import FinishReason
+from runtime.messages import NO_TIMING, EventKind, LegTiming, WorkerEvent, WorkerLoad
+
+EXTRAS: tuple[str, ...] = ()  # optional WorkerEvent fields carried per entry
+KIND_OF = {k.value: k for k in EventKind}
+FINISH_OF = {f.value: f for f in FinishReason}
+_LOAD_FIELDS = len(fields(WorkerLoad))
+
+
+def encode_batch(worker_id: str, events: list[WorkerEvent], load: WorkerLoad | None) -> bytes:
+    entries = []
+    for ev in events:
+        extras = None
+        for name in EXTRAS:
+            value = getattr(ev, name, None)
+            if value is not None:
+                extras = extras or {}
+                extras[name] = value
+        t = ev.timing
+        entries.append((
+            ev.kind.value, ev.leg_id, ev.token_ids,
+            None if ev.finish_reason is None else ev.finish_reason.value, ev.message,
+            None if t is NO_TIMING or t == NO_TIMING else astuple(t), ev.wall_time, extras))
+    return msgpack.packb((worker_id, None if load is None else astuple(load), entries))
+
+
+def decode_batch(body: bytes) -> tuple[str, WorkerLoad | None, list[list[Any]]]:
+    """(worker_id, load, raw entries): the router reads hot TOKENS entries as they are and
+    turns the rest into WorkerEvents with `entry_event`."""
+    worker_id, load, entries = msgpack.unpackb(body, use_list=True)
+    if load is not None and len(load) == _LOAD_FIELDS:
+        load = WorkerLoad(*load)
+    else:
+        load = None
+    return worker_id, load, entries
+
+
+def entry_event(worker_id: str, e: list[Any]) -> WorkerEvent:
+    kind, leg_id, tokens, finish, message, timing, wall, extras = e
+    kw = {name: extras[name] for name in EXTRAS if extras and name in extras}
+    return WorkerEvent(KIND_OF[kind], leg_id, worker_id, tuple(tokens),
+                       None if finish is None else FINISH_OF[finish], message, wall,
+                       NO_TIMING if timing is None else LegTiming(*timing), **kw)
