@@ -37,14 +37,22 @@ class DeltaStream:
         if isinstance(item, RouterError):
             if self._error is None:
                 self._error = item
+            self._wake()
         else:
-            self._ids.extend(item.token_ids)
-            if item.text is not None:
-                if self._texts is None:
-                    self._texts = []
-                self._texts.append(item.text)
-            if item.finished:
-                self._last = item
+            self.put(item.token_ids, item.text, item if item.finished else None)
+
+    def put(self, token_ids, text: str | None, last: TokenDelta | None = None) -> None:
+        """Tokens and their text (None: not detokenized); `last`: the finishing delta."""
+        self._ids.extend(token_ids)
+        if text is not None:
+            if self._texts is None:
+                self._texts = []
+            self._texts.append(text)
+        if last is not None:
+            self._last = last
+        self._wake()
+
+    def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)

@@ -95,21 +95,26 @@ class Router:
         """Connect the workers' channels and start the event pumps on the running loop
         (idempotent; generate() calls it)."""
         if self._started is None:
-            self._detok = DetokenizerThread(self.tokenizer, asyncio.get_running_loop())
+            if self.tokenizer is not None:  # without one, the front door detokenizes
+                self._detok = DetokenizerThread(self.tokenizer, asyncio.get_running_loop())
             self._started = asyncio.ensure_future(self.pump.start())
         await asyncio.shield(self._started)
 
     def deliver(self, out: list) -> None:
         """Hand a batch's token deltas [(flight, ids, finished, reason, usage)] to the
         detokenizer thread; they reach their streams, with text, in order."""
+        if self._detok is None:
+            self._deliver(out, [None] * len(out))
+            return
         self._detok.submit([(f, ids, fin) for f, ids, fin, _, _ in out],
                            lambda _items, texts: self._deliver(out, texts))
 
     @staticmethod
-    def _deliver(out: list, texts: list[str]) -> None:
+    def _deliver(out: list, texts: list[str | None]) -> None:
         for (flight, ids, finished, reason, usage), text in zip(out, texts, strict=True):
-            flight.queue.put_nowait(TokenDelta(flight.spec.request_id, tuple(ids), finished,
-                                               reason, usage, text=text))
+            last = TokenDelta(flight.spec.request_id, (), True, reason, usage) \
+                if finished else None
+            flight.queue.put(ids, text, last)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         await self.start()

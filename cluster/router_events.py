@@ -263,7 +263,8 @@ class EventPump:
               finish_reason, out: Delivery) -> None:
         flight.generated.extend(token_ids)
         now = time.monotonic()
-        if kind == EventKind.TOKENS and flight.last_token_at is not None:
+        if (kind == EventKind.TOKENS and flight.last_token_at is not None
+                and self.router.config.adaptive_chunks):  # read (and trimmed) only then
             self._gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
         if self.router.metrics and flight.generated and kind == EventKind.TOKENS:

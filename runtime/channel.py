@@ -230,11 +230,31 @@ class ChannelServer:
         fn = self.commands.get(name)
         if fn is None:
             raise ValueError(f"unknown channel command {name!r}")
-        if name in ("add", "reserve"):
-            self._origin[args[0].leg_id] = link
-        elif name == "abort":
+        if name == "abort":
             self._origin.pop(args[0], None)
-        return fn(*args)
+        if name not in ("add", "reserve"):
+            return fn(*args)
+        leg_id = args[0].leg_id
+        self._origin[leg_id] = link  # before it runs: its first events may follow at once
+        try:
+            result = fn(*args)
+        except Exception:
+            self._drop(leg_id, link)
+            raise
+        if isinstance(result, Future):
+            result.add_done_callback(lambda f: self._settled(leg_id, link, f))
+        elif result is False:
+            self._drop(leg_id, link)
+        return result
+
+    def _settled(self, leg_id: str, link: _Link, fut: Future) -> None:
+        """A refused `reserve` (False) or a failed command created no leg here."""
+        if fut.exception() is not None or fut.result() is False:
+            self._drop(leg_id, link)
+
+    def _drop(self, leg_id: str, link: _Link) -> None:
+        if self._origin.get(leg_id) is link:
+            del self._origin[leg_id]
 
     def publish(self, events: list[WorkerEvent]) -> None:
         """One step's events (called on the loop thread, possibly with none)."""
