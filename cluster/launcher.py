@@ -91,7 +91,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
     for spec, w in zip(specs, plan.workers, strict=True):
         cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
         actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts)).remote(spec)
-        handles.append(WorkerHandle(w.worker_id, w.role, actor))
+        handles.append(WorkerHandle(w.worker_id, w.role, actor, actor_name=spec.actor_name))
     _wait_ready(handles, plan)
     router = Router(
         [h for h in handles if h.role == "prefill"], [h for h in handles if h.role == "decode"],

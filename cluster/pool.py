@@ -31,6 +31,8 @@ class WorkerHandle:
     legs: set[str] = field(default_factory=set)  # leg ids currently on this worker
     stats: EngineStats | None = None  # the last stats it reported (None: none yet)
     channel: str = ""  # host:port of its control channel ("" : the router polls it)
+    actor_name: str = ""  # its Ray actor's name (other front doors find it by it)
+    info: WorkerInfo | None = None  # what its ready() said last
     load: WorkerLoad | None = None  # the load its last channel message carried
     others_outstanding: int = 0  # prefill tokens other front doors put on it (estimate)
 
@@ -75,6 +77,7 @@ class WorkerHandle:
         self.block_size = info.block_size
         self.node_id = info.node_id
         self.channel = info.channel
+        self.info = info
 
     def to_stats(self) -> WorkerStats:
         """The last stats this worker reported, as the API's WorkerStats."""

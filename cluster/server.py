@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it.
+# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it;
+# on with server.api_servers > 1, whose front doors share the port on purpose.
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
+SHARED_PORT_OPTIONS = [("grpc.so_reuseport", 1)]
 
 
 class GenerationServer:
@@ -67,6 +69,8 @@ class GenerationServer:
         self._drain_end = float("inf")
         self._stopped: asyncio.Event | None = None  # created by start() (needs a loop)
         self.http: HttpServer | None = None
+        self.servicer: GenerationServicer | None = None
+        self.front_doors = None  # cluster.front_doors.FrontDoors of front door 0
 
     @property
     def address(self) -> str:
@@ -80,13 +84,15 @@ class GenerationServer:
         interceptors = []
         if srv_cfg.auth_token_file:
             interceptors.append(BearerTokenInterceptor(read_token(srv_cfg.auth_token_file)))
-        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        options = SHARED_PORT_OPTIONS if srv_cfg.api_servers > 1 else GRPC_OPTIONS
+        server = grpc.aio.server(interceptors=interceptors, options=options)
         # one intake (size checks, the tokenizer thread) serves both front doors
         self.intake = PromptIntake(self.router, max_prompt_tokens=limits.max_prompt_tokens,
                                    max_prompt_bytes=limits.max_prompt_bytes)
         servicer = GenerationServicer(self.router, self.state,
                                       request_timeout_s=limits.request_timeout_s,
                                       intake=self.intake)
+        self.servicer = servicer
         pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -183,6 +189,8 @@ class GenerationServer:
         self.state.draining = True
         self._drain_end = time.monotonic() + timeout
         await self._set_health(False)
+        if self.front_doors is not None:  # the other front doors drain meanwhile
+            doors = asyncio.ensure_future(self.front_doors.stop(timeout))
         log.info("draining %d request(s) for up to %.1f s", len(self.state.active), timeout)
         while self.state.active and time.monotonic() < self._drain_end:
             await asyncio.sleep(0.05)
@@ -195,6 +203,9 @@ class GenerationServer:
             while self.state.active and time.monotonic() < grace_end:
                 await asyncio.sleep(0.05)
         await self._server.stop(grace=1.0)
+        if self.front_doors is not None:
+            await doors  # before the pools go: their streams run on them
+            self.front_doors = None
         if self.http is not None:
             await self.http.stop()
         if self._poller is not None:
@@ -214,9 +225,20 @@ async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
                 on_started: Callable[[GenerationServer], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain.
 
-    `on_ready(address)` / `on_started(server)` run once both front doors listen."""
+    With `server.api_servers` N > 1, N - 1 more front-door processes share the port
+    (cluster/front_doors.py). `on_ready(address)` / `on_started(server)` run once every
+    front door listens."""
     server = GenerationServer(router, cfg)
     address = await server.start()
+    if server.cfg.server.api_servers > 1:
+        from cluster.front_doors import FrontDoors
+
+        server.front_doors = FrontDoors(server.cfg, router, server.cfg.server.api_servers)
+        try:
+            await server.front_doors.start(server)
+        except BaseException:
+            await server.stop(drain_timeout_s=0)
+            raise
     if on_ready is not None:
         on_ready(address)
     if on_started is not None:
