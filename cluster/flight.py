@@ -101,6 +101,7 @@ class RouterCore(Protocol):
     its pools and live legs, and the lifecycle steps they may take."""
 
     config: RouterConfig
+    tokenizer: Any  # the model's (None: the front door detokenizes)
     prefill: list[WorkerHandle]
     decode: list[WorkerHandle]
     legs: dict[str, Flight]  # leg id -> its flight (current legs only)
@@ -122,7 +123,5 @@ class RouterCore(Protocol):
     def mark_dead(self, w: WorkerHandle) -> None: ...
 
     def wake_admission(self) -> None: ...
-
-    def deliver(self, out: list) -> None: ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task: ...

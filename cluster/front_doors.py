@@ -209,3 +209,14 @@ class FrontDoors:
         if self.peer_server is not None:
             await self.peer_server.stop()
         shutil.rmtree(self.peers_dir, ignore_errors=True)
+
+
+async def start_front_doors(server) -> None:
+    """Start `server.cfg.server.api_servers - 1` more front doors on `server`'s port (it
+    listens already); on failure `server` is stopped too."""
+    server.front_doors = FrontDoors(server.cfg, server.router, server.cfg.server.api_servers)
+    try:
+        await server.front_doors.start(server)
+    except BaseException:
+        await server.stop(drain_timeout_s=0)
+        raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.types import WorkerStats
 from engine.block_manager import block_hashes
@@ -31,6 +32,7 @@ class WorkerHandle:
     legs: set[str] = field(default_factory=set)  # leg ids currently on this worker
     stats: EngineStats | None = None  # the last stats it reported (None: none yet)
     channel: str = ""  # host:port of its control channel ("" : the router polls it)
+    link: Any = None  # cluster.worker_channel.WorkerChannel: that channel, while open
     actor_name: str = ""  # its Ray actor's name (other front doors find it by it)
     info: WorkerInfo | None = None  # what its ready() said last
     load: WorkerLoad | None = None  # the load its last channel message carried

@@ -27,7 +27,6 @@ from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
 from cluster.delta_stream import DeltaStream
-from cluster.detokenize import DetokenizerThread
 from cluster.flight import Flight, RouterConfig
 from cluster.pool import PrefixAffinity, WorkerHandle
 from cluster.router_events import EventPump
@@ -44,9 +43,7 @@ class Router:
                  config: RouterConfig, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), metrics=None,
                  channel_secret: bytes = b""):
-        """`channel_secret`: the cluster secret that opens the workers' control channels
-        (runtime/channel.py); without it (or for a worker without a channel) the router
-        polls the worker's actor for events."""
+        """`channel_secret` opens the workers' control channels (runtime/channel.py)."""
         self.prefill, self.decode = prefill, decode
         self.config = config
         self.tokenizer = tokenizer
@@ -66,7 +63,6 @@ class Router:
         self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
         self._started: asyncio.Future | None = None
-        self._detok: DetokenizerThread | None = None
 
     # ---- RouterAPI --------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -95,26 +91,8 @@ class Router:
         """Connect the workers' channels and start the event pumps on the running loop
         (idempotent; generate() calls it)."""
         if self._started is None:
-            if self.tokenizer is not None:  # without one, the front door detokenizes
-                self._detok = DetokenizerThread(self.tokenizer, asyncio.get_running_loop())
             self._started = asyncio.ensure_future(self.pump.start())
         await asyncio.shield(self._started)
-
-    def deliver(self, out: list) -> None:
-        """Hand a batch's token deltas [(flight, ids, finished, reason, usage)] to the
-        detokenizer thread; they reach their streams, with text, in order."""
-        if self._detok is None:
-            self._deliver(out, [None] * len(out))
-            return
-        self._detok.submit([(f, ids, fin) for f, ids, fin, _, _ in out],
-                           lambda _items, texts: self._deliver(out, texts))
-
-    @staticmethod
-    def _deliver(out: list, texts: list[str | None]) -> None:
-        for (flight, ids, finished, reason, usage), text in zip(out, texts, strict=True):
-            last = TokenDelta(flight.spec.request_id, (), True, reason, usage) \
-                if finished else None
-            flight.queue.put(ids, text, last)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         await self.start()
@@ -175,8 +153,6 @@ class Router:
         for flight in list(self.flights.values()):
             self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
         await self.pump.stop()
-        if self._detok is not None:
-            self._detok.stop()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

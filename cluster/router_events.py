@@ -7,12 +7,10 @@ event loop with no task, Future or Ray call per event, and the step's token delt
 to the detokenizer thread in one batch (the router's `deliver`). A worker without one
 (a colocated pool, a test's fake) is long-polled over its actor's `poll()`.
 
-A worker's pump never waits on another request: a re-dispatch (which may queue for
-decode admission) runs as its own task, so one preemption cannot delay the tokens of
-every other stream of that worker. An event counts only when it comes from the worker
-that holds the leg in that role (a late reservation elsewhere cannot touch it).
-A flight's tokens are released every `stream_interval` tokens (the first token and the
-last message at once).
+A re-dispatch (which may queue for decode admission) runs as its own task, so one
+preemption cannot delay the other streams of that worker. An event counts only when it
+comes from the worker that holds the leg in that role. A flight's tokens are released
+every `stream_interval` tokens (the first token and the last message at once).
 """
 
 from __future__ import annotations
@@ -21,25 +19,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 
+from cluster.detokenize import DetokenizerThread
 from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
-from cluster.types import ErrorCode, RouterError, WorkerStats
+from cluster.router_upkeep import Upkeep
+from cluster.types import ErrorCode, RouterError, TokenDelta
 from cluster.worker_channel import ChannelActor, WorkerChannel
-from engine.quantiles import percentile
 from runtime.batch_codec import FINISH_OF, entry_event
 from runtime.messages import EventKind, LegTiming, WorkerEvent
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 0.05
-PRESSURE_WINDOW_S = 2.0
-PRESSURE_PERIOD_S = 0.5
 REVIVE_INTERVAL_S = 0.5
 
 
 Delivery = list  # [(flight, token_ids, finished, finish_reason, usage)] of one batch
-
 
 class EventPump:
     def __init__(self, router: RouterCore, channel_secret: bytes = b""):
@@ -47,14 +42,37 @@ class EventPump:
         self.channel_secret = channel_secret
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._gaps: deque[tuple[float, float]] = deque()  # (time, inter-token gap)
+        self.upkeep = Upkeep(router)
+        self._detok: DetokenizerThread | None = None
+        self.decode_pressure = self.upkeep.decode_pressure
+        self.waiting_on_prefill = self.upkeep.waiting_on_prefill
+        self.collect_stats = self.upkeep.collect_stats
+        self.collect_traces = self.upkeep.collect_traces
 
     def uses_channel(self, w: WorkerHandle) -> bool:
         return bool(self.channel_secret and w.channel)
 
+    def deliver(self, out: Delivery) -> None:
+        """Hand a batch's token deltas [(flight, ids, finished, reason, usage)] to the
+        detokenizer thread; they reach their streams, with text, in order."""
+        if self._detok is None:  # no tokenizer: the front door detokenizes
+            self._deliver(out, [None] * len(out))
+            return
+        self._detok.submit([(f, ids, fin) for f, ids, fin, _, _ in out],
+                           lambda _items, texts: self._deliver(out, texts))
+
+    @staticmethod
+    def _deliver(out: Delivery, texts: list[str | None]) -> None:
+        for (flight, ids, finished, reason, usage), text in zip(out, texts, strict=True):
+            last = TokenDelta(flight.spec.request_id, (), True, reason, usage) \
+                if finished else None
+            flight.queue.put(ids, text, last)
+
     async def start(self) -> None:
         """Connect every worker's channel (before any request is dispatched: a leg must
         be created over the link its events come back on), then pump them all."""
+        if self.router.tokenizer is not None:
+            self._detok = DetokenizerThread(self.router.tokenizer, asyncio.get_running_loop())
         chans = [w for w in self.router.workers if self.uses_channel(w)]
         for w, err in zip(chans, await asyncio.gather(
                 *(self._connect(w) for w in chans), return_exceptions=True), strict=True):
@@ -64,52 +82,16 @@ class EventPump:
         for w in self.router.workers:
             pump = self._pump_channel(w) if self.uses_channel(w) else self._pump(w)
             self._tasks.append(asyncio.ensure_future(pump))
-        if self.router.config.adaptive_chunks:
-            self._tasks.append(asyncio.ensure_future(self._pressure_loop()))
-        self._tasks.append(asyncio.ensure_future(self._keepalive_loop()))
-
-    # ---- adaptive chunking: decode ITL -> prefill chunk cap ----------------------------
-    def decode_pressure(self, now: float) -> float:
-        """ITL p90 of the last window over the target (>= 1: decodes are being hurt)."""
-        while self._gaps and self._gaps[0][0] < now - PRESSURE_WINDOW_S:
-            self._gaps.popleft()
-        if not self._gaps:
-            return 0.0
-        return percentile([g for _, g in self._gaps], 90) / self.router.config.itl_target_s
-
-    async def _pressure_loop(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(PRESSURE_PERIOD_S)
-            pressure = self.decode_pressure(time.monotonic())
-            for w in self.router.prefill:
-                if w.alive:
-                    with contextlib.suppress(Exception):
-                        w.actor.set_decode_pressure.remote(pressure)
-
-    # ---- KV-wait keepalive ----------------------------------------------------------------
-    def waiting_on_prefill(self) -> dict[int, tuple[WorkerHandle, list[str]]]:
-        """Per decode worker, the legs whose prefill is queued or running on a live worker."""
-        out: dict[int, tuple[WorkerHandle, list[str]]] = {}
-        for leg_id, f in self.router.legs.items():
-            p, d = f.prefill, f.decode
-            if (f.done or f.prefill_done or p is None or d is None or p is d or not p.alive
-                    or not d.alive or leg_id != f.leg_id):
-                continue
-            out.setdefault(id(d), (d, []))[1].append(leg_id)
-        return out
-
-    async def _keepalive_loop(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(self.router.config.kv_keepalive_s)
-            for d, legs in self.waiting_on_prefill().values():
-                with contextlib.suppress(Exception):
-                    d.actor.keepalive.remote(legs)
+        self._tasks += self.upkeep.start()
 
     async def stop(self) -> None:
         self._stopping = True
+        self.upkeep.stopping = True
+        if self._detok is not None:
+            self._detok.stop()
         for w in self.router.workers:
-            if isinstance(w.actor, ChannelActor):
-                w.actor.channel.close()
+            if w.link is not None:
+                w.link.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -122,6 +104,8 @@ class EventPump:
             return
         w.alive = False
         w.outstanding_tokens = 0
+        if w.link is not None:  # its pump revives it with a fresh channel
+            w.link.close()
         log.warning("worker %s is dead; re-dispatching %d legs", w.worker_id, len(w.legs))
         for leg_id in list(w.legs):
             flight = self.router.legs.get(leg_id)
@@ -152,10 +136,9 @@ class EventPump:
         ch = await WorkerChannel.connect(w.worker_id, w.channel, self.channel_secret, name,
                                          lambda _wid, load, entries: self.on_batch(w, load,
                                                                                    entries))
-        if isinstance(w.actor, ChannelActor):
-            w.actor.channel = ch
-        else:
-            w.actor = ChannelActor(w.actor, ch)
+        w.link = ch
+        if not hasattr(w.actor, "ray_actor"):  # (a test may have wrapped it since)
+            w.actor = ChannelActor(w.actor, w)
 
     async def _pump_channel(self, w: WorkerHandle) -> None:
         """Watch `w`'s channel: its loss marks `w` dead; once back it is re-adopted."""
@@ -163,7 +146,7 @@ class EventPump:
             if not w.alive:
                 await self._revive(w)
                 continue
-            why = await asyncio.shield(w.actor.channel.lost)
+            why = await asyncio.shield(w.link.lost)
             if not self._stopping and w.alive:
                 log.warning("channel to %s lost: %s", w.worker_id, why)
                 self.mark_dead(w)
@@ -188,7 +171,7 @@ class EventPump:
                 except Exception:
                     log.exception("event %s of %s failed", ev.kind, ev.leg_id)
             if out:
-                self.router.deliver(out)
+                self.deliver(out)
 
     # ---- events -----------------------------------------------------------------------
     def on_batch(self, w: WorkerHandle, load, entries: list) -> None:
@@ -216,7 +199,7 @@ class EventPump:
             except Exception:
                 log.exception("event %s of %s from %s failed", e[0], e[1], w.worker_id)
         if out:
-            self.router.deliver(out)
+            self.deliver(out)
 
     def _apply(self, w: WorkerHandle, ev: WorkerEvent, out: Delivery) -> None:
         flight = self.router.legs.get(ev.leg_id)
@@ -265,7 +248,7 @@ class EventPump:
         now = time.monotonic()
         if (kind == EventKind.TOKENS and flight.last_token_at is not None
                 and self.router.config.adaptive_chunks):  # read (and trimmed) only then
-            self._gaps.append((now, now - flight.last_token_at))
+            self.upkeep.gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
         if self.router.metrics and flight.generated and kind == EventKind.TOKENS:
             self.router.metrics.observe_token(flight)
@@ -308,27 +291,6 @@ class EventPump:
         except Exception as e:
             self.router.fail(flight, RouterError(ErrorCode.UNAVAILABLE, f"{why}: {e}"))
 
-    # ---- stats ------------------------------------------------------------------------
-    async def collect_stats(self) -> list[WorkerStats]:
-        async def one(w: WorkerHandle) -> WorkerStats:
-            if w.alive:
-                try:
-                    w.stats = await asyncio.wait_for(w.actor.stats.remote(), timeout=5)
-                except Exception:
-                    w.stats = None
-            return w.to_stats()
-
-        return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
-
-    async def collect_traces(self) -> list[dict]:
-        async def one(w: WorkerHandle) -> list[dict]:
-            try:
-                return await w.actor.drain_trace.remote()
-            except Exception:
-                return []
-
-        batches = await asyncio.gather(*(one(w) for w in self.router.workers if w.alive))
-        return [e for batch in batches for e in batch]
 
 def _holds(w: WorkerHandle, flight: Flight, kind: EventKind) -> bool:
     """Does `w` hold the flight's current leg in the role that reports `kind`?"""

@@ -13,11 +13,11 @@ With `server.http_port` set, the OpenAI-compatible HTTP API (cluster/openai_api.
 served by uvicorn on the same event loop, over the same router and ServingState: draining
 covers both front doors, and the bearer token and TLS files apply to both.
 
-Health: both "" and "pdserve.v1.Generation" report SERVING while the router is healthy
-(polled every `health_poll_s`) and NOT_SERVING when it is not or while draining. Health
-checks need no token (see cluster/auth.py). Graceful stop: NOT_SERVING, new Generate
-calls get UNAVAILABLE, running ones get `limits.drain_timeout_s` to finish and are then
-aborted, the gRPC server stops, then `router.shutdown()`.
+Health: "" and "pdserve.v1.Generation" are SERVING while the router is healthy (polled
+every `health_poll_s`), else (or while draining) NOT_SERVING; no token needed (see
+cluster/auth.py). Graceful stop: NOT_SERVING, new Generate calls get UNAVAILABLE, running
+ones get `limits.drain_timeout_s` to finish and are then aborted, the gRPC server stops,
+then `router.shutdown()`. `server.api_servers` > 1: cluster/front_doors.py.
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it;
-# on with server.api_servers > 1, whose front doors share the port on purpose.
+# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
-SHARED_PORT_OPTIONS = [("grpc.so_reuseport", 1)]
+SHARED_PORT_OPTIONS = [("grpc.so_reuseport", 1)]  # server.api_servers > 1: shared on purpose
 
 
 class GenerationServer:
@@ -189,8 +188,8 @@ class GenerationServer:
         self.state.draining = True
         self._drain_end = time.monotonic() + timeout
         await self._set_health(False)
-        if self.front_doors is not None:  # the other front doors drain meanwhile
-            doors = asyncio.ensure_future(self.front_doors.stop(timeout))
+        doors = None if self.front_doors is None else asyncio.ensure_future(
+            self.front_doors.stop(timeout))  # the other front doors drain meanwhile
         log.info("draining %d request(s) for up to %.1f s", len(self.state.active), timeout)
         while self.state.active and time.monotonic() < self._drain_end:
             await asyncio.sleep(0.05)
@@ -203,9 +202,8 @@ class GenerationServer:
             while self.state.active and time.monotonic() < grace_end:
                 await asyncio.sleep(0.05)
         await self._server.stop(grace=1.0)
-        if self.front_doors is not None:
+        if doors is not None:
             await doors  # before the pools go: their streams run on them
-            self.front_doors = None
         if self.http is not None:
             await self.http.stop()
         if self._poller is not None:
@@ -225,20 +223,14 @@ async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
                 on_started: Callable[[GenerationServer], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain.
 
-    With `server.api_servers` N > 1, N - 1 more front-door processes share the port
-    (cluster/front_doors.py). `on_ready(address)` / `on_started(server)` run once every
-    front door listens."""
+    `on_ready(address)` / `on_started(server)` run once every front door listens (with
+    `server.api_servers` N > 1, N - 1 more processes share the port)."""
     server = GenerationServer(router, cfg)
     address = await server.start()
     if server.cfg.server.api_servers > 1:
-        from cluster.front_doors import FrontDoors
+        from cluster.front_doors import start_front_doors
 
-        server.front_doors = FrontDoors(server.cfg, router, server.cfg.server.api_servers)
-        try:
-            await server.front_doors.start(server)
-        except BaseException:
-            await server.stop(drain_timeout_s=0)
-            raise
+        await start_front_doors(server)
     if on_ready is not None:
         on_ready(address)
     if on_started is not None:

@@ -137,23 +137,29 @@ class WorkerChannel(asyncio.Protocol):
 
 
 class _Command:
-    __slots__ = ("_actor", "_name")
+    __slots__ = ("_holder", "_name")
 
-    def __init__(self, actor: ChannelActor, name: str):
-        self._actor, self._name = actor, name
+    def __init__(self, holder: Any, name: str):
+        self._holder, self._name = holder, name
 
     def remote(self, *args: Any) -> asyncio.Future:
-        return self._actor.channel.call(self._name, *args)
+        link: WorkerChannel | None = self._holder.link
+        if link is None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(ConnectionError(f"no channel to {self._name}'s worker"))
+            fut.add_done_callback(_retrieve)
+            return fut
+        return link.call(self._name, *args)
 
 
 class ChannelActor:
-    """A WorkerActor whose hot commands travel over `channel`; the rest goes to Ray."""
+    """A WorkerActor whose hot commands travel over `holder.link` (the worker's current
+    channel, replaced when it reconnects); the rest goes to the Ray actor."""
 
-    def __init__(self, ray_actor: Any, channel: WorkerChannel):
+    def __init__(self, ray_actor: Any, holder: Any):
         self.ray_actor = ray_actor
-        self.channel = channel
         for name in CHANNEL_COMMANDS:
-            setattr(self, name, _Command(self, name))
+            setattr(self, name, _Command(holder, name))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ray_actor, name)

@@ -130,7 +130,8 @@ def test_a_lost_link_fails_its_pending_calls_and_the_actor_wrapper_routes_comman
 
     async def go():
         ch = await _connect(srv, [])
-        actor = ChannelActor(ray_actor=type("Ray", (), {"ping": "ray-side"})(), channel=ch)
+        holder = type("Handle", (), {"link": ch})()
+        actor = ChannelActor(ray_actor=type("Ray", (), {"ping": "ray-side"})(), holder=holder)
         pending = actor.add.remote(_task("leg"))  # sent at once, even if never awaited
         await _until(lambda: srv.legs == 1, "the add arrived")
         assert actor.ping == "ray-side"  # everything else goes to the Ray actor
