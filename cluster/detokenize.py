@@ -126,13 +126,24 @@ class BatchDecoder:
 
     def push_many(self, items: Sequence[tuple[IncrementalDetokenizer, Sequence[int], bool]]
                   ) -> list[str]:
-        """Push each (detokenizer, new ids, final) with one batched decode; their deltas."""
-        wins = [d.windows(ids, final) for d, ids, final in items]
-        texts = self.decode_many([w for ws in wins for w in ws])
-        out, i = [], 0
-        for (d, _, _), ws in zip(items, wins, strict=True):
-            out.append(d.accept(texts[i:i + len(ws)]))
-            i += len(ws)
+        """Push each (detokenizer, new ids, final) in order, with one batched decode per
+        round (a detokenizer pushed twice, e.g. two queued steps, goes once per round);
+        returns their deltas."""
+        out: list[str] = [""] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            seen: set[int] = set()
+            now, later = [], []
+            for i in pending:  # a detokenizer's later pushes wait for its earlier ones
+                (later if id(items[i][0]) in seen else now).append(i)
+                seen.add(id(items[i][0]))
+            wins = [items[i][0].windows(items[i][1], items[i][2]) for i in now]
+            texts = self.decode_many([w for ws in wins for w in ws])
+            k = 0
+            for i, ws in zip(now, wins, strict=True):
+                out[i] = items[i][0].accept(texts[k:k + len(ws)])
+                k += len(ws)
+            pending = later
         return out
 
 

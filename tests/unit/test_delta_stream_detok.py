@@ -89,6 +89,17 @@ def test_a_step_batch_detokenizes_each_request_as_it_would_alone(tokenizer):
     assert ["".join(g) for g in got] == [decode(o) for o in outputs]
 
 
+def test_a_request_pushed_twice_in_one_batch_keeps_its_order(tokenizer):
+    ids = tokenizer("the quick brown fox jumps over the lazy dog again").input_ids
+    decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+    alone, batched = IncrementalDetokenizer(decode), IncrementalDetokenizer()
+    pieces = [ids[i:i + 2] for i in range(0, len(ids), 2)]
+    want = [alone.push(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+    got = BatchDecoder(tokenizer).push_many(  # e.g. several queued steps of one request
+        [(batched, p, k == len(pieces) - 1) for k, p in enumerate(pieces)])
+    assert got == want and "".join(got) == decode(ids)
+
+
 def test_the_detokenizer_thread_hands_texts_back_on_the_loop_in_order(tokenizer):
     class Holder:
         detok = None
