@@ -9,8 +9,9 @@ tokens complete it. The final push reconciles against a decode of the whole outp
 the deltas always concatenate to `detokenize(all_tokens)`.
 
 A push is two steps, `windows()` (the id sequences to decode) and `accept()` (their
-texts -> the delta), so `BatchDecoder` can decode the windows of every request of a step
-in one tokenizer call; `DetokenizerThread` does that off the front door's event loop.
+texts -> the delta), so `BatchDecoder` decodes the windows of every request of a step in
+one pass straight through the Rust backend; `DetokenizerThread` does that off the front
+door's event loop.
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ class IncrementalDetokenizer:
 
 class BatchDecoder:
     """`decode_many(seqs)` == [tokenizer.decode(s, skip_special_tokens=True) for s in seqs],
-    in one call into a fast (Rust) tokenizer's `decode_batch` when its result is the same
-    (checked on a probe at construction), else one decode per sequence."""
+    straight through a fast (Rust) tokenizer's backend when its result is the same
+    (checked on a probe at construction: no Python wrapper per call), else through the
+    tokenizer's own decode."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "_tokenizer", None)
         self._clean = None
-        if self._backend is not None and hasattr(self._backend, "decode_batch"):
+        if self._backend is not None and hasattr(self._backend, "decode"):
             self._clean = self._cleanup_fn()
             probe = [list(range(3, 40)), [5, 7, 11], []]
             try:
@@ -116,7 +118,10 @@ class BatchDecoder:
         return [self.tokenizer.decode(list(s), skip_special_tokens=True) for s in seqs]
 
     def _fast(self, seqs: Sequence[Sequence[int]]) -> list[str]:
-        out = self._backend.decode_batch([list(s) for s in seqs], skip_special_tokens=True)
+        # one call per sequence: the windows are a few tokens each, and `decode_batch`
+        # spreads them over a thread pool that costs more than it saves (and more cores)
+        decode = self._backend.decode
+        out = [decode(s, True) for s in seqs]
         return [self._clean(t) for t in out] if self._clean is not None else out
 
     def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:

@@ -23,6 +23,7 @@ then `router.shutdown()`. `server.api_servers` > 1: cluster/front_doors.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -231,6 +232,8 @@ async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
         from cluster.front_doors import start_front_doors
 
         await start_front_doors(server)
+    gc.collect()  # what startup built (torch, tokenizer, pools) stays: keep the collector
+    gc.freeze()  # off it, so a full collection walks the requests' objects only
     if on_ready is not None:
         on_ready(address)
     if on_started is not None:
