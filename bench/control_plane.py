@@ -154,6 +154,7 @@ def measure_engine(model: str, a, streams: int) -> dict:
 
 def measure_service(svc: Service, a, streams: int) -> dict:
     res = run_role(["load", "--addr", svc.addr, "--streams", str(streams),
+                    "--connections", str(a.connections),
                     "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len)],
                    between=lambda: tree_cpu(svc.proc.pid))
     res["cpu"] = cpu_delta(*res.pop("_marks"))
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-requests", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="16 streams x 16 tokens, 4 idle requests")
     p.add_argument("--profile", type=Path, help="directory for a cProfile summary of the front door")
+    p.add_argument("--connections", type=int, default=1,
+                   help="client connections the streams spread over (with --api-servers)")
     p.add_argument("--serve-args", default="", help="extra `pdserve serve` flags, e.g. "
                    "'--stream-interval 4 --api-servers 2'")
     a = p.parse_args(argv)

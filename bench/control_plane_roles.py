@@ -98,19 +98,44 @@ async def _stream(client, prompt, max_tokens: int, rid: str) -> tuple[int, int, 
     return tokens, messages, times
 
 
+class _Conn:
+    """generate() over one TCP connection of its own (no subchannel shared with another
+    channel of this process), so --api-servers' front doors each get some."""
+
+    def __init__(self, addr: str):
+        import grpc
+
+        from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+        self.channel = grpc.aio.insecure_channel(
+            addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    async def generate(self, prompt, **kw):
+        from cluster.client import chunk_from_proto
+        from cluster.convert import build_request
+
+        async for r in self.stub.Generate(build_request(prompt, **kw)):
+            yield chunk_from_proto(r)
+
+
 async def _load(a: argparse.Namespace) -> None:
     from cluster.client import AsyncPdserveClient
 
+    conns = [_Conn(a.addr) for _ in range(a.connections)]
     async with AsyncPdserveClient(a.addr) as client:
         info = await client.model_info()
-        await asyncio.gather(*(_stream(client, p, 4, f"warm-{i}") for i, p in enumerate(
-            _prompts(4, a.prompt_len, info.vocab_size, seed=1))))
-        prompts = _prompts(a.streams, a.prompt_len, info.vocab_size)
-        await asyncio.get_running_loop().run_in_executor(None, _go)
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(_stream(client, p, a.output_len, f"load-{i}")
-                                     for i, p in enumerate(prompts)))
-        wall = time.perf_counter() - t0
+    await asyncio.gather(*(_stream(conns[i % len(conns)], p, 4, f"warm-{i}") for i, p in
+                           enumerate(_prompts(2 * len(conns), a.prompt_len, info.vocab_size,
+                                              seed=1))))
+    prompts = _prompts(a.streams, a.prompt_len, info.vocab_size)
+    await asyncio.get_running_loop().run_in_executor(None, _go)
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(_stream(conns[i % len(conns)], p, a.output_len, f"load-{i}")
+                                 for i, p in enumerate(prompts)))
+    wall = time.perf_counter() - t0
+    for c in conns:
+        await c.channel.close()
     _done({"tokens": sum(r[0] for r in res), "messages": sum(r[1] for r in res),
            "wall_s": wall})
 
@@ -187,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--connections", type=int, default=1, help="client TCP connections")
     a = p.parse_args(argv)
     ROLES[a.role](a)
 
