@@ -189,8 +189,8 @@ class EventPump:
                 flight = legs.get(e[1])
                 if flight is None or flight.done or flight.leg_id != e[1]:
                     continue
-                if flight.decode is not w or not flight.leg_first_seen:
-                    self._apply(w, entry_event(w.worker_id, e), out)  # ignored or held
+                if flight.decode is not w or not flight.leg_first_seen or e[7] is not None:
+                    self._apply(w, entry_event(w.worker_id, e), out)  # ignored, held, extras
                     continue
                 if e[5] is not None:
                     flight.add_timing(EventKind.TOKENS, LegTiming(*e[5]))

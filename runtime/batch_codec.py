@@ -6,13 +6,19 @@
 
 `kind` and `finish_reason` are the enums' string values; `timing` the five LegTiming
 fields in order (None when all are zero); `load` the WorkerLoad fields in order.
-`extras` is a map of optional per-token data a request asked for (e.g. log-probabilities):
-each name in EXTRAS is a WorkerEvent attribute carried when it is not None, so a new
-optional field costs one name here (and a plain-data form msgpack can carry).
+`extras` is a map of optional per-token data a request asked for (e.g. log-probabilities),
+None for the plain token entries of the hot path: each name in EXTRAS is a WorkerEvent
+attribute carried when it is not None, with its (to plain data, from plain data)
+conversion, so a new optional field costs one entry here, e.g.
+
+    EXTRAS["logprobs"] = (lambda lps: [astuple(t) for t in lps],
+                          lambda rows: tuple(TokenLogprobs(i, lp, r, tuple(map(tuple, top)))
+                                             for i, lp, r, top in rows))
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import astuple, fields
 from typing import Any
 
@@ -21,7 +27,8 @@ import msgpack
 from engine.request import FinishReason
 from runtime.messages import NO_TIMING, EventKind, LegTiming, WorkerEvent, WorkerLoad
 
-EXTRAS: tuple[str, ...] = ()  # optional WorkerEvent fields carried per entry
+# optional WorkerEvent field -> (to msgpack-able plain data, back)
+EXTRAS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {}
 KIND_OF = {k.value: k for k in EventKind}
 FINISH_OF = {f.value: f for f in FinishReason}
 _LOAD_FIELDS = len(fields(WorkerLoad))
@@ -31,11 +38,11 @@ def encode_batch(worker_id: str, events: list[WorkerEvent], load: WorkerLoad | N
     entries = []
     for ev in events:
         extras = None
-        for name in EXTRAS:
+        for name, (to_wire, _) in EXTRAS.items():
             value = getattr(ev, name, None)
             if value is not None:
                 extras = extras or {}
-                extras[name] = value
+                extras[name] = to_wire(value)
         t = ev.timing
         entries.append((
             ev.kind.value, ev.leg_id, ev.token_ids,
@@ -57,7 +64,8 @@ def decode_batch(body: bytes) -> tuple[str, WorkerLoad | None, list[list[Any]]]:
 
 def entry_event(worker_id: str, e: list[Any]) -> WorkerEvent:
     kind, leg_id, tokens, finish, message, timing, wall, extras = e
-    kw = {name: extras[name] for name in EXTRAS if extras and name in extras}
+    kw = {name: back(extras[name]) for name, (_, back) in EXTRAS.items()
+          if extras and name in extras}
     return WorkerEvent(KIND_OF[kind], leg_id, worker_id, tuple(tokens),
                        None if finish is None else FINISH_OF[finish], message, wall,
                        NO_TIMING if timing is None else LegTiming(*timing), **kw)

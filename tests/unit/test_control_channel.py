@@ -153,3 +153,25 @@ def test_the_step_codec_round_trips_every_field():
     wid, load, entries = decode_batch(encode_batch("w", evs, WorkerLoad(num_running=2)))
     assert wid == "w" and load == WorkerLoad(num_running=2)
     assert [entry_event("w", e) for e in entries] == evs
+
+
+def test_optional_per_token_extras_travel_in_their_entry(monkeypatch):
+    """An optional WorkerEvent field registered in EXTRAS (as log-probabilities would be)
+    rides in its own entry, converted to plain data and back; entries without it stay
+    plain (the router's hot path)."""
+    from dataclasses import dataclass
+
+    import runtime.batch_codec as codec
+
+    @dataclass(frozen=True)
+    class Scored(WorkerEvent):
+        scores: tuple[tuple[int, float], ...] | None = None
+
+    monkeypatch.setattr(codec, "EXTRAS", {"scores": (
+        lambda v: [list(x) for x in v], lambda rows: tuple(tuple(r) for r in rows))})
+    monkeypatch.setattr(codec, "WorkerEvent", Scored)
+    evs = [Scored(EventKind.TOKENS, "a#1", "w", (5,), scores=((5, -0.25),)),
+           Scored(EventKind.TOKENS, "b#1", "w", (6,))]
+    _, _, entries = decode_batch(encode_batch("w", evs, None))
+    assert entries[0][7] == {"scores": [[5, -0.25]]} and entries[1][7] is None
+    assert [entry_event("w", e) for e in entries] == evs
