@@ -15,8 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config import ServeConfig
-from cluster.config_cli import keys_epilog
+from cluster.config_cli import add_cli_flags, keys_epilog
 from cluster.console import config_or_exit, fail, format_stats, setup_logging
 from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
     StartupError,
@@ -63,7 +62,7 @@ def _load_plugins() -> None:
 
 # ---- serve --------------------------------------------------------------------------
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    ServeConfig.add_cli_flags(p)
+    add_cli_flags(p)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -136,7 +135,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-ids", help="comma-separated extra stop token ids")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
     p.add_argument("--tenant", default="", help="fairness key (default 'default')")
-    p.add_argument("--priority", type=int, default=0, help="scheduling priority")
+    p.add_argument("--priority", type=int, default=0,
+                   help="scheduling priority: lower is served first by the 'priority' "
+                   "fairness policy (as vLLM's); other policies ignore it (default 0)")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--show-token-ids", action="store_true", help="print token ids at the end")
     _add_conn(p)

@@ -19,8 +19,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.auth import auth_metadata, channel_credentials
-from cluster.convert import FINISH_FROM_PROTO, build_request, stats_from_proto, usage_from_proto
+from cluster.convert import (
+    FINISH_FROM_PROTO,
+    build_request,
+    logprobs_from_proto,
+    stats_from_proto,
+    usage_from_proto,
+)
 from cluster.types import ClusterStats, Usage
+from engine.logprobs import TokenLogprobs
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -34,6 +41,9 @@ class Chunk:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # with logprobs=N: one per token id
+    # with prompt_logprobs=N, on the first chunk: prompt tokens 1, 2, ... (the first has none)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -42,7 +52,8 @@ class Chunk:
 
 def chunk_from_proto(r: pb.GenerateResponse) -> Chunk:
     return Chunk(r.request_id, tuple(r.token_ids), r.text, FINISH_FROM_PROTO[r.finish_reason],
-                 usage_from_proto(r.usage) if r.HasField("usage") else None)
+                 usage_from_proto(r.usage) if r.HasField("usage") else None,
+                 logprobs_from_proto(r.logprobs), logprobs_from_proto(r.prompt_logprobs))
 
 
 def _make_channel(addr: str, tls_ca: str | None, tls: bool, module) -> Any:
@@ -81,7 +92,8 @@ class PdserveClient:
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **kw: Any) -> GenerateStream:
         """Stream a completion; kw: request_id, temperature, top_p, top_k, max_tokens, seed,
-        stop_token_ids, ignore_eos, tenant, priority, ttft_deadline_ms."""
+        stop_token_ids, ignore_eos, tenant, priority, ttft_deadline_ms, logprobs,
+        prompt_logprobs."""
         call = self._stub.Generate(build_request(prompt, **kw), metadata=self._metadata,
                                    timeout=timeout or self.timeout)
         return GenerateStream(call)
@@ -178,4 +190,5 @@ def _merge(chunks: list[Chunk]) -> Chunk:
         raise RuntimeError("the server sent no response")
     last = chunks[-1]
     return Chunk(last.request_id, tuple(t for c in chunks for t in c.token_ids),
-                 "".join(c.text for c in chunks), last.finish_reason, last.usage)
+                 "".join(c.text for c in chunks), last.finish_reason, last.usage,
+                 tuple(lp for c in chunks for lp in c.logprobs), chunks[0].prompt_logprobs)

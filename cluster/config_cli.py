@@ -3,18 +3,19 @@
 Every key `section.name` becomes `--name-with-hyphens` in an argparse group named after
 the section; booleans get `--x/--no-x`; optional values accept `none`. Flags default to
 "not given" (argparse.SUPPRESS), so `config_from_args` can overlay exactly the flags the
-user typed on top of the `--config` YAML file.
+user typed on top of the `--config` YAML file. Choices and their help are read from the
+registries when the parser is built, so a part registered before that is a valid flag value.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import Field, fields
 from typing import Any
 
 from cluster.config import SECTIONS, ServeConfig
-from cluster.config_fields import _kind, field_default
+from cluster.config_fields import choices_of, describe_choices, field_default, field_type
 
 # Extra spellings; the canonical flag is always the hyphenated key.
 ALIASES = {"model.path": ("--model",)}
@@ -25,6 +26,10 @@ def iter_keys() -> Iterator[tuple[str, Field]]:
     for name, cls in SECTIONS.items():
         for f in fields(cls):
             yield f"{name}.{f.name}", f
+
+
+def _section(dotted: str) -> type:
+    return SECTIONS[dotted.partition(".")[0]]
 
 
 def flag_name(dotted: str) -> str:
@@ -55,7 +60,9 @@ def _describe(dotted: str, f: Field) -> str:
     shown = "none" if default is None else (
         ",".join(f"{k}={v}" for k, v in default.items()) or "{}"
         if isinstance(default, dict) else default)
-    return f"{f.metadata['help']} [{dotted}; default: {shown}]".replace("%", "%%")
+    choices = describe_choices(f)
+    text = f"{f.metadata['help']}: {choices}" if choices else f.metadata["help"]
+    return f"{text} [{dotted}; default: {shown}]".replace("%", "%%")
 
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
@@ -67,18 +74,19 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         section = dotted.partition(".")[0]
         if section not in groups:
             groups[section] = parser.add_argument_group(f"{section} (YAML section '{section}')")
-        kind, optional = _kind(str(f.type))
+        kind = field_type(_section(dotted), f)
         names = (flag_name(dotted), *ALIASES.get(dotted, ()))
         kw: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS,
                               "help": _describe(dotted, f)}
-        if kind == "bool":
+        if kind.base is bool:
             groups[section].add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
             continue
-        convert = {"int": int, "float": float, "str": str, "map": _weights}[kind]
-        kw["type"] = _optional(convert) if optional else convert
-        if f.metadata["choices"]:
-            kw["choices"] = f.metadata["choices"]
-        kw["metavar"] = f.name.upper() if not f.metadata["choices"] else None
+        convert = _weights if kind.base is Mapping else kind.base
+        kw["type"] = _optional(convert) if kind.optional else convert
+        choices = choices_of(f)
+        if choices:
+            kw["choices"] = choices
+        kw["metavar"] = None if choices else f.name.upper()
         groups[section].add_argument(*names, **kw)
 
 

@@ -11,6 +11,7 @@ import sys
 from typing import NoReturn
 
 from cluster.config import ServeConfig
+from cluster.config_cli import config_from_args
 
 
 def setup_logging(level: str) -> None:
@@ -26,7 +27,7 @@ def fail(message: str) -> NoReturn:
 def config_or_exit(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig from --config and flags; a bad key/value exits 2 with the message."""
     try:
-        return ServeConfig.from_args(args)
+        return config_from_args(args)
     except (ValueError, OSError) as e:
         fail(str(e))
 

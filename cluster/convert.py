@@ -6,7 +6,7 @@ the checks that cost nothing (ids, the prompt's byte size and token count, list 
 *before* the server tokenizes a text prompt (off its event loop), then
 `spec_from_request` checks the tokens and the sampling fields and builds the spec.
 Unset optional sampling fields take SamplingParams' defaults (temperature 1.0,
-top_p 1.0, top_k -1, max_tokens 16, unseeded); an explicit 0 is a value.
+top_p 1.0, top_k -1, max_tokens 16, unseeded, no log-probs); an explicit 0 is a value.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import math
 from collections.abc import Sequence
 
 from cluster.types import ClusterStats, GenerateSpec, Usage, WorkerStats
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.request import SamplingParams
 from engine.validation import validate_stop_token_ids
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 MAX_ID_LEN = 256  # request_id / tenant
+DEFAULT_MAX_LOGPROBS = 20  # limits.max_logprobs
 
 FINISH_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -76,9 +78,11 @@ def _check_prompt_len(n: int, max_model_len: int, name: str) -> None:
 def spec_from_request(
     req: pb.GenerateRequest, *, request_id: str, prompt_ids: Sequence[int],
     vocab_size: int, max_model_len: int, max_prompt_tokens: int | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS, logprobs_mode: str = "processed",
 ) -> GenerateSpec:
     """Validate a GenerateRequest that passed `check_request`, whose prompt is
-    `prompt_ids` (the token_ids, or the tokenized text); messages name the field."""
+    `prompt_ids` (the token_ids, or the tokenized text); messages name the field.
+    `logprobs_mode` is the server's (model.logprobs_mode), set on every request."""
     ids = list(prompt_ids)
     if req.WhichOneof("prompt") == "text" and not ids:
         raise ValueError("prompt.text tokenizes to no tokens")
@@ -114,12 +118,20 @@ def spec_from_request(
         kw["seed"] = req.seed
     if req.HasField("ignore_eos"):
         kw["ignore_eos"] = req.ignore_eos
+    for name in ("logprobs", "prompt_logprobs"):
+        if req.HasField(name):
+            n = getattr(req, name)
+            if not 0 <= n <= max_logprobs:
+                raise ValueError(f"{name} must be in [0, {max_logprobs}] (the server's "
+                                 f"limits.max_logprobs), got {n}")
+            kw[name] = n
     deadline = None
     if req.HasField("ttft_deadline_ms"):
         deadline = _finite("ttft_deadline_ms", req.ttft_deadline_ms)
         if deadline <= 0:
             raise ValueError(f"ttft_deadline_ms must be > 0, got {req.ttft_deadline_ms}")
-    sampling = SamplingParams(stop_token_ids=tuple(req.stop_token_ids), **kw)
+    sampling = SamplingParams(stop_token_ids=tuple(req.stop_token_ids),
+                              logprobs_mode=logprobs_mode, **kw)
     return GenerateSpec(request_id=request_id, prompt_token_ids=tuple(ids), sampling=sampling,
                         tenant=req.tenant or "default", priority=req.priority,
                         ttft_deadline_ms=deadline)
@@ -130,6 +142,7 @@ def build_request(
     top_p: float | None = None, top_k: int | None = None, max_tokens: int | None = None,
     seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
     tenant: str = "", priority: int = 0, ttft_deadline_ms: float | None = None,
+    logprobs: int | None = None, prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves an optional field unset (server default)."""
     req = pb.GenerateRequest(request_id=request_id, stop_token_ids=list(stop_token_ids),
@@ -140,10 +153,27 @@ def build_request(
         req.token_ids.ids.extend(int(t) for t in prompt)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("max_tokens", max_tokens), ("seed", seed), ("ignore_eos", ignore_eos),
-                        ("ttft_deadline_ms", ttft_deadline_ms)):
+                        ("ttft_deadline_ms", ttft_deadline_ms), ("logprobs", logprobs),
+                        ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(req, name, value)
     return req
+
+
+def logprobs_to_proto(lps: Sequence[TokenLogprobs]) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in lps]
+
+
+def prompt_logprobs_to_proto(lps: PromptLogprobs) -> list[pb.TokenLogprobs]:
+    """GenerateResponse.prompt_logprobs: from the second prompt token on."""
+    return logprobs_to_proto(lps[1:])  # type: ignore[arg-type]  # only [0] is None
+
+
+def logprobs_from_proto(lps) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(lp.token_id, lp.logprob, lp.rank,
+                               tuple((t.token_id, t.logprob) for t in lp.top)) for lp in lps)
 
 
 def usage_to_proto(u: Usage) -> pb.Usage:

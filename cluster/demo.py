@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cluster.config import ServeConfig
+from cluster.config_cli import add_cli_flags
 
 CHATS = {
     "short-0": "What is the capital of France?",
@@ -39,7 +40,7 @@ DEFAULT_MODEL = "smollm2"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    ServeConfig.add_cli_flags(p)  # includes --colocated / --no-colocated
+    add_cli_flags(p)  # includes --colocated / --no-colocated
     p.add_argument("--disaggregated", dest="pools.colocated", action="store_const",
                    const=False, default=argparse.SUPPRESS,
                    help="use the prefill/decode pools (default when cluster.launcher exists)")

@@ -69,6 +69,8 @@ class Flight:
     leg_first_seen: bool = False  # the current leg's first token was streamed
     held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
     unsent: list[int] = field(default_factory=list)  # tokens held for stream_interval
+    unsent_logprobs: list = field(default_factory=list)  # theirs (SamplingParams.logprobs)
+    unsent_prompt_logprobs: Any = None  # the prompt's, until the first token goes out
     streamed: bool = False  # its first token went out
     detok: Any = None  # its IncrementalDetokenizer (the detokenizer thread's alone)
 

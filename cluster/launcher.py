@@ -20,6 +20,7 @@ from cluster.router import Router, RouterConfig
 from cluster.worker_specs import worker_specs
 from decode_worker.worker import RemoteDecodeWorker
 from engine.loader import load_model_config, load_tokenizer
+from prefill_worker.policies import CHUNK_POLICIES
 from prefill_worker.worker import RemotePrefillWorker
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                      prefix_affinity=cfg.cache.enable_prefix_caching,
                      affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
                      unavailable_grace_s=cfg.limits.restart_grace_s,
-                     adaptive_chunks=cfg.scheduler.chunk_policy == "adaptive",
+                     adaptive_chunks=CHUNK_POLICIES.get(cfg.scheduler.chunk_policy).uses_decode_pressure,
                      itl_target_s=cfg.scheduler.itl_target_ms / 1000,
                      stream_interval=cfg.server.stream_interval),
         load_tokenizer(model_dir), model.vocab_size,

@@ -223,7 +223,8 @@ class LocalBackend:
                     f.first_token_at = time.monotonic()
                 f.generated.extend(ev.token_ids)
                 reason = ev.finish_reason.value if ev.finished else None
-                delta = self._delta(stream, ev.token_ids, reason)
+                delta = replace(self._delta(stream, ev.token_ids, reason),
+                                logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs)
                 if ev.finished:
                     self._close(stream, delta)
                 elif not self._send(stream, delta):

@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from cluster.auth import BearerToken
 from cluster.intake import PromptIntake
+from cluster.openai_logprobs import LogprobsView, TokenTexts
 from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,7 +45,7 @@ from cluster.openai_protocol import (
 from cluster.openai_responses import DONE, Shaper, error_response, sse
 from cluster.openai_run import OpenAIRun, Piece
 from cluster.servicer import ServingState
-from cluster.types import RouterAPI
+from cluster.types import GenerateSpec, RouterAPI
 from engine.chat import render_chat
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class OpenAIFrontDoor:
         self.intake = intake or PromptIntake(router, max_prompt_tokens=opts.max_prompt_tokens)
         self.bearer = BearerToken(opts.token) if opts.token else None
         self.created = int(time.time())
+        self.texts = TokenTexts(getattr(router, "tokenizer", None), router.detokenize)
 
     def app(self) -> Starlette:
         routes = [Route("/health", self.health, methods=["GET"]),
@@ -129,14 +131,16 @@ class OpenAIFrontDoor:
             body = await self._json(request)
             req = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
             self._check_model(req.model)
-            spec = await self._spec(req, request, chat)
+            spec, echo = await self._spec(req, request, chat)
         except OpenAIError as e:
             return self._error(e)
         run = OpenAIRun(self.router, self.state, spec, stops=req.stop_strings,
                         include_stop=req.include_stop_str_in_output,
                         request_timeout_s=self.opts.request_timeout_s)
+        logprobs, prompt_logprobs = req.logprobs_n() is not None, req.prompt_logprobs is not None
         shaper = Shaper(spec.request_id, self.opts.model_name, chat, spec.prompt_token_ids,
-                        req.return_token_ids)
+                        req.return_token_ids, LogprobsView(self.texts), logprobs,
+                        prompt_logprobs, echo)
         headers = {REQUEST_ID_HEADER: spec.request_id}
         pieces = run.pieces()
         handed_over = False
@@ -144,7 +148,9 @@ class OpenAIFrontDoor:
             if not req.stream:
                 text, last = await _unless_gone(request, _collect(pieces))
                 return JSONResponse(shaper.body(text, run.token_ids, last.finish_reason,
-                                                last.stop_reason, run.usage), headers=headers)
+                                                last.stop_reason, run.usage,
+                                                tuple(run.logprobs), run.prompt_logprobs),
+                                    headers=headers)
             first = await _unless_gone(request, anext(pieces))
             handed_over = True
             return _EventStream(self._events(run, shaper, pieces, first, req), run.close,
@@ -169,9 +175,10 @@ class OpenAIFrontDoor:
         try:
             piece = first
             while True:
-                if piece.text or piece.finish_reason or shaper.first_chunk or (
-                        req.return_token_ids and piece.token_ids):
-                    yield sse(shaper.chunk(piece, run.usage if every else None, include))
+                if piece.text or piece.finish_reason or shaper.first_chunk or piece.logprobs \
+                        or (req.return_token_ids and piece.token_ids):
+                    yield sse(shaper.chunk(piece, run.usage if every else None, include,
+                                           run.prompt_logprobs))
                 if piece.finish_reason is not None:
                     break
                 piece = await anext(pieces)
@@ -187,7 +194,8 @@ class OpenAIFrontDoor:
             await pieces.aclose()
         yield DONE
 
-    async def _spec(self, req, request: Request, chat: bool):
+    async def _spec(self, req, request: Request, chat: bool) -> tuple[GenerateSpec, str | None]:
+        """The validated spec, and with completions' echo the prompt's text."""
         rid = request.headers.get(REQUEST_ID_HEADER) or \
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if rid in self.state.active:
@@ -214,9 +222,14 @@ class OpenAIFrontDoor:
         grpc_req = req.to_request(prompt, request_id=rid, tenant=tenant,
                                   default_max_tokens=default_max)
         try:
-            return await self.intake.spec(grpc_req, rid)
+            spec = await self.intake.spec(grpc_req, rid)
         except ValueError as e:
             raise req.invalid(e) from e
+        echo = None
+        if not chat and req.echo:  # the prompt's text (a token prompt's decoded)
+            echo = prompt if isinstance(prompt, str) else await self.intake.run_off_loop(
+                self.texts.decode, list(spec.prompt_token_ids))
+        return spec, echo
 
     def _authorize(self, request: Request) -> None:
         if self.bearer is not None and not self.bearer.matches(

@@ -7,6 +7,11 @@ every value check shared with gRPC (ranges, prompt length, vocabulary) is
 front doors accept and reject exactly the same requests. What is OpenAI-only (n, stop
 strings, the model name, the fields not supported yet) is checked here. Every error is an
 `OpenAIError` naming the field (`param`) as the client spelled it.
+
+Log-probs: completions take `logprobs: N` (and `echo`, which returns the prompt, with its
+log-probs when `logprobs` is set), chat takes `logprobs: true` with `top_logprobs: N`;
+both take vLLM's `prompt_logprobs: N`. They map onto GenerateRequest.logprobs /
+prompt_logprobs, so the bound (limits.max_logprobs) is the gRPC door's.
 """
 
 from __future__ import annotations
@@ -70,10 +75,8 @@ class _Common(BaseModel):
     priority: INT32 = 0
     ttft_deadline_ms: float | None = None  # pdserve's (as on gRPC): deadline-aware policies
     return_token_ids: bool = False  # vLLM's: token ids beside the text
+    prompt_logprobs: INT32 | None = None  # vLLM's: each prompt token's log-prob and top N
     # Not supported yet: any value but "off" is a 400 naming the field (never ignored).
-    logprobs: Any = None
-    top_logprobs: Any = None
-    prompt_logprobs: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
@@ -86,10 +89,9 @@ class _Common(BaseModel):
     parallel_tool_calls: Any = None
 
     OFF: ClassVar[dict[str, tuple]] = {
-        "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
         "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
         "repetition_penalty": (None, 1), "logit_bias": (None, {}), "min_tokens": (None, 0),
-        "min_p": (None, 0), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+        "min_p": (None, 0), "best_of": (None, 1), "suffix": (None, ""),
         "tools": (None, []), "tool_choice": (None, "none"),
         "response_format": (None, {"type": "text"}),
     }
@@ -113,6 +115,9 @@ class _Common(BaseModel):
                               f"{MAX_STOP_STRINGS}", "stop")
         if any(not s for s in stops):
             raise OpenAIError(400, "stop strings must not be empty", "stop")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise OpenAIError(400, f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}",
+                              "prompt_logprobs")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -124,6 +129,14 @@ class _Common(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_n(self) -> int | None:
+        """GenerateRequest.logprobs: the top N of each generated token (None: off)."""
+        raise NotImplementedError
+
+    def prompt_logprobs_n(self) -> int | None:
+        """GenerateRequest.prompt_logprobs (None: off)."""
+        return self.prompt_logprobs
 
     ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "prompt",
                                          "request_id": "x-request-id"}
@@ -139,7 +152,8 @@ class _Common(BaseModel):
             prompt, request_id=request_id, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, max_tokens=max_tokens, seed=self.seed,
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
-            tenant=tenant, priority=self.priority, ttft_deadline_ms=self.ttft_deadline_ms)
+            tenant=tenant, priority=self.priority, ttft_deadline_ms=self.ttft_deadline_ms,
+            logprobs=self.logprobs_n(), prompt_logprobs=self.prompt_logprobs_n())
 
     def invalid(self, error: ValueError) -> OpenAIError:
         """A 400 naming the client's field for a validation message."""
@@ -154,9 +168,29 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Any = None
-    echo: Any = None
+    logprobs: INT32 | None = None  # the N most likely tokens beside each chosen one
+    echo: bool | None = None  # the prompt before the completion (its log-probs too)
+    top_logprobs: Any = None  # chat's; here `logprobs: N`
     best_of: Any = None
     suffix: Any = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None and self.logprobs < 0:
+            raise OpenAIError(400, f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
+        if not _is_off(self.top_logprobs, (None, 0)):
+            raise OpenAIError(400, "top_logprobs is a chat completions parameter; on "
+                              "/v1/completions, logprobs: N returns the N most likely "
+                              "tokens", "top_logprobs", "unsupported_parameter")
+
+    def logprobs_n(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_n(self) -> int | None:
+        """With echo, the echoed prompt's log-probs need the prompt's (as vLLM does)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def single_prompt(self) -> str | list[int]:
         """`prompt` as text or token ids; a batch of one is unwrapped."""
@@ -179,6 +213,8 @@ class ChatCompletionRequest(_Common):
     ALIASES: ClassVar[dict[str, str]] = {"tenant": "user", "prompt": "messages",
                                          "request_id": "x-request-id"}
     messages: Any = None
+    logprobs: bool | None = None  # each chosen token's log-prob
+    top_logprobs: INT32 | None = None  # and the N most likely tokens (needs logprobs)
     max_completion_tokens: INT32 | None = None
     chat_template: str | None = None  # vLLM's: override the model's template
     add_generation_prompt: bool = True
@@ -192,6 +228,20 @@ class ChatCompletionRequest(_Common):
                 and self.max_tokens != self.max_completion_tokens:
             raise OpenAIError(400, "max_tokens and max_completion_tokens differ; set one",
                               "max_completion_tokens")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise OpenAIError(400, f"top_logprobs must be >= 0, got {self.top_logprobs}",
+                              "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def invalid(self, error: ValueError) -> OpenAIError:
+        e = super().invalid(error)
+        if e.param == "top_logprobs":  # GenerateRequest.logprobs is chat's top_logprobs
+            e.message = "top_logprobs" + e.message[len("logprobs"):]
+        return e
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -201,6 +251,8 @@ class ChatCompletionRequest(_Common):
         name = super().param_of(message)
         if name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if name == "logprobs":
+            return "top_logprobs"
         return name
 
 

@@ -22,6 +22,7 @@ from cluster.openai_protocol import OpenAIError
 from cluster.servicer import Call, ServingState
 from cluster.stop_strings import StopStrings
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError, Usage
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class Piece:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of token_ids, when the request asked
 
 
 class OpenAIRun:
@@ -53,6 +55,8 @@ class OpenAIRun:
         self.stops = StopStrings(stops, include=include_stop)
         self.detok = IncrementalDetokenizer(router.detokenize)
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # of token_ids (SamplingParams.logprobs)
+        self.prompt_logprobs: PromptLogprobs | None = None  # from the first delta
         self.router_usage: Usage | None = None
         self.finish_reason: str | None = None
         self._router_done = False  # the router ended the request itself
@@ -71,8 +75,11 @@ class OpenAIRun:
         self._stream = self.router.generate(self.spec)
         try:
             async for delta in self._stream:
-                ids = tuple(delta.token_ids)
+                ids, lps = tuple(delta.token_ids), tuple(delta.logprobs or ())
                 self.token_ids.extend(ids)
+                self.logprobs.extend(lps)
+                if delta.prompt_logprobs is not None:
+                    self.prompt_logprobs = delta.prompt_logprobs
                 piece = delta.text  # None: a backend that does not detokenize
                 if piece is None:
                     piece = self.detok.push(ids, final=delta.finished)
@@ -80,7 +87,7 @@ class OpenAIRun:
                 if self.stops.matched is not None:  # end it now: free its KV at once
                     self._router_done = True
                     self._spawn(self._abort())
-                    yield self._end(Piece(text, ids, "stop", self.stops.matched))
+                    yield self._end(Piece(text, ids, "stop", self.stops.matched, lps))
                     return
                 if delta.finished:
                     self._router_done = True
@@ -88,9 +95,9 @@ class OpenAIRun:
                     if self.call.expired:
                         raise self._expired_error()
                     yield self._end(Piece(text, ids, delta.finish_reason,
-                                          self._stop_token(delta.finish_reason)))
+                                          self._stop_token(delta.finish_reason), lps))
                     return
-                yield Piece(text, ids)
+                yield Piece(text, ids, logprobs=lps)
         except RouterError as e:
             self._router_done = True
             if self.call.expired:

@@ -220,6 +220,8 @@ class Router:
         prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
         sampling = replace(spec.sampling,
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
+        if flight.generated:  # the prompt's log-probs came with the first token already
+            sampling = replace(sampling, prompt_logprobs=None)
         flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
         flight.prefill_done = False
         flight.leg_first_seen = False

@@ -34,7 +34,8 @@ POLL_TIMEOUT_S = 0.05
 REVIVE_INTERVAL_S = 0.5
 
 
-Delivery = list  # [(flight, token_ids, finished, finish_reason, usage)] of one batch
+# [(flight, token_ids, finished, finish_reason, usage, logprobs, prompt_logprobs)] of a batch
+Delivery = list
 
 class EventPump:
     def __init__(self, router: RouterCore, channel_secret: bytes = b""):
@@ -53,20 +54,21 @@ class EventPump:
         return bool(self.channel_secret and w.channel)
 
     def deliver(self, out: Delivery) -> None:
-        """Hand a batch's token deltas [(flight, ids, finished, reason, usage)] to the
-        detokenizer thread; they reach their streams, with text, in order."""
+        """Hand a batch's token deltas (Delivery) to the detokenizer thread; they reach
+        their streams, with text, in order."""
         if self._detok is None:  # no tokenizer: the front door detokenizes
             self._deliver(out, [None] * len(out))
             return
-        self._detok.submit([(f, ids, fin) for f, ids, fin, _, _ in out],
+        self._detok.submit([(d[0], d[1], d[2]) for d in out],
                            lambda _items, texts: self._deliver(out, texts))
 
     @staticmethod
     def _deliver(out: Delivery, texts: list[str | None]) -> None:
-        for (flight, ids, finished, reason, usage), text in zip(out, texts, strict=True):
+        for (flight, ids, finished, reason, usage, lps, plps), text in zip(out, texts,
+                                                                          strict=True):
             last = TokenDelta(flight.spec.request_id, (), True, reason, usage) \
                 if finished else None
-            flight.queue.put(ids, text, last)
+            flight.queue.put(ids, text, last, lps, plps)
 
     async def start(self) -> None:
         """Connect every worker's channel (before any request is dispatched: a leg must
@@ -216,7 +218,8 @@ class EventPump:
                 if self.router.metrics:
                     self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
             flight.leg_first_seen = True
-            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out)
+            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out,
+                       ev.logprobs, ev.prompt_logprobs)
             # decode tokens that overtook the first token (they come from another worker's
             # pump) follow it now, in order
             held, flight.held_tokens = flight.held_tokens, []
@@ -235,7 +238,7 @@ class EventPump:
             flight.held_tokens.append((w, ev))  # the prefill's first token has not arrived
         elif ev.kind == EventKind.TOKENS:
             flight.add_timing(ev.kind, ev.timing)
-            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out)
+            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out, ev.logprobs)
         elif ev.kind in (EventKind.PREEMPTED, EventKind.FAILED):
             # a preempted leg that streamed its first token made progress: not a failure
             progressed = ev.kind == EventKind.PREEMPTED and flight.leg_first_seen
@@ -243,7 +246,7 @@ class EventPump:
                             failed=not progressed, ended=(w,))  # w let go of it itself
 
     def _emit(self, w: WorkerHandle, flight: Flight, kind: EventKind, token_ids,
-              finish_reason, out: Delivery) -> None:
+              finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None) -> None:
         flight.generated.extend(token_ids)
         now = time.monotonic()
         if (kind == EventKind.TOKENS and flight.last_token_at is not None
@@ -265,12 +268,20 @@ class EventPump:
             if self.router.metrics:
                 self.router.metrics.observe_finish(usage)
         flight.unsent.extend(token_ids)
+        if logprobs is not None:
+            flight.unsent_logprobs.extend(logprobs)
+        if prompt_logprobs is not None:
+            flight.unsent_prompt_logprobs = prompt_logprobs
         if (finished or not flight.streamed
                 or len(flight.unsent) >= self.router.config.stream_interval):
             flight.streamed = True
             out.append((flight, flight.unsent, finished,
-                        finish_reason.value if finished else None, usage))
-            flight.unsent = []
+                        finish_reason.value if finished else None, usage,
+                        tuple(flight.unsent_logprobs) if flight.unsent_logprobs else None,
+                        flight.unsent_prompt_logprobs))
+            flight.unsent, flight.unsent_prompt_logprobs = [], None
+            if flight.unsent_logprobs:
+                flight.unsent_logprobs = []
 
     def redispatch(self, flight: Flight, why: str, *, failed: bool,
                    ended: tuple[WorkerHandle, ...] = ()) -> None:

@@ -88,7 +88,9 @@ class GenerationServer:
         server = grpc.aio.server(interceptors=interceptors, options=options)
         # one intake (size checks, the tokenizer thread) serves both front doors
         self.intake = PromptIntake(self.router, max_prompt_tokens=limits.max_prompt_tokens,
-                                   max_prompt_bytes=limits.max_prompt_bytes)
+                                   max_prompt_bytes=limits.max_prompt_bytes,
+                                   max_logprobs=limits.max_logprobs,
+                                   logprobs_mode=self.cfg.model.logprobs_mode)
         servicer = GenerationServicer(self.router, self.state,
                                       request_timeout_s=limits.request_timeout_s,
                                       intake=self.intake)

@@ -21,6 +21,8 @@ import grpc
 
 from cluster.convert import (
     FINISH_TO_PROTO,
+    logprobs_to_proto,
+    prompt_logprobs_to_proto,
     stats_to_proto,
     usage_to_proto,
 )
@@ -108,7 +110,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield pb.GenerateResponse(
                     request_id=rid, token_ids=delta.token_ids, text=text,
                     finish_reason=FINISH_TO_PROTO[delta.finish_reason if finished else None],
-                    usage=usage_to_proto(delta.usage) if finished and delta.usage else None)
+                    usage=usage_to_proto(delta.usage) if finished and delta.usage else None,
+                    logprobs=logprobs_to_proto(delta.logprobs or ()),
+                    prompt_logprobs=prompt_logprobs_to_proto(delta.prompt_logprobs or (None,)))
                 if finished:
                     return
             if not call.expired:

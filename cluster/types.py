@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.request import SamplingParams
 
 
@@ -70,6 +71,11 @@ class TokenDelta:
     # the tokens' text when the router detokenized them (off the front door's event
     # loop, cluster/detokenize.py); None: the front door detokenizes itself
     text: str | None = None
+    # SamplingParams.logprobs: one per token of token_ids (engine/logprobs.py)
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token (the first None), on the
+    # request's first delta
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

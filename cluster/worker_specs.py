@@ -49,8 +49,8 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
 def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:
     s = cfg.scheduler
     return PrefillSchedulerConfig(
-        max_num_batched_tokens=s.max_num_batched_tokens, max_chunk=s.max_prefill_chunk,
-        fairness=s.fairness_policy, chunk_policy=s.chunk_policy, aging_s=s.aging_s,
+        max_num_batched_tokens=s.max_num_batched_tokens, max_prefill_chunk=s.max_prefill_chunk,
+        fairness_policy=s.fairness_policy, chunk_policy=s.chunk_policy, aging_s=s.aging_s,
         tenant_weights=dict(s.tenant_weights or {}))
 
 
@@ -83,10 +83,10 @@ def transfer_config(cfg: ServeConfig, model: ModelConfig, secret: bytes) -> Tran
         credit_window_bytes=window,
         # a frame never exceeds the window, so small windows can be studied
         max_frame_bytes=max(64 << 10, min(64 << 20, window)),
-        queue_discipline=t.send_queue,
+        send_queue=t.send_queue,
         tenant_weights=dict(cfg.scheduler.tenant_weights or {}),
         failure_timeout_s=t.failure_timeout_s,
-        tcp_host=t.bind_host,
+        bind_host=t.bind_host,
         secret=secret,
     )
 

@@ -115,7 +115,8 @@ class DecodeEngine:
         t0, wall0 = time.monotonic(), time.time()
         sampled = execute_and_sample(self.runner, items)
         now, wall = time.monotonic(), time.time()
-        for r, tok in sampled:  # one event per request, all sent as one message per step
+        for s in sampled:  # one event per request, all sent as one message per step
+            r, tok = s.request, s.token_id
             r.num_cached_tokens += 1
             r.append_token(tok)
             if not r.is_finished and r.num_tokens >= self.max_len:
@@ -125,12 +126,14 @@ class DecodeEngine:
                 self.scheduler.finish(r)
                 self.aborted_early.ended(r.request_id)
                 timing = LegTiming(decode_s=now - self.started.pop(r.request_id, now))
-            events.append(WorkerEvent(EventKind.TOKENS, r.request_id, self.worker_id, (tok,),
-                                      r.finish_reason, "", wall, timing))
+            events.append(WorkerEvent(
+                EventKind.TOKENS, r.request_id, self.worker_id, (tok,),
+                finish_reason=r.finish_reason, wall_time=wall, timing=timing,
+                logprobs=None if s.logprobs is None else (s.logprobs,)))
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:
-            for r, _ in sampled:
+            for r in (s.request for s in sampled):
                 self.tracer.record(r.request_id, "decode_step", wall0, wall0 + (now - t0),
                                    worker=self.worker_id, past_kv_tokens=r.num_cached_tokens - 1,
                                    batch_num_seqs=len(items), batch_num_tokens=len(items),

@@ -8,28 +8,48 @@ Every physical block is in exactly one of three places:
 
 from __future__ import annotations
 
-import hashlib
+import sys
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from xxhash import xxh3_128_digest
+
 from engine.request import Request
 
-_ROOT = b"pdserve-root"
+_ROOT = bytes(16)  # the parent of a sequence's first block
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 (int64 if one does not fit: a block then has twice
+    the bytes, so the two packings can never give the same hash input)."""
+    try:
+        packed = array("i", tokens)
+    except OverflowError:
+        packed = array("q", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Hash of a full block given its parent's hash: equal prefixes give equal chains."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b",".join(str(t).encode() for t in tokens))
-    return h.digest()
+    """Hash of a full block given its parent's hash: equal prefixes give equal chains.
+    xxh3_128 over the parent's 16 bytes then the block's packed token ids."""
+    return xxh3_128_digest(parent + _pack(tokens))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every *full* block of `token_ids` (stable across processes)."""
+    """Chained hashes of every *full* block of `token_ids` (stable across processes and
+    machines: no Python `hash()`, a fixed byte order)."""
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    data = memoryview(_pack(token_ids[: n * block_size]))
+    step = len(data) // n  # bytes per block
     out: list[bytes] = []
     parent = _ROOT
-    for i in range(len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+    for off in range(0, n * step, step):
+        parent = xxh3_128_digest(parent + data[off : off + step])
         out.append(parent)
     return out
 

@@ -12,6 +12,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.device import local_device
 from engine.execute import execute_and_sample
 from engine.loader import load_model_config, load_tokenizer
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
@@ -28,6 +29,10 @@ class RequestOutput:
     text: str
     finish_reason: FinishReason | None
     finished: bool
+    # SamplingParams.logprobs: one per token; prompt_logprobs: one per prompt token (the
+    # first is None). What they hold: engine/logprobs.py.
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class StreamDelta:
     new_token_ids: list[int]
     text_delta: str
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids (SamplingParams.logprobs)
+    prompt_logprobs: PromptLogprobs | None = None  # on a request's first delta
 
 
 class LLM:
@@ -143,7 +150,11 @@ class LLM:
             return []
         sampled = execute_and_sample(self.runner, out.items)
         self.num_steps += 1
-        touched = self.scheduler.update(out, {r.request_id: tok for r, tok in sampled})
+        touched = self.scheduler.update(out, {s.request.request_id: s.token_id for s in sampled})
+        lps = {s.request.request_id: s.logprobs for s in sampled if s.logprobs is not None}
+        for r in touched if lps else ():
+            if r.request_id in lps:  # update gave each touched request its sampled token
+                r.output_logprobs.append(lps[r.request_id])
         for r in touched:
             if r.is_finished:
                 self._requests.pop(r.request_id, None)
@@ -171,10 +182,14 @@ class LLM:
                     delta = text[len(texts[r.request_id]):] if text.startswith(
                         texts[r.request_id]) else text
                     texts[r.request_id] = text
-                    new = r.output_token_ids[sent[r.request_id]:]
+                    done = sent[r.request_id]
+                    new = r.output_token_ids[done:]
                     sent[r.request_id] = len(r.output_token_ids)
+                    lps = r.output_logprobs[done:] if r.sampling_params.logprobs is not None \
+                        else None
                     yield StreamDelta(index[r.request_id], r.request_id, new, delta,
-                                      r.finish_reason)
+                                      r.finish_reason, lps,
+                                      r.prompt_logprobs_tuple() if done == 0 else None)
         finally:
             for r in reqs:
                 if not r.is_finished:
@@ -189,16 +204,22 @@ class LLM:
         tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         reasons: dict[int, FinishReason | None] = {}
         rids: dict[int, str] = {}
+        lps: dict[int, list[TokenLogprobs]] = {}
+        prompt_lps: dict[int, PromptLogprobs] = {}
         for d in self.stream(prompts, params):
             tokens[d.index].extend(d.new_token_ids)
             rids[d.index] = d.request_id
             if d.finish_reason is not None:
                 reasons[d.index] = d.finish_reason
+            if d.logprobs is not None:
+                lps.setdefault(d.index, []).extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                prompt_lps[d.index] = d.prompt_logprobs
         return [
             RequestOutput(
                 rids.get(i, ""), self.encode(p), tokens[i],
                 self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                reasons.get(i), True,
+                reasons.get(i), True, lps.get(i), prompt_lps.get(i),
             )
             for i, p in enumerate(prompts)
         ]

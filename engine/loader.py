@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import SUPPORTED_ARCHS, ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.config import ModelConfig
+from engine.models.registry import MODELS, model_class
 
 
 class ModelLoadError(ValueError):
@@ -72,10 +72,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from e
     archs = raw.get("architectures") or [] if isinstance(raw, dict) else []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHS), None)
+    arch = next((a for a in archs if a in MODELS), None)
     if arch is None:  # checked before AutoConfig, whose error would not name the file
         raise ModelLoadError(
-            f"{cfg_path}: architectures {archs} not supported; supported: {SUPPORTED_ARCHS}"
+            f"{cfg_path}: architectures {archs} not supported; supported: {list(MODELS)}"
         )
     try:
         hf = AutoConfig.from_pretrained(model_dir)
@@ -86,8 +86,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     inv_freq, scaling = _rope(hf)
     attn_bias = bool(getattr(hf, "attention_bias", False))
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -99,15 +98,17 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=True if is_qwen2 else attn_bias,
-        o_bias=False if is_qwen2 else attn_bias,
+        qkv_bias=attn_bias,
+        o_bias=attn_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=False,
         rope_inv_freq=inv_freq,
         rope_attention_scaling=scaling,
         eos_token_ids=_eos_ids(model_dir, hf),
         bos_token_id=getattr(hf, "bos_token_id", None),
     )
+    # what the architecture fixes (Qwen2's q/k/v bias, Qwen3's q/k norms) wins
+    return ModelConfig(**{**fields, **MODELS.get(arch).config_overrides})
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -150,11 +151,12 @@ def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_model(
     config: ModelConfig, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype
-) -> LlamaForCausalLM:
-    """Build the model on the `meta` device (no memory, no random init) and install the
-    checkpoint's tensors, converted one by one, as its parameters on `device` in `dtype`."""
+) -> torch.nn.Module:
+    """Build the class registered for `config.architecture` (engine.models.registry) on
+    the `meta` device (no memory, no random init) and install the checkpoint's tensors,
+    converted one by one, as its parameters on `device` in `dtype`."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config.architecture)(config)
     model.load_hf_weights(dict(iter_weights(model_dir, device, dtype)))
     on_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if on_meta:  # not reachable through load_hf_weights' check; a clear error all the same

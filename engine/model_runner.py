@@ -25,7 +25,7 @@ from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.llama import AttentionMetadata
 
-__all__ = ["ModelRunner", "SeqChunk", "torch_dtype"]
+__all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
 
 
@@ -38,10 +38,22 @@ class SeqChunk:
     start: int
     block_ids: tuple[int, ...]
     sample: bool  # compute logits at this chunk's last token
+    all_logits: bool = False  # also the logits at every one of its tokens (prompt log-probs)
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What one step computed: fp32 logits of the sampled rows `[N, V]` (`sample_ids[i]`
+    is row i's request) and, for each chunk with `all_logits`, the logits at each of its
+    tokens `[len(chunk), V]`, by request id."""
+
+    sample_ids: list[str]
+    logits: torch.Tensor
+    all_logits: dict[str, torch.Tensor]
 
 
 class _StepBuffer:
@@ -121,11 +133,17 @@ class ModelRunner:
         off, _ = self._buf.add(flat)
         return off, len(chunks), width
 
-    @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> tuple[list[str], torch.Tensor]:
         """Run one flat batch; returns (request ids of sampled rows, fp32 logits [N, V])."""
+        step = self.run(chunks)
+        return step.sample_ids, step.logits
+
+    @torch.inference_mode()
+    def run(self, chunks: list[SeqChunk]) -> StepLogits:
+        """Run one flat batch: the sampled rows' logits, and every token's of the chunks
+        that ask for them (`SeqChunk.all_logits`), from one lm_head pass."""
         if not chunks:
-            return [], torch.empty(0, self.config.model.vocab_size)
+            return StepLogits([], torch.empty(0, self.config.model.vocab_size), {})
         self.bind()
         decodes = [c for c in chunks if len(c.token_ids) == 1]
         prefills = [c for c in chunks if len(c.token_ids) > 1]
@@ -135,6 +153,8 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        full_rows: list[int] = []  # rows after the sampled ones: all_logits chunks' tokens
+        full_ids: list[tuple[str, int]] = []
         for c in ordered:
             assert c.end <= len(c.block_ids) * self.block_size, f"{c.request_id}: no slot"
             ids.extend(c.token_ids)
@@ -143,12 +163,15 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(c.request_id)
+            if c.all_logits:
+                full_rows.extend(range(len(ids) - len(c.token_ids), len(ids)))
+                full_ids.append((c.request_id, len(c.token_ids)))
         q_starts = [0]
         for c in prefills:
             q_starts.append(q_starts[-1] + len(c.token_ids))
         b = self._buf
         seg = {"ids": b.add(ids), "pos": b.add(pos), "slots": b.add(slots),
-               "rows": b.add(sample_rows), "dlens": b.add([c.end for c in decodes]),
+               "rows": b.add(sample_rows + full_rows), "dlens": b.add([c.end for c in decodes]),
                "qsl": b.add(q_starts), "plens": b.add([c.end for c in prefills])}
         dtab, ptab = self._table(decodes), self._table(prefills)
         dev = b.upload()
@@ -174,7 +197,14 @@ class ModelRunner:
             prefill_seq_lens=view("plens"),
         )
         hidden = self.model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
-        return sample_ids, self.model.compute_logits(hidden.index_select(0, view("rows")))
+        logits = self.model.compute_logits(hidden.index_select(0, view("rows")))
+        if not full_ids:
+            return StepLogits(sample_ids, logits, {})
+        full, at = {}, len(sample_rows)
+        for rid, n in full_ids:
+            full[rid] = logits[at:at + n]
+            at += n
+        return StepLogits(sample_ids, logits[:len(sample_rows)], full)
 
     def warmup(self) -> None:
         """Compile every attention kernel variant serving will launch (prefill, write_kv,

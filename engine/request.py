@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logprobs import LOGPROBS_MODES, PromptLogprobs, TokenLogprobs
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered lifecycle; everything from FINISHED_STOPPED on is terminal."""
@@ -54,6 +56,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probs (engine/logprobs.py says exactly which): None = off; N >= 0 = the sampled
+    # (resp. each prompt) token's log-prob and rank plus the N most likely tokens.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = "processed"  # or "raw" (vLLM's default raw_logprobs)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -64,6 +71,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ValueError(f"{name} must be None (off) or an integer >= 0, got {n!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
@@ -94,6 +108,12 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    # With sampling_params.logprobs, in engine.LLM: one entry per output token (the worker
+    # engines send each token's log-probs on with it and keep none).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs: filled chunk by chunk during the prefill; index
+    # i is prompt token i (entry 0 is None); complete when the first token is sampled.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_len == 0:
@@ -122,6 +142,24 @@ class Request:
         return self.status.is_finished
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill must compute the log-prob of every prompt token (until the first
+        token is sampled, when they are complete)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
+    def may_use_prefix_cache(self) -> bool:
+        """A cached prefix has no logits: a request that needs its prompt's log-probs
+        recomputes the whole prompt (as vLLM does); its blocks are cached as usual."""
+        return not self.wants_prompt_logprobs
+
+    def prompt_logprobs_tuple(self) -> PromptLogprobs | None:
+        """The prompt's log-probs once the first token is sampled (None if not asked)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        return tuple(self.prompt_logprobs or (None,))  # a one-token prompt: (None,)
+
+    @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASON.get(self.status)
 
@@ -143,6 +181,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.prefix_hit_tokens = 0
+        if not self.output_token_ids:  # prompt log-probs still incomplete: start over
+            self.prompt_logprobs = None
         self.prefill_len = self.num_tokens
         self.num_preemptions += 1
         self.status = RequestStatus.PREEMPTED

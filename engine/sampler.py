@@ -12,6 +12,11 @@ generator (a request with a seed) draws its E from it, on the logits' device, so
 seed gives the same tokens whatever else is in the batch; other rows share one draw. The
 chosen ids come to the host in one copy. `log_softmax(x)` of the same pass is what a row
 was sampled from: `sample_batch(..., with_logprobs=True)` returns it.
+
+Rows whose request asks for log-probs (`SamplingParams.logprobs`, see engine/logprobs.py
+for what they are) get them from the same pass: one log-softmax over those rows only, their
+top-N gathered on the device and brought to the host in the same copy as the chosen ids.
+A batch where no row asks pays nothing for it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logprobs import TokenLogprobs, unpack
 from engine.request import SamplingParams
 
 # Per-request generators live on the CPU (Request owns them); a seeded row sampled on a
@@ -34,6 +40,42 @@ _DEVICE_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class SamplerOutput:
     token_ids: list[int]
     logprobs: torch.Tensor | None = None  # [N, V] fp32 log-probs each row was sampled from
+    # per row: its TokenLogprobs if its request asked for them (SamplingParams.logprobs)
+    token_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class DeviceSample:
+    """A step's draw before it leaves the device: `ids` [N] and, for the rows in `rows`
+    (those that asked for log-probs), their packed log-probs `[len(rows), 2 + 2k]`
+    (gather_logprobs)."""
+
+    ids: torch.Tensor
+    rows: list[int]
+    packed: torch.Tensor | None = None
+    k: int = 0
+    full: torch.Tensor | None = None  # with_logprobs: [N, V]
+
+    def host_parts(self) -> list[torch.Tensor]:
+        """What goes to the host, as float64 (ids are exact)."""
+        if self.packed is None:
+            return [self.ids.double()]
+        return [self.ids.double(), self.packed.flatten()]
+
+    def finish(self, flat: list[float], offset: int, params: Sequence[SamplingParams]
+               ) -> tuple[SamplerOutput, int]:
+        """The output, read from the host copy `flat` of `host_parts()` at `offset`."""
+        n = self.ids.shape[0]
+        ids = [int(t) for t in flat[offset:offset + n]]
+        offset += n
+        per_row: list[TokenLogprobs | None] | None = None
+        if self.rows:
+            lps, offset = unpack(flat, offset, [ids[i] for i in self.rows], self.k,
+                                 [params[i].logprobs for i in self.rows])
+            per_row = [None] * n
+            for i, lp in zip(self.rows, lps, strict=True):
+                per_row[i] = lp
+        return SamplerOutput(ids, self.full, per_row), offset
 
 
 def generator_on(gen: torch.Generator, device: torch.device) -> torch.Generator:
@@ -101,6 +143,79 @@ def _exponentials(like: torch.Tensor, params: Sequence[SamplingParams],
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """`[L, 2 + 2k]` float64 on the device: per row (chosen log-prob, rank, k top ids,
+    k top log-probs) of log-probs `[L, V]` and chosen ids `[L]` (engine/logprobs.py)."""
+    k = min(k, logprobs.shape[1])
+    picked = logprobs.gather(1, chosen.long()[:, None])  # [L, 1]
+    rank = (logprobs >= picked).sum(dim=1, keepdim=True, dtype=torch.int32)  # [L, 1]
+    parts = [picked.double(), rank.double()]
+    if k:
+        top = torch.topk(logprobs, k, dim=1)  # sorted, best first
+        parts += [top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=1)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    *,
+    with_logprobs: bool = False,
+) -> DeviceSample:
+    """One token per row of `logits` `[N, V]`, and the log-probs of the rows that ask,
+    left on the device (see the module doc)."""
+    n, vocab = logits.shape
+    if len(params) != n or len(generators) != n:
+        raise ValueError(f"{n} logit rows but {len(params)} params / {len(generators)} generators")
+    rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+    if n == 0:
+        return DeviceSample(logits.new_empty((0,), dtype=torch.long), [],
+                            full=logits.new_empty((0, vocab)) if with_logprobs else None)
+    greedy_ids = logits.argmax(dim=-1)
+    x = None  # the logits each row is sampled from (None: every row is greedy)
+    ids = greedy_ids
+    if not all(sp.greedy for sp in params) or with_logprobs:
+        host, k_max, any_top_p = _row_params(params, vocab)
+        if logits.device.type == "cuda":
+            host = host.pin_memory()
+        temp, top_p, top_k, greedy = host.to(logits.device, non_blocking=True).unbind(1)
+        x = logits.float() / temp[:, None]
+        if k_max or any_top_p:
+            x = _filter(x, top_p, top_k, k_max, any_top_p)
+        probs = torch.softmax(x, dim=-1)
+        sampled = (probs / _exponentials(probs, params, generators)).argmax(dim=-1)
+        ids = torch.where(greedy > 0, greedy_ids, sampled)
+    out = DeviceSample(ids, rows, full=torch.log_softmax(x, dim=-1) if with_logprobs else None)
+    if rows:
+        out.k = max(params[i].logprobs for i in rows)
+        # the rows that ask, as one index on the device (none when every row asks)
+        idx = None if len(rows) == n else torch.tensor(rows, device=logits.device)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if idx is None else t.index_select(0, idx)
+
+        src = _logprob_source(pick(logits).float(), None if x is None else pick(x),
+                              [params[i] for i in rows])
+        out.packed = gather_logprobs(src.log_softmax(dim=-1), pick(ids), out.k)
+    return out
+
+
+def _logprob_source(raw: torch.Tensor, x: torch.Tensor | None,
+                    params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`[L, V]` fp32 logits whose log-softmax the rows asking for log-probs report: the
+    processed `x` (temperature, filters; greedy rows are unprocessed in it), or the `raw`
+    logits for logprobs_mode "raw" (engine/logprobs.py)."""
+    if x is None:
+        return raw
+    modes = [sp.logprobs_mode == "raw" for sp in params]
+    if all(modes):
+        return raw
+    if not any(modes):
+        return x
+    return torch.where(torch.tensor(modes, device=raw.device)[:, None], raw, x)
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -108,27 +223,12 @@ def sample_batch(
     *,
     with_logprobs: bool = False,
 ) -> SamplerOutput:
-    """One token per row of `logits` `[N, V]` (see the module doc)."""
-    n, vocab = logits.shape
-    if len(params) != n or len(generators) != n:
-        raise ValueError(f"{n} logit rows but {len(params)} params / {len(generators)} generators")
-    if n == 0:
-        return SamplerOutput([], logits.new_empty((0, vocab)) if with_logprobs else None)
-    greedy_ids = logits.argmax(dim=-1)
-    if all(sp.greedy for sp in params) and not with_logprobs:
-        return SamplerOutput(greedy_ids.tolist())
-    host, k_max, any_top_p = _row_params(params, vocab)
-    if logits.device.type == "cuda":
-        host = host.pin_memory()
-    temp, top_p, top_k, greedy = host.to(logits.device, non_blocking=True).unbind(1)
-    x = logits.float() / temp[:, None]
-    if k_max or any_top_p:
-        x = _filter(x, top_p, top_k, k_max, any_top_p)
-    probs = torch.softmax(x, dim=-1)
-    sampled = (probs / _exponentials(probs, params, generators)).argmax(dim=-1)
-    ids = torch.where(greedy > 0, greedy_ids, sampled)
-    logprobs = torch.log_softmax(x, dim=-1) if with_logprobs else None
-    return SamplerOutput(ids.tolist(), logprobs)
+    """One token per row of `logits` `[N, V]` (see the module doc); one host copy."""
+    d = sample_on_device(logits, params, generators, with_logprobs=with_logprobs)
+    if not d.rows:
+        return SamplerOutput(d.ids.tolist(), d.full)
+    flat = torch.cat(d.host_parts()).tolist()
+    return d.finish(flat, 0, params)[0]
 
 
 def sample(

@@ -153,7 +153,8 @@ class Scheduler:
         admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             r = self.waiting[0]  # fresh or preempted: no blocks, nothing computed
-            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len])
+            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len]) \
+                if r.may_use_prefix_cache else []
             start = len(hit) * self.bm.block_size
             remaining = r.prefill_len - start
             c = min(remaining, self.config.chunk_cap, budget) if chunked else remaining

@@ -8,23 +8,26 @@
     ev = rx.poll(); ...copy ev.chunks into the cache...; rx.release(chunk)
 
 Importing this package never imports Ray; the "ray" connector is loaded on first use.
+Exports are lazy, so the registries (kv_transfer.registry, .pacing, .send_queue) can be
+read for config choices without importing torch.
 """
 
 from __future__ import annotations
 
-from kv_transfer.base import FrameRecord, KVChunk, KVReceiver, KVSender, ReceiveEvents, SendEvents
-from kv_transfer.config import TransferConfig
-from kv_transfer.registry import (
-    connector_names,
-    make_connector,
-    make_receiver,
-    make_sender,
-    register_connector,
-)
-from kv_transfer.wire import WireError
+import importlib
 
-__all__ = [
-    "FrameRecord", "KVChunk", "KVReceiver", "KVSender", "ReceiveEvents", "SendEvents",
-    "TransferConfig", "WireError", "connector_names", "make_connector", "make_receiver",
-    "make_sender", "register_connector",
-]
+_EXPORTS = {
+    **dict.fromkeys(("FrameRecord", "KVChunk", "KVReceiver", "KVSender", "ReceiveEvents",
+                     "SendEvents"), "kv_transfer.base"),
+    "TransferConfig": "kv_transfer.config",
+    **dict.fromkeys(("CONNECTORS", "connector_names", "make_connector", "make_receiver",
+                     "make_sender", "register_connector"), "kv_transfer.registry"),
+    "WireError": "kv_transfer.wire",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from kv_transfer.pacing import SEND_POLICIES
-from kv_transfer.send_queue import QUEUE_DISCIPLINES
+from kv_transfer.registry import CONNECTORS
+from kv_transfer.send_queue import SEND_QUEUES
 from kv_transfer.wire import CHECKSUM_FUNCS, MAX_HEADER_BYTES, PREAMBLE, resolve_checksum
 from kv_transfer.wire_header import CHECKSUM_ALGOS
 
@@ -33,13 +34,13 @@ class TransferConfig:
     excluded from ``repr`` so it never ends up in logs.
     """
 
-    connector: str = "inproc"  # registry name: "inproc" | "tcp" | "ray"
-    send_policy: str = "eager"  # "at_end" (no streaming baseline) | "eager" | "paced"
+    connector: str = "inproc"  # kv_transfer.registry.CONNECTORS
+    send_policy: str = "eager"  # kv_transfer.pacing.SEND_POLICIES
     rate_bytes_per_s: float = 0.0  # per link, "paced" only
     link_rate_bytes_per_s: float = 0.0  # emulated link capacity (studies): caps every policy
     burst_bytes: int = 4 << 20  # token-bucket depth, "paced" only
     credit_window_bytes: int = 256 << 20  # max unreleased payload bytes per link
-    queue_discipline: str = "fcfs"  # "fcfs" | "wfq"
+    send_queue: str = "fcfs"  # kv_transfer.send_queue.SEND_QUEUES
     tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
     default_tenant_weight: float = 1.0
     max_frame_bytes: int = 64 << 20  # bigger chunks are split (by layer, then token)
@@ -49,31 +50,26 @@ class TransferConfig:
     # at most this many unauthenticated connections are served at once (others wait)
     handshake_timeout_s: float = 5.0
     max_pending_connections: int = 16
-    tcp_host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"  # the tcp listener's interface
     tcp_port: int = 0  # 0 = ephemeral
     secret: bytes = field(default=b"", repr=False)
     # "auto": xxh3_64 if the xxhash package is installed (several GB/s), else zlib crc32
     checksum: str = "auto"
     require_expect: bool = False  # receiver discards requests not announced by expect()
     socket_buffer_bytes: int = 4 << 20
-
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"TransferConfig.{name} {why}")
 
-        if not isinstance(self.connector, str) or not self.connector:
-            raise bad("connector", "must be a non-empty registry name")
-        if self.send_policy not in SEND_POLICIES:
-            raise bad("send_policy", f"must be one of {sorted(SEND_POLICIES)}, got {self.send_policy!r}")
-        if self.queue_discipline not in QUEUE_DISCIPLINES:
-            raise bad(
-                "queue_discipline",
-                f"must be one of {sorted(QUEUE_DISCIPLINES)}, got {self.queue_discipline!r}",
-            )
-        if self.send_policy == "paced" and not (
+        for name, registry in (("connector", CONNECTORS), ("send_policy", SEND_POLICIES),
+                               ("send_queue", SEND_QUEUES)):
+            if getattr(self, name) not in registry:
+                raise bad(name, f"must be a registered name ({registry.unknown(getattr(self, name))})")
+        if SEND_POLICIES.get(self.send_policy).needs_rate and not (
             math.isfinite(self.rate_bytes_per_s) and self.rate_bytes_per_s > 0
         ):
-            raise bad("rate_bytes_per_s", f"must be > 0 for send_policy='paced', got {self.rate_bytes_per_s}")
+            raise bad("rate_bytes_per_s", f"must be > 0 for send_policy={self.send_policy!r}, "
+                      f"got {self.rate_bytes_per_s}")
         if not (math.isfinite(self.link_rate_bytes_per_s) and self.link_rate_bytes_per_s >= 0):
             raise bad("link_rate_bytes_per_s", f"must be >= 0, got {self.link_rate_bytes_per_s}")
         if self.rate_bytes_per_s < 0:
@@ -97,12 +93,12 @@ class TransferConfig:
             raise bad("max_pending_connections", f"must be >= 1, got {self.max_pending_connections}")
         if not 0 <= self.tcp_port <= 65535:
             raise bad("tcp_port", f"must be in [0, 65535], got {self.tcp_port}")
-        if not self.tcp_host:
-            raise bad("tcp_host", "must be non-empty")
+        if not self.bind_host:
+            raise bad("bind_host", "must be non-empty")
         if not isinstance(self.secret, bytes):
             raise bad("secret", "must be bytes")
-        if self.connector == "tcp" and len(self.secret) < 16:
-            raise bad("secret", "must be at least 16 bytes for connector='tcp'")
+        if CONNECTORS.get(self.connector).requires_secret and len(self.secret) < 16:
+            raise bad("secret", f"must be at least 16 bytes for connector={self.connector!r}")
         if self.checksum != "auto" and self.checksum not in CHECKSUM_ALGOS:
             raise bad("checksum", f"must be 'auto' or one of {CHECKSUM_ALGOS}, got {self.checksum!r}")
         if resolve_checksum(self.checksum) not in CHECKSUM_FUNCS:

@@ -19,7 +19,7 @@ class LinkScheduler:
         policy = get_send_policy(cfg.send_policy)
         self.hold_until_final = policy.hold_until_final
         self.pacer: Pacer = pacer if pacer is not None else policy.make_pacer(cfg)
-        self.queue: SendQueue = make_send_queue(cfg.queue_discipline, cfg.tenant_weight)
+        self.queue: SendQueue = make_send_queue(cfg.send_queue, cfg.tenant_weight)
         self.window = cfg.credit_window_bytes
         self.coalesce = cfg.coalesce_bytes
         self._held: dict[str, list[QueuedFrame]] = {}

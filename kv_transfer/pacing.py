@@ -3,7 +3,7 @@
 Plain Python with an injectable clock, so a test drives them step by step on a
 ``ManualClock`` and the algorithm is checked deterministically.
 
-Policies (by name, ``SEND_POLICIES``):
+Policies (by name, the registry ``SEND_POLICIES``; the config's choices and --help read it):
   at_end  a request's frames are held until its final chunk is queued (no streaming:
           the baseline that disaggregation with streaming is compared against)
   eager   a frame may leave as soon as it is queued
@@ -16,12 +16,19 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kv_transfer.config import TransferConfig
+from engine.registry import Registry
 
 Clock = Callable[[], float]
+
+
+class PacingConfig(Protocol):
+    """What a pacer reads of the transfer config (kv_transfer.config.TransferConfig)."""
+
+    rate_bytes_per_s: float
+    link_rate_bytes_per_s: float
+    burst_bytes: int
 
 
 class ManualClock:
@@ -103,29 +110,30 @@ class TokenBucket(Pacer):
 
 @dataclass(frozen=True)
 class SendPolicy:
-    """``hold_until_final``: queue a request's frames only once its final chunk is queued."""
+    """``hold_until_final``: queue a request's frames only once its final chunk is queued.
+    ``needs_rate``: the policy paces at the config's rate (``transfer.rate_gbps``), which
+    must then be set (and must not be set for any other policy)."""
 
     name: str
     hold_until_final: bool
-    make_pacer: Callable[[TransferConfig], Pacer]
+    make_pacer: Callable[[PacingConfig], Pacer]
+    help: str = ""
+    needs_rate: bool = False
 
 
-SEND_POLICIES: dict[str, SendPolicy] = {}
+SEND_POLICIES: Registry[SendPolicy] = Registry("send_policy")
 
 
-def register_send_policy(policy: SendPolicy) -> None:
-    """Add a policy by name (the registry the config validates against)."""
-    SEND_POLICIES[policy.name] = policy
+def register_send_policy(policy: SendPolicy, *, replace: bool = False) -> SendPolicy:
+    """Add a policy under ``policy.name`` (the registry the config validates against)."""
+    return SEND_POLICIES.register(policy.name, policy, help=policy.help, replace=replace)
 
 
 def get_send_policy(name: str) -> SendPolicy:
-    try:
-        return SEND_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown send policy {name!r}; known: {sorted(SEND_POLICIES)}") from None
+    return SEND_POLICIES.get(name)
 
 
-def link_pacer(cfg: TransferConfig, rate: float = 0.0) -> Pacer:
+def link_pacer(cfg: PacingConfig, rate: float = 0.0) -> Pacer:
     """A token bucket at `rate` capped by the emulated link (`link_rate_bytes_per_s`), or
     no pacing when neither is set: the policy decides *when* frames may go, the link
     how fast they can."""
@@ -133,8 +141,8 @@ def link_pacer(cfg: TransferConfig, rate: float = 0.0) -> Pacer:
     return TokenBucket(min(caps), cfg.burst_bytes) if caps else Unpaced()
 
 
-register_send_policy(SendPolicy("at_end", True, lambda cfg: link_pacer(cfg)))
-register_send_policy(SendPolicy("eager", False, lambda cfg: link_pacer(cfg)))
-register_send_policy(
-    SendPolicy("paced", False, lambda cfg: link_pacer(cfg, cfg.rate_bytes_per_s))
-)
+register_send_policy(SendPolicy("eager", False, link_pacer, "as chunks finish"))
+register_send_policy(SendPolicy("at_end", True, link_pacer, "after the last chunk"))
+register_send_policy(SendPolicy(
+    "paced", False, lambda cfg: link_pacer(cfg, cfg.rate_bytes_per_s),
+    "token bucket at rate_gbps", needs_rate=True))

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.registry import Registry
+
 
 @dataclass(eq=False)
 class QueuedFrame:
@@ -234,15 +236,14 @@ class WfqQueue(SendQueue):
         return self._len
 
 
-QUEUE_DISCIPLINES: dict[str, Callable[[Callable[[str], float]], SendQueue]] = {
-    "fcfs": lambda weight_of: FcfsQueue(),
-    "wfq": lambda weight_of: WfqQueue(weight_of),
-}
+# name -> factory(weight_of); ``weight_of(tenant)`` gives a tenant's weight
+SEND_QUEUES: Registry[Callable[[Callable[[str], float]], SendQueue]] = Registry("send_queue")
+SEND_QUEUES.register("fcfs", lambda weight_of: FcfsQueue(), help="in the order frames "
+                     "became eligible")
+SEND_QUEUES.register("wfq", WfqQueue, help="fair queuing over bytes by tenant_weights, then "
+                     "by request")
 
 
 def make_send_queue(name: str, weight_of: Callable[[str], float]) -> SendQueue:
     """Build a discipline by name; ``weight_of(tenant)`` gives WFQ weights."""
-    try:
-        return QUEUE_DISCIPLINES[name](weight_of)
-    except KeyError:
-        raise ValueError(f"unknown queue discipline {name!r}; known: {sorted(QUEUE_DISCIPLINES)}") from None
+    return SEND_QUEUES.get(name)(weight_of)

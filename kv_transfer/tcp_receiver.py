@@ -78,7 +78,7 @@ class _TcpRxLink(RxLink):
 class TcpReceiver(InboxReceiver):
     def __init__(self, cfg: TransferConfig) -> None:
         super().__init__(cfg)
-        self._listener = socket.create_server((cfg.tcp_host, cfg.tcp_port), backlog=64)
+        self._listener = socket.create_server((cfg.bind_host, cfg.tcp_port), backlog=64)
         self._listener.settimeout(0.5)  # accept() wakes up to notice close()
         self._host, self._port = self._listener.getsockname()[:2]
         self._links: set[_TcpRxLink] = set()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.execute import execute_and_sample
+from engine.execute import Sampled, execute_and_sample
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.tombstones import Tombstones
@@ -70,7 +70,8 @@ class PrefillEngine:
             return  # its abort overtook it: the router has already ended this leg
         req = Request(task.leg_id, list(task.prompt_token_ids), task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
-        self.scheduler.add(req, task.ttft_deadline_s)  # ValueError if it can never fit
+        # ValueError if it can never fit
+        self.scheduler.add(req, task.ttft_deadline_s, task.priority)
         self.jobs[task.leg_id] = _Job(task, req, time.monotonic())
 
     def abort(self, leg_id: str) -> bool:
@@ -112,7 +113,7 @@ class PrefillEngine:
             if job.first_scheduled is None:
                 job.first_scheduled = t0
         # only a prompt's last chunk samples: its first token
-        firsts = {r.request_id: tok for r, tok in execute_and_sample(self.runner, items)}
+        firsts = {s.request.request_id: s for s in execute_and_sample(self.runner, items)}
         self.scheduler.advance(items)
         compute_s = time.monotonic() - t0  # the trace span: compute only, not KV export
         for item in items:
@@ -135,12 +136,12 @@ class PrefillEngine:
                     tenant=item.request.tenant)
         return events
 
-    def _ship(self, item, first_token: int | None) -> list[WorkerEvent]:
+    def _ship(self, item, first: Sampled | None) -> list[WorkerEvent]:
         r = item.request
         job = self.jobs[r.request_id]
         if job.seq_no == 0 and item.start > 0:  # prefix-cache hit: its KV must travel too
             self._send(job, 0, item.start, final=False)
-        final = first_token is not None
+        final = first is not None
         if not final:
             self._send(job, item.start, item.start + item.num_tokens, final=False)
             return []
@@ -149,6 +150,7 @@ class PrefillEngine:
         timing = LegTiming(queue_s=(job.first_scheduled or now) - job.arrival,
                            prefill_s=now - (job.first_scheduled or now),
                            cached_tokens=r.prefix_hit_tokens)
+        first_token = first.token_id
         r.append_token(first_token)
         ended = r.is_finished  # e.g. EOS or max_tokens == 1: the decode side is not needed
         if ended:
@@ -158,9 +160,12 @@ class PrefillEngine:
             self._send(job, item.start, item.start + item.num_tokens, final=True,
                        first_token=first_token)
         self.scheduler.finish(r, r.status if ended else RequestStatus.RUNNING)
+        # the prompt's log-probs, complete now, travel with the first token
         return [WorkerEvent(EventKind.FIRST_TOKEN, r.request_id, self.worker_id,
                             (first_token,), finish_reason=r.finish_reason if ended else None,
-                            timing=timing)]
+                            timing=timing,
+                            logprobs=None if first.logprobs is None else (first.logprobs,),
+                            prompt_logprobs=r.prompt_logprobs_tuple())]
 
     def _send(self, job: _Job, start: int, end: int, final: bool,
               first_token: int | None = None) -> None:

@@ -1,13 +1,17 @@
 """Fairness (which prefill goes first) and chunk (how many tokens) policies, by name.
 
-Every fairness policy has aging: a request not served for `aging_s` seconds jumps ahead
-of all others (oldest first), so no policy can starve anyone.
+`FAIRNESS_POLICIES` and `CHUNK_POLICIES` are the registries the config's choices and
+--help read: a new policy is a key function (or a ChunkPolicy subclass) plus one
+`register(...)` call. Every fairness policy has aging: a request not served for `aging_s`
+seconds jumps ahead of all others (oldest first), so no policy can starve anyone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+
+from engine.registry import Registry
 
 
 @dataclass
@@ -21,6 +25,7 @@ class PrefillState:
     tenant: str = "default"
     deadline: float | None = None  # monotonic TTFT deadline
     last_served: float | None = None
+    priority: int = 0  # lower is served first by the "priority" policy (as in vLLM)
 
 
 FairnessKey = Callable[[PrefillState, float, Mapping[str, float]], tuple]
@@ -46,13 +51,20 @@ def _edf(r: PrefillState, now: float, served: Mapping[str, float]) -> tuple:
     return (r.deadline if r.deadline is not None else float("inf"), r.arrival)
 
 
-FAIRNESS_POLICIES: dict[str, FairnessKey] = {
-    "fcfs": _fcfs,
-    "srpt": _srpt,
-    "round-robin": _round_robin,
-    "wfq": _wfq,
-    "edf": _edf,
-}
+def _priority(r: PrefillState, now: float, served: Mapping[str, float]) -> tuple:
+    return (r.priority, r.arrival)
+
+
+# key(state, now, served) -> sort key: the smallest key is served first
+FAIRNESS_POLICIES: Registry[FairnessKey] = Registry("fairness_policy")
+FAIRNESS_POLICIES.register("fcfs", _fcfs, help="arrival order")
+FAIRNESS_POLICIES.register("srpt", _srpt, help="fewest prompt tokens left first")
+FAIRNESS_POLICIES.register("round-robin", _round_robin, help="least recently served first")
+FAIRNESS_POLICIES.register("wfq", _wfq, help="tenant with the least service per "
+                           "tenant_weights first")
+FAIRNESS_POLICIES.register("edf", _edf, help="earliest TTFT deadline first")
+FAIRNESS_POLICIES.register("priority", _priority, help="lowest request priority first, then "
+                           "arrival; aging_s lifts a starving request")
 
 
 def order(
@@ -60,7 +72,7 @@ def order(
     served: Mapping[str, float],
 ) -> list[PrefillState]:
     """Service order for this step: starving requests first (oldest first), then the policy."""
-    key = FAIRNESS_POLICIES[policy]
+    key = FAIRNESS_POLICIES.get(policy)
 
     def waited(r: PrefillState) -> float:
         return now - (r.last_served if r.last_served is not None else r.arrival)
@@ -127,9 +139,12 @@ class TenantLedger(Mapping[str, float]):
 
 
 class ChunkPolicy:
-    """Chooses C = min(remaining, cap, budget); subclasses adjust the cap or the tail."""
+    """Chooses C = min(remaining, cap, budget); subclasses adjust the cap or the tail.
 
-    name = "fixed"
+    `uses_decode_pressure`: the router should feed `observe_decode_pressure` (it measures
+    the decode pool's ITL against scheduler.itl_target_ms only for policies that ask)."""
+
+    uses_decode_pressure = False
 
     def __init__(self, max_chunk: int, min_chunk: int = 16):
         self.max_chunk = max_chunk
@@ -146,8 +161,6 @@ class ChunkPolicy:
 class TailMergePolicy(ChunkPolicy):
     """Folds a tiny last chunk (< min_chunk) into the previous one when the budget allows."""
 
-    name = "tail-merge"
-
     def size(self, remaining: int, budget: int) -> int:
         c = super().size(remaining, budget)
         tail = remaining - c
@@ -163,7 +176,7 @@ class AdaptivePolicy(ChunkPolicy):
     never below `min_chunk`.
     """
 
-    name = "adaptive"
+    uses_decode_pressure = True
 
     def __init__(self, max_chunk: int, min_chunk: int = 16, low: float = 0.3, high: float = 1.0):
         super().__init__(max_chunk, min_chunk)
@@ -176,14 +189,13 @@ class AdaptivePolicy(ChunkPolicy):
             self.cap = min(self.max_chunk, self.cap * 2)
 
 
-CHUNK_POLICIES: dict[str, type[ChunkPolicy]] = {
-    "fixed": ChunkPolicy,
-    "tail-merge": TailMergePolicy,
-    "adaptive": AdaptivePolicy,
-}
+CHUNK_POLICIES: Registry[type[ChunkPolicy]] = Registry("chunk_policy")
+CHUNK_POLICIES.register("fixed", ChunkPolicy, help="max_prefill_chunk tokens")
+CHUNK_POLICIES.register("adaptive", AdaptivePolicy, help="shrinks while decode ITL exceeds "
+                        "itl_target_ms")
+CHUNK_POLICIES.register("tail-merge", TailMergePolicy, help="folds a tiny last chunk into "
+                        "the previous one")
 
 
 def make_chunk_policy(name: str, max_chunk: int, min_chunk: int = 16) -> ChunkPolicy:
-    if name not in CHUNK_POLICIES:
-        raise ValueError(f"unknown chunk_policy {name!r}; choose one of {sorted(CHUNK_POLICIES)}")
-    return CHUNK_POLICIES[name](max_chunk, min_chunk)
+    return CHUNK_POLICIES.get(name)(max_chunk, min_chunk)

@@ -22,6 +22,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import ScheduledItem
 from prefill_worker.policies import (
+    CHUNK_POLICIES,
     FAIRNESS_POLICIES,
     PrefillState,
     TenantLedger,
@@ -32,22 +33,23 @@ from prefill_worker.policies import (
 
 @dataclass(frozen=True)
 class PrefillSchedulerConfig:
+    """Field names are the serving config's (`scheduler.<name>`)."""
+
     max_num_batched_tokens: int = 512
-    max_chunk: int = 256
+    max_prefill_chunk: int = 256
     min_chunk: int = 16
     max_num_seqs: int = 32
-    fairness: str = "fcfs"
+    fairness_policy: str = "fcfs"
     chunk_policy: str = "fixed"
     aging_s: float = 5.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if self.fairness not in FAIRNESS_POLICIES:
-            raise ValueError(
-                f"fairness_policy must be one of {sorted(FAIRNESS_POLICIES)}, got {self.fairness!r}"
-            )
-        make_chunk_policy(self.chunk_policy, max(1, self.max_chunk))  # validates the name
-        for name in ("max_num_batched_tokens", "max_chunk", "min_chunk", "max_num_seqs"):
+        for name, registry in (("fairness_policy", FAIRNESS_POLICIES),
+                               ("chunk_policy", CHUNK_POLICIES)):
+            if getattr(self, name) not in registry:
+                raise ValueError(registry.unknown(getattr(self, name)))
+        for name in ("max_num_batched_tokens", "max_prefill_chunk", "min_chunk", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.aging_s <= 0:
@@ -73,7 +75,7 @@ class PrefillScheduler:
         self.config = config
         self.bm = block_manager
         self.clock = clock
-        self.chunk_policy = make_chunk_policy(config.chunk_policy, config.max_chunk,
+        self.chunk_policy = make_chunk_policy(config.chunk_policy, config.max_prefill_chunk,
                                               config.min_chunk)
         self.waiting: deque[tuple[Request, PrefillState]] = deque()
         self.active: dict[str, tuple[Request, PrefillState]] = {}
@@ -81,8 +83,11 @@ class PrefillScheduler:
         self.served = TenantLedger(config.tenant_weights)  # tenant -> tokens / weight (wfq)
 
     # ---- queue --------------------------------------------------------------------
-    def add(self, request: Request, deadline_s: float | None = None) -> None:
-        """Queue a prefill; ValueError if its id is live here or it can never fit the pool."""
+    def add(self, request: Request, deadline_s: float | None = None, priority: int = 0) -> None:
+        """Queue a prefill; ValueError if its id is live here or it can never fit the pool.
+
+        `priority`: the request's (GenerateRequest.priority), read by the "priority"
+        fairness policy (lower first)."""
         rid = request.request_id
         if rid in self.active or rid in self._queued:
             raise ValueError(f"request_id {rid!r} is already queued or running")
@@ -93,7 +98,7 @@ class PrefillScheduler:
         now = self.clock()
         state = PrefillState(
             rid, now, request.prefill_len, request.prefill_len, request.tenant,
-            None if deadline_s is None else now + deadline_s,
+            None if deadline_s is None else now + deadline_s, priority=priority,
         )
         self.waiting.append((request, state))
         self._queued.add(rid)
@@ -131,7 +136,8 @@ class PrefillScheduler:
         could leave an admitted prefill short of its promise forever."""
         while self.waiting and len(self.active) < self.config.max_num_seqs:
             r, s = self.waiting[0]
-            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len])
+            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len]) \
+                if r.may_use_prefix_cache else []
             cost = self.bm.admission_cost(hit, r.prefill_len)
             if cost > self.bm.num_free_blocks - self._promised_blocks():
                 return
@@ -152,7 +158,7 @@ class PrefillScheduler:
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledItem] = []
         states = [s for _, s in self.active.values()]
-        for s in order(self.config.fairness, states, now, self.config.aging_s, self.served):
+        for s in order(self.config.fairness_policy, states, now, self.config.aging_s, self.served):
             if budget <= 0:
                 break
             r, _ = self.active[s.request_id]

@@ -9,11 +9,7 @@ fields in order (None when all are zero); `load` the WorkerLoad fields in order.
 `extras` is a map of optional per-token data a request asked for (e.g. log-probabilities),
 None for the plain token entries of the hot path: each name in EXTRAS is a WorkerEvent
 attribute carried when it is not None, with its (to plain data, from plain data)
-conversion, so a new optional field costs one entry here, e.g.
-
-    EXTRAS["logprobs"] = (lambda lps: [astuple(t) for t in lps],
-                          lambda rows: tuple(TokenLogprobs(i, lp, r, tuple(map(tuple, top)))
-                                             for i, lp, r, top in rows))
+conversion, so a new optional field costs one entry here (as the log-probs below).
 """
 
 from __future__ import annotations
@@ -24,11 +20,28 @@ from typing import Any
 
 import msgpack
 
+from engine.logprobs import TokenLogprobs
 from engine.request import FinishReason
 from runtime.messages import NO_TIMING, EventKind, LegTiming, WorkerEvent, WorkerLoad
 
+
+def _lp_to_wire(t: TokenLogprobs | None) -> list | None:
+    return None if t is None else [t.token_id, t.logprob, t.rank, t.top]
+
+
+def _lp_from_wire(row: list | None) -> TokenLogprobs | None:
+    if row is None:
+        return None
+    token_id, logprob, rank, top = row
+    return TokenLogprobs(token_id, logprob, rank, tuple(tuple(x) for x in top))
+
+
 # optional WorkerEvent field -> (to msgpack-able plain data, back)
-EXTRAS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {}
+_LOGPROBS = (lambda lps: [_lp_to_wire(t) for t in lps],
+             lambda rows: tuple(_lp_from_wire(r) for r in rows))
+EXTRAS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS,  # (the prompt's first is None)
+}
 KIND_OF = {k.value: k for k in EventKind}
 FINISH_OF = {f.value: f for f in FinishReason}
 _LOAD_FIELDS = len(fields(WorkerLoad))

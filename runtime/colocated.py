@@ -84,6 +84,8 @@ class ColocatedEngine:
     def _report(self, leg_id: str, leg: _Leg, now: float) -> list[WorkerEvent]:
         r = leg.request
         new = tuple(r.output_token_ids[leg.sent:])
+        lps = tuple(r.output_logprobs[leg.sent:]) if r.sampling_params.logprobs is not None \
+            else None
         leg.sent = len(r.output_token_ids)
         if r.is_finished:
             self.legs.pop(leg_id)
@@ -94,11 +96,12 @@ class ColocatedEngine:
             timing = LegTiming(queue_s=scheduled - leg.arrival, prefill_s=now - scheduled,
                                cached_tokens=r.prefix_hit_tokens)
             return [WorkerEvent(EventKind.FIRST_TOKEN, leg_id, self.worker_id, new,
-                                finish_reason=r.finish_reason, timing=timing),
+                                finish_reason=r.finish_reason, timing=timing, logprobs=lps,
+                                prompt_logprobs=r.prompt_logprobs_tuple()),
                     WorkerEvent(EventKind.PREFILL_DONE, leg_id, self.worker_id)]
         timing = LegTiming(decode_s=now - leg.first_token) if r.is_finished else LegTiming()
         return [WorkerEvent(EventKind.TOKENS, leg_id, self.worker_id, new,
-                            finish_reason=r.finish_reason, timing=timing)]
+                            finish_reason=r.finish_reason, timing=timing, logprobs=lps)]
 
     def stats(self) -> EngineStats:
         s, bm = self.llm.scheduler, self.llm.block_manager

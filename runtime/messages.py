@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.request import FinishReason, SamplingParams
 
 
@@ -78,6 +79,10 @@ class WorkerEvent:
     message: str = ""
     wall_time: float = field(default_factory=time.time)
     timing: LegTiming = NO_TIMING
+    # SamplingParams.logprobs: one per token of token_ids; prompt_logprobs: the whole
+    # prompt's (first entry None), on a leg's FIRST_TOKEN only
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

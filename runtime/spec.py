@@ -51,14 +51,10 @@ class WorkerSpec(Generic[S]):
 
     def connector_kwargs(self) -> dict[str, Any]:
         """Per-connector constructor arguments of this worker's side of the link."""
+        from kv_transfer.registry import CONNECTORS
+
         name = self.transfer.connector if self.transfer is not None else "inproc"
-        if name == "inproc":
-            return {"name": self.worker_id}
-        if name == "ray" and self.role == "decode":
-            return {"endpoint": self.actor_name}
-        if name == "tcp" and self.role == "prefill":
-            return {"name": self.worker_id}
-        return {}
+        return CONNECTORS.get(name).worker_kwargs(self.role, self.worker_id, self.actor_name)
 
 
 def resolve_engine(config: EngineConfig, ray_gpu_ids: Sequence[str | int] | None = None

@@ -35,8 +35,8 @@ class PDPair:
         self.sender = make_sender(tcfg, name=f"p{n}")
         self.prefill = PrefillEngine(
             "prefill-0", engine_cfg(model_dir, p_block),
-            PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=chunk,
-                                   fairness=fairness),
+            PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk,
+                                   fairness_policy=fairness),
             self.sender, p_blocks)
         self.decode = DecodeEngine(
             "decode-0", engine_cfg(model_dir, d_block),

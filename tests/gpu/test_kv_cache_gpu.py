@@ -82,7 +82,7 @@ def test_a_pd_pair_on_one_gpu_gives_the_colocated_tokens(tiny_model):
     receiver, sender = make_receiver(tcfg, name="gpu-d"), make_sender(tcfg, name="gpu-p")
     try:
         prefill = PrefillEngine("prefill-0", cfg(16), PrefillSchedulerConfig(
-            max_num_batched_tokens=64, max_chunk=23), sender, 256)
+            max_num_batched_tokens=64, max_prefill_chunk=23), sender, 256)
         decode = DecodeEngine("decode-0", cfg(8), DecodeSchedulerConfig(max_model_len=1024),
                               receiver, 256)
         g = torch.Generator().manual_seed(4)

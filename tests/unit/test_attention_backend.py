@@ -1,7 +1,7 @@
 """Attention backend registry: names resolve per device; bad choices fail with a clear fix.
 
 Nothing here imports triton: the triton path is checked up to its device guard, and
-"auto" on CUDA is checked with the triton constructor swapped for a stub.
+"auto" on CUDA is checked with the triton registration swapped for a stub.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.attention as attention
-from engine.attention import BACKEND_NAMES, get_backend, torch_ref
+from engine.attention import ATTENTION_BACKENDS, get_backend, torch_ref
 
 
 def test_auto_on_cpu_resolves_to_torch_reference():
@@ -43,17 +42,21 @@ def test_triton_interpreter_flag_must_be_exactly_one(monkeypatch):
 def test_unknown_name_lists_the_choices(name):
     with pytest.raises(ValueError, match="unknown attention_backend") as err:
         get_backend(name, "cpu")
-    for choice in BACKEND_NAMES:
+    for choice in ("auto", "torch", "triton"):
         assert choice in str(err.value)
 
 
-def test_auto_on_cuda_picks_triton(monkeypatch):
+def test_auto_on_cuda_picks_triton():
     seen = []
 
     def fake_triton(device):
         seen.append(device)
         return "triton-backend"
 
-    monkeypatch.setattr(attention, "_triton_backend", fake_triton)
-    assert get_backend("auto", "cuda:0") == "triton-backend"
+    real, text = ATTENTION_BACKENDS.get("triton"), ATTENTION_BACKENDS.help("triton")
+    ATTENTION_BACKENDS.register("triton", fake_triton, replace=True)
+    try:
+        assert get_backend("auto", "cuda:0") == "triton-backend"
+    finally:
+        ATTENTION_BACKENDS.register("triton", real, help=text, replace=True)
     assert seen == [torch.device("cuda:0")]

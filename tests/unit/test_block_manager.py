@@ -4,12 +4,14 @@ eviction. Every test ends with a leak check (integrity holds, zero used blocks).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, block_hashes
+from engine.block_manager import BlockManager, block_hashes, chain_hash
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -358,8 +360,38 @@ def test_block_hashes_chain_over_full_blocks_only():
     assert len(h) == 2
     assert block_hashes(list(range(8)) + [99], 4) == h  # same full blocks, same chain
     assert block_hashes([0, 1, 2, 3, 9, 5, 6, 7], 4)[1] != h[1]  # parent change propagates
+    assert block_hashes([1, 2, 3], 4) == [] and block_hashes([], 4) == []
     with pytest.raises(ValueError):
         BlockManager(0, 4)
+
+
+def test_block_hashes_are_xxh3_128_of_parent_and_little_endian_int32_tokens():
+    import struct
+
+    import xxhash
+
+    tokens = [5, 70000, 0, 2**31 - 1, 9, 9, 9, 9]
+    first = xxhash.xxh3_128_digest(bytes(16) + struct.pack("<4i", *tokens[:4]))
+    second = xxhash.xxh3_128_digest(first + struct.pack("<4i", *tokens[4:]))
+    assert block_hashes(tokens, 4) == [first, second]
+    assert chain_hash(first, tokens[4:]) == second
+    # an id beyond int32 packs as int64: twice the bytes, so never the input of an int32 block
+    wide = block_hashes([2**40, 1, 2, 3], 4)
+    assert wide == [xxhash.xxh3_128_digest(bytes(16) + struct.pack("<4q", 2**40, 1, 2, 3))]
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """The router and every worker hash prompts in their own processes (and Python's
+    str/bytes hash is salted per process): the chain must not depend on the process."""
+    import subprocess
+    import sys
+
+    code = ("from engine.block_manager import block_hashes; "
+            "print(','.join(h.hex() for h in block_hashes(list(range(3, 200, 7)), 5)))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+            for seed in ("1", "2", "random")}
+    assert outs == {",".join(h.hex() for h in block_hashes(list(range(3, 200, 7)), 5))}
 
 
 def test_check_integrity_catches_a_leaked_reference():

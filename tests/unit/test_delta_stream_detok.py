@@ -1,5 +1,6 @@
 """The front door's streaming parts: DeltaStream coalescing (a slow reader gets fewer,
-larger deltas, nothing lost, tokens before an error first), batched incremental
+larger deltas, nothing lost, log-probs kept with their tokens, tokens before an error
+first), batched incremental
 detokenization equal to decoding each request alone, and the detokenizer thread handing
 texts back in order on the event loop."""
 
@@ -14,6 +15,7 @@ from cluster.delta_stream import DeltaStream
 from cluster.detokenize import BatchDecoder, DetokenizerThread, IncrementalDetokenizer
 from cluster.types import ErrorCode, RouterError, TokenDelta
 from engine.loader import load_tokenizer
+from engine.logprobs import TokenLogprobs
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,24 @@ def test_a_slow_reader_gets_every_token_coalesced_and_the_end_once():
     assert (last.token_ids, last.text, last.finished, last.finish_reason) == (
         (4,), "d", True, "length")
     assert empty
+
+
+def test_coalesced_deltas_keep_each_tokens_logprobs_and_the_prompts_once():
+    def lp(t):
+        return TokenLogprobs(t, -0.5 * t, 1)
+
+    async def go():
+        s = DeltaStream("r")
+        s.put_nowait(TokenDelta("r", (1,), logprobs=(lp(1),), prompt_logprobs=(None, lp(9))))
+        s.put([2, 3], None, None, (lp(2), lp(3)))
+        first = await s.get()
+        s.put([4], None, TokenDelta("r", (), True, "stop", None), (lp(4),))
+        return first, await s.get()
+
+    first, last = asyncio.run(go())
+    assert first.token_ids == (1, 2, 3) and first.logprobs == (lp(1), lp(2), lp(3))
+    assert first.prompt_logprobs == (None, lp(9))
+    assert last.logprobs == (lp(4),) and last.prompt_logprobs is None and last.finished
 
 
 def test_tokens_put_before_an_error_are_read_before_it_and_a_waiting_reader_wakes():

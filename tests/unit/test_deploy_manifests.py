@@ -63,9 +63,10 @@ def assert_serve_flags_parse(argv: list[str]):
     import argparse
 
     from cluster.config import ServeConfig
+    from cluster.config_cli import add_cli_flags
 
     parser = argparse.ArgumentParser()
-    ServeConfig.add_cli_flags(parser)
+    add_cli_flags(parser)
     args = parser.parse_args(argv)  # SystemExit on an unknown flag
     cfg = ServeConfig.from_dict(None).with_values(
         {k: v for k, v in vars(args).items() if "." in k})

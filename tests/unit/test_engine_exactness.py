@@ -89,15 +89,16 @@ def test_last_position_logits_close_to_transformers(tiny_model):
     p = prompt(23, seed=5)
     req = llm.add_request(p, GREEDY)
     captured = {}
-    execute = llm.runner.execute
+    run = llm.runner.run  # the runner's one entry point (execute() wraps it)
 
     def spy(chunks):
-        ids, logits = execute(chunks)
-        if ids:
-            captured.setdefault("logits", logits[ids.index(req.request_id)].clone())
-        return ids, logits
+        step = run(chunks)
+        if step.sample_ids:
+            captured.setdefault("logits",
+                                step.logits[step.sample_ids.index(req.request_id)].clone())
+        return step
 
-    llm.runner.execute = spy
+    llm.runner.run = spy
     while "logits" not in captured:
         llm.step()
     ref = _hf(str(tiny_model))(torch.tensor([p])).logits[0, -1]

@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from kv_transfer import TransferConfig, make_receiver, make_sender
+from kv_transfer import (
+    CONNECTORS,
+    TransferConfig,
+    make_receiver,
+    make_sender,
+    register_connector,
+)
 
 
 @pytest.mark.parametrize(
@@ -16,7 +22,9 @@ from kv_transfer import TransferConfig, make_receiver, make_sender
         ({"send_policy": "paced"}, "rate_bytes_per_s"),
         ({"rate_bytes_per_s": -1.0}, "rate_bytes_per_s"),
         ({"burst_bytes": 0}, "burst_bytes"),
-        ({"queue_discipline": "lifo"}, "queue_discipline"),
+        ({"send_queue": "lifo"}, "send_queue"),
+        ({"connector": "carrier-pigeon"}, "connector"),
+        ({"bind_host": ""}, "bind_host"),
         ({"tenant_weights": {"a": 0}}, "tenant_weights"),
         ({"default_tenant_weight": 0}, "default_tenant_weight"),
         ({"max_frame_bytes": 100}, "max_frame_bytes"),
@@ -45,12 +53,26 @@ def test_secret_never_appears_in_repr_and_config_is_immutable():
     assert hash(cfg) == hash(dataclasses.replace(cfg))
 
 
-def test_unknown_connector_is_rejected_by_the_registry():
-    cfg = TransferConfig(connector="carrier-pigeon")
-    with pytest.raises(ValueError, match="unknown connector 'carrier-pigeon'"):
+def test_unknown_connector_is_rejected_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown connector 'carrier-pigeon'; known: \['tcp', "
+                       r"'ray', 'inproc'\]"):
+        TransferConfig(connector="carrier-pigeon")
+    register_connector("gone", "kv_transfer.inproc:make_inproc_sender",
+                       "kv_transfer.inproc:make_inproc_receiver")
+    cfg = TransferConfig(connector="gone")
+    CONNECTORS.unregister("gone")  # a config made before its connector went away
+    with pytest.raises(ValueError, match="unknown connector 'gone'"):
         make_sender(cfg)
     with pytest.raises(ValueError, match="known: "):
         make_receiver(cfg)
+
+
+def test_one_name_per_knob_the_old_spellings_are_gone():
+    for old in ("queue_discipline", "tcp_host"):
+        with pytest.raises(TypeError):
+            TransferConfig(**{old: "wfq"})
+    cfg = TransferConfig(send_queue="wfq")
+    assert dataclasses.replace(cfg, burst_bytes=1 << 20).send_queue == "wfq"
 
 
 def test_config_pickles_for_ray_and_multiprocessing():

@@ -24,7 +24,7 @@ def _caches(src_block: int, dst_block: int) -> tuple[PagedKV, PagedKV]:
 def test_round_trip_random_ranges_across_block_sizes_is_byte_exact(src_block, dst_block, policy):
     # 64 KiB frames force chunks to be split by layer and by token range on the way
     cfg = TransferConfig(send_policy=policy, rate_bytes_per_s=200e6, max_frame_bytes=64 << 10,
-                         credit_window_bytes=256 << 10, queue_discipline="wfq")
+                         credit_window_bytes=256 << 10, send_queue="wfq")
     rng = random.Random(src_block * 7 + dst_block)
     src, dst = _caches(src_block, dst_block)
     rx, tx = make_receiver(cfg), make_sender(cfg)

@@ -112,9 +112,6 @@ def test_chat_prompt_errors_name_messages():
 
 
 @pytest.mark.parametrize("model,field,value", [
-    (CompletionRequest, "logprobs", 0), (CompletionRequest, "logprobs", 5),
-    (ChatCompletionRequest, "logprobs", True), (ChatCompletionRequest, "top_logprobs", 3),
-    (CompletionRequest, "prompt_logprobs", 1), (CompletionRequest, "echo", True),
     (CompletionRequest, "best_of", 2), (CompletionRequest, "suffix", "x"),
     (CompletionRequest, "presence_penalty", 0.5), (CompletionRequest, "logit_bias", {"5": 1}),
     (ChatCompletionRequest, "tools", [{"type": "function"}]),

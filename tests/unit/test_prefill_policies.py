@@ -7,6 +7,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import Request, SamplingParams
 from prefill_worker.policies import (
+    FAIRNESS_POLICIES,
     AdaptivePolicy,
     ChunkPolicy,
     PrefillState,
@@ -42,8 +43,10 @@ def test_fairness_orders():
 def test_aging_puts_a_starving_request_first_under_every_policy():
     long_wait = st("starved", 0.0, 5000)
     fresh = [st(f"f{i}", 9.0 + i * 0.01, 5) for i in range(3)]
-    for policy in ("fcfs", "srpt", "round-robin", "wfq", "edf"):
-        assert ids(order(policy, fresh + [long_wait], 10.0, 5.0, {}))[0] == "starved"
+    long_wait.priority = 9  # the priority policy's last choice
+    assert len(FAIRNESS_POLICIES) >= 6
+    for policy in FAIRNESS_POLICIES:
+        assert ids(order(policy, fresh + [long_wait], 10.0, 5.0, {}))[0] == "starved", policy
 
 
 def test_chunk_policies():
@@ -74,8 +77,8 @@ def _req(rid, n, tenant="t"):
 def test_round_robin_interleaves_long_prompts_and_frees_everything():
     bm = BlockManager(64, 16, enable_prefix_caching=False)
     now = [0.0]
-    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=32, max_chunk=32,
-                                                    fairness="round-robin"), bm,
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=32, max_prefill_chunk=32,
+                                                    fairness_policy="round-robin"), bm,
                              clock=lambda: now[0])
     a, b = _req("a", 100), _req("b", 100)
     sched.add(a)
@@ -96,7 +99,7 @@ def test_round_robin_interleaves_long_prompts_and_frees_everything():
 
 def test_admission_promises_whole_prompts_so_prefills_never_deadlock():
     bm = BlockManager(8, 16, enable_prefix_caching=False)  # 128 tokens of KV
-    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_chunk=16),
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_prefill_chunk=16),
                              bm)
     sched.add(_req("a", 100))  # 7 blocks
     sched.add(_req("b", 100))  # would need 7 more: waits instead of starting
@@ -130,7 +133,7 @@ def _drive(sched, max_steps=500, now=None):
 def test_prefix_hit_at_the_queue_head_never_takes_blocks_promised_to_a_running_prefill():
     # 10 blocks of 4 tokens. P leaves 4 hashed blocks in the LRU (and 6 on the free list).
     bm = BlockManager(10, 4)  # prefix caching on, as by default
-    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_chunk=16),
+    sched = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16, max_prefill_chunk=16),
                              bm)
     p = _req("p", 17)
     sched.add(p)
@@ -159,8 +162,8 @@ def test_prefix_hit_at_the_queue_head_never_takes_blocks_promised_to_a_running_p
 
 def _wfq(now, budget=16):
     bm = BlockManager(64, 16, enable_prefix_caching=False)
-    return PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=16,
-                                                   fairness="wfq"), bm, clock=lambda: now[0])
+    return PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=16,
+                                                   fairness_policy="wfq"), bm, clock=lambda: now[0])
 
 
 def _serve(sched, now, steps):
@@ -223,5 +226,55 @@ def test_tenant_ledger_holds_only_tenants_with_live_requests():
         _serve(sched, now, 1)
         assert len(sched.served) <= len(sched.waiting) + len(sched.active)
     assert len(sched.served) == 0
+    sched.bm.check_integrity()
+    assert sched.bm.num_used_blocks == 0
+
+
+def _priority_sched(now, aging_s=5.0):
+    bm = BlockManager(64, 16, enable_prefix_caching=False)
+    return PrefillScheduler(PrefillSchedulerConfig(
+        max_num_batched_tokens=16, max_prefill_chunk=16, fairness_policy="priority",
+        aging_s=aging_s), bm, clock=lambda: now[0])
+
+
+def test_priority_policy_serves_lower_values_first_then_arrival_order():
+    now = [0.0]
+    sched = _priority_sched(now)
+    for rid, priority in (("bulk", 5), ("urgent", -1), ("mid-1", 1), ("mid-2", 1)):
+        now[0] += 0.001
+        sched.add(_req(rid, 32), priority=priority)  # two chunks each, one chunk per step
+    served = _drive(sched, now=now)
+    assert served == ["urgent"] * 2 + ["mid-1"] * 2 + ["mid-2"] * 2 + ["bulk"] * 2
+    assert sched.bm.num_used_blocks == 0
+    # fcfs ignores priority altogether
+    now = [0.0]
+    fcfs = PrefillScheduler(PrefillSchedulerConfig(max_num_batched_tokens=16,
+                                                   max_prefill_chunk=16),
+                            BlockManager(64, 16), clock=lambda: now[0])
+    fcfs.add(_req("first", 16), priority=9)
+    fcfs.add(_req("second", 16), priority=0)
+    assert _drive(fcfs, now=now) == ["first", "second"]
+
+
+def test_priority_policy_ages_a_low_priority_request_ahead_so_it_never_starves():
+    now = [0.0]
+    sched = _priority_sched(now, aging_s=0.05)
+    sched.add(_req("low", 16), priority=10)
+    served, step = [], 0
+    while "low" not in served:
+        step += 1
+        sched.add(_req(f"hi-{step}", 16), priority=0)  # an endless stream of urgent work
+        now[0] += 0.001
+        items = sched.schedule()
+        served += [i.request.request_id for i in items]
+        sched.advance(items)
+        for i in items:
+            sched.finish(i.request, i.request.status)
+        assert step < 1000, "the low-priority request starved"
+    # served exactly when it had waited aging_s (50 steps of 1 ms), not before
+    assert served[-1] == "low" and 49 <= len(served) - 1 <= 51
+    assert all(rid.startswith("hi-") for rid in served[:-1])
+    for rid in list(sched.active) + [r.request_id for r, _ in sched.waiting]:
+        sched.abort(rid)
     sched.bm.check_integrity()
     assert sched.bm.num_used_blocks == 0

@@ -117,8 +117,8 @@ class PrefillPool(PoolMachine):
     def setup(self, num_blocks, block_size, budget, max_chunk, max_seqs, fairness):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
         self.now = 0.0
-        cfg = PrefillSchedulerConfig(max_num_batched_tokens=budget, max_chunk=max_chunk,
-                                     min_chunk=1, max_num_seqs=max_seqs, fairness=fairness,
+        cfg = PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=max_chunk,
+                                     min_chunk=1, max_num_seqs=max_seqs, fairness_policy=fairness,
                                      chunk_policy="tail-merge", tenant_weights={"b": 2.0})
         self.s = PrefillScheduler(cfg, self.bm, clock=lambda: self.now)
         self.reqs: dict[str, Request] = {}

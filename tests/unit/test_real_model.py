@@ -19,8 +19,8 @@ from cluster.local_backend import LocalBackend
 from cluster.server import BackgroundServer
 from engine import LLM, SamplingParams
 from engine.chat import render_chat
-from engine.config import SUPPORTED_ARCHS
 from engine.model_fetch import REAL_MODELS, ModelFetchError, ensure_real_model, is_ready
+from engine.models.registry import MODELS
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N_NEW = 10
@@ -73,7 +73,7 @@ def test_the_conversion_is_a_plain_hf_llama_dir(smollm2):
     from engine.loader import load_model_config
 
     cfg = load_model_config(smollm2)
-    assert cfg.architecture in SUPPORTED_ARCHS and cfg.architecture == "LlamaForCausalLM"
+    assert cfg.architecture in MODELS and cfg.architecture == "LlamaForCausalLM"
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
     assert cfg.eos_token_ids == (2,)  # <|im_end|>, from generation_config.json
@@ -124,10 +124,11 @@ def test_openai_chat_stream_on_real_weights(smollm2, default_engine):
 
 
 def test_model_names_and_cache_location_offline(tmp_path, monkeypatch):
-    from cluster.config import REAL_MODEL_NAMES
+    from cluster.config import ModelSection
     from engine.model_fetch import cache_root, real_model_dir
 
-    assert REAL_MODEL_NAMES == tuple(REAL_MODELS)  # the config's copy of the registry
+    for name in REAL_MODELS:  # the config reads the registry itself: no copy to keep equal
+        assert ModelSection(path=name).path == name
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert cache_root() == tmp_path
     assert real_model_dir("smollm2", "bfloat16") == (

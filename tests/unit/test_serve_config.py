@@ -10,13 +10,13 @@ import yaml
 
 from cluster.cli import main
 from cluster.config import SECTIONS, ServeConfig
-from cluster.config_cli import flag_name, iter_keys
+from cluster.config_cli import add_cli_flags, config_from_args, flag_name, iter_keys
 
 
 def _parse(argv: list[str]) -> ServeConfig:
     parser = argparse.ArgumentParser()
-    ServeConfig.add_cli_flags(parser)
-    return ServeConfig.from_args(parser.parse_args(argv))
+    add_cli_flags(parser)
+    return config_from_args(parser.parse_args(argv))
 
 
 def test_yaml_round_trip_preserves_every_value(tmp_path):
@@ -110,7 +110,7 @@ def test_every_key_has_a_flag_and_help():
     for dotted, f in keys:
         assert f.metadata["help"], dotted
     parser = argparse.ArgumentParser()
-    ServeConfig.add_cli_flags(parser)
+    add_cli_flags(parser)
     for dotted, _ in keys:
         assert flag_name(dotted) in parser._option_string_actions, dotted
 
@@ -137,3 +137,61 @@ def test_serve_with_a_bad_config_exits_with_the_message(tmp_path, capsys):
         main(["serve", "--config", str(path)])
     assert e.value.code == 2
     assert "unknown key 'pools.prefil_workers' in cfg.yaml" in capsys.readouterr().err
+
+
+def test_choices_and_their_help_come_from_the_registries(capsys):
+    from engine.attention.registry import ATTENTION_BACKENDS
+    from kv_transfer.pacing import SEND_POLICIES
+    from kv_transfer.registry import CONNECTORS
+    from kv_transfer.send_queue import SEND_QUEUES
+    from prefill_worker.policies import CHUNK_POLICIES, FAIRNESS_POLICIES
+
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    actions = parser._option_string_actions
+    for flag, registry in (("--fairness-policy", FAIRNESS_POLICIES),
+                           ("--chunk-policy", CHUNK_POLICIES), ("--connector", CONNECTORS),
+                           ("--send-policy", SEND_POLICIES), ("--send-queue", SEND_QUEUES),
+                           ("--attention-backend", ATTENTION_BACKENDS)):
+        assert tuple(actions[flag].choices) == registry.names(), flag
+        for name in registry:
+            assert f"{name} ({registry.help(name)})" in actions[flag].help, (flag, name)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "priority (lowest request priority first" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(ValueError, match=r"scheduler.fairness_policy must be one of \[.*'priority'"
+                       r"\], got 'priorty'; did you mean 'priority'\?"):
+        ServeConfig().with_values({"scheduler.fairness_policy": "priorty"})
+
+
+def test_the_worker_configs_use_the_serving_configs_names():
+    """One name per knob from YAML to the scheduler and the connector (no translation
+    table: `scheduler.fairness_policy` is PrefillSchedulerConfig.fairness_policy)."""
+    from kv_transfer.config import TransferConfig
+    from prefill_worker.scheduler import PrefillSchedulerConfig
+
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    assert {"max_num_batched_tokens", "max_prefill_chunk", "fairness_policy", "chunk_policy",
+            "aging_s", "tenant_weights", "max_num_seqs"} <= names(SECTIONS["scheduler"]) & names(
+        PrefillSchedulerConfig)
+    assert {"connector", "send_policy", "send_queue", "bind_host", "failure_timeout_s"} <= names(
+        SECTIONS["transfer"]) & names(TransferConfig)
+    with pytest.raises(TypeError):  # one name per knob: the old spelling is gone
+        PrefillSchedulerConfig(fairness="srpt")
+
+
+def test_field_types_come_from_the_annotations():
+    from collections.abc import Mapping
+
+    from cluster.config_fields import field_type
+
+    kinds = {f.name: field_type(SECTIONS["cache"], f) for f in fields(SECTIONS["cache"])}
+    assert (kinds["block_size"].base, kinds["block_size"].optional) == (int, False)
+    assert (kinds["num_blocks"].base, kinds["num_blocks"].optional) == (int, True)
+    assert kinds["enable_prefix_caching"].base is bool
+    assert field_type(SECTIONS["scheduler"], next(
+        f for f in fields(SECTIONS["scheduler"]) if f.name == "tenant_weights")).base is Mapping
+    with pytest.raises(ValueError, match="scheduler.aging_s must be > 0"):
+        ServeConfig().with_values({"scheduler.aging_s": 0})  # the prefill scheduler's rule too

@@ -42,7 +42,7 @@ def test_tombstones_only_bury_ids_that_did_not_end_here():
 def _prefill(tiny_model):
     sender = RecordingSender()
     eng = PrefillEngine("prefill-0", engine_cfg(tiny_model, 4),
-                        PrefillSchedulerConfig(max_num_batched_tokens=64, max_chunk=64),
+                        PrefillSchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64),
                         sender, 32)
     return eng, sender
 

@@ -30,13 +30,13 @@ def test_each_worker_gets_its_typed_configs_translated_once(tiny_model):
         transfer={"send_queue": "wfq", "connector": "tcp"},
         cache={"decode_block_size": 8}, limits={"kv_wait_timeout_s": 7.0})
     assert isinstance(prefill.scheduler, PrefillSchedulerConfig)
-    assert (prefill.scheduler.fairness, prefill.scheduler.max_chunk) == ("wfq", 64)
+    assert (prefill.scheduler.fairness_policy, prefill.scheduler.max_prefill_chunk) == ("wfq", 64)
     assert dict(prefill.scheduler.tenant_weights) == {"a": 2.0}
     assert isinstance(decode.scheduler, DecodeSchedulerConfig)
     assert decode.scheduler.kv_wait_timeout_s == 7.0
     assert decode.scheduler.max_model_len == decode.engine.scheduler.max_model_len
     assert isinstance(prefill.transfer, TransferConfig) and prefill.transfer is decode.transfer
-    assert prefill.transfer.queue_discipline == "wfq"
+    assert prefill.transfer.send_queue == "wfq"
     assert prefill.engine.cache.enable_prefix_caching and not decode.engine.cache.enable_prefix_caching
     assert (prefill.engine.cache.block_size, decode.engine.cache.block_size) == (16, 8)
     assert decode.actor_name == "pdserve-abc123-decode-0"
