@@ -50,7 +50,7 @@ class WorkerBase:
         if len(secret) < 16:  # no cluster secret (colocated pool): the router polls
             self.loop = WorkerLoop(engine, thread_init=thread_init)
             return
-        host = self.spec.transfer.tcp_host
+        host = self.spec.transfer.bind_host
         self.channel = ChannelServer(
             self.spec.worker_id, self.spec.role, secret, self.channel_commands(), host=host,
             load=self.load, idle=lambda: not engine.has_work, unrouted=self._unrouted)
