@@ -9,9 +9,9 @@ tokens per second of wall time for:
 - hf-cb        transformers' own continuous batching, `model.generate_batch` (paged cache)
 
 It also prints the engine's decode step time at batch 1 as a fraction of the memory-
-bandwidth roof: a decode step must read every weight once, so it cannot beat
-`weight bytes / bandwidth`, with bandwidth measured by a large memcpy in the same run
-(STREAM convention: bytes read + bytes written per second).
+bandwidth roof and a prefill chunk's time as a fraction of the compute roof, both measured
+in the same run (bench/roofline.py). `--compile none,auto` runs one engine peer per
+compile mode (eager and compiled side by side).
 
 Wall time is the figure; each peer's process CPU time is printed too, because on a shared
 machine other processes stretch wall time (with one thread, CPU time is the work done).
@@ -32,8 +32,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-from engine.quantiles import median
 
 PEERS = ("engine", "hf-padded", "hf-cb")
 _echo = functools.partial(print, flush=True)
@@ -67,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompts per padded transformers generate call (default: all at once)")
     p.add_argument("--decode-steps", type=int, default=8,
                    help="batch-1 decode steps timed for the roofline figure (default 8; 0 skips)")
+    p.add_argument("--compile", default="auto",
+                   help="engine compile mode(s) (auto, none, decode, all), comma-separated: "
+                   "each runs as its own engine peer, e.g. none,auto (default auto)")
     p.add_argument("--quick", action="store_true",
                    help="small workload (8 prompts of 32..256 tokens, 16 output tokens) that "
                    "finishes in a couple of minutes")
@@ -79,6 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [x for x in peers if x not in PEERS]
     if bad or not peers:
         p.error(f"--peers: unknown {bad}; choose from {PEERS}")
+    modes = [m.strip() for m in args.compile.split(",") if m.strip()]
+    if len(modes) > 1 and "engine" in peers:  # one engine peer per compile mode
+        i = peers.index("engine")
+        peers[i:i + 1] = [f"engine[{m}]" for m in modes]
+    args.compile_modes = modes
     args.peers = peers
     if not 1 <= args.min_len <= args.max_len:
         p.error("--min-len must be >= 1 and <= --max-len")
@@ -96,30 +102,16 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
     return [rng.integers(1, vocab, size=int(L)).tolist() for L in lengths]
 
 
-def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Best-of-`repeats` copy bandwidth in bytes/s, counting read + write traffic."""
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
-
-
-def run_engine(model_dir, prompts, args, result: dict) -> list[list[int]]:
-
+def run_engine(model_dir, prompts, args, result: dict, mode: str = "auto") -> list[list[int]]:
+    from bench import roofline
     from engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), max_num_seqs=len(prompts),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max(len(p) for p in prompts) + args.output_len + 1)
+              max_model_len=max(len(p) for p in prompts) + args.output_len + 1, compile=mode)
     result["load_s"] = time.perf_counter() - t0
+    result["compile"] = llm.runner.compiled.report.line()
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([prompts[0][:8]], warm)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -128,19 +120,10 @@ def run_engine(model_dir, prompts, args, result: dict) -> list[list[int]]:
     result["wall_s"], result["cpu_s"] = time.perf_counter() - t, time.process_time() - c
     result["steps"] = llm.num_steps
     assert llm.block_manager.num_used_blocks == 0
-    if args.decode_steps:  # batch-1 decode step (after its prefill) for the roofline figure
-        r = llm.add_request(prompts[0][:16], SamplingParams(
-            temperature=0.0, max_tokens=args.decode_steps + 2, ignore_eos=True))
-        while r.status.name in ("WAITING", "PREFILLING"):
-            llm.step()
-        times = []
-        while llm.has_unfinished():
-            t = time.perf_counter()
-            llm.step()
-            times.append(time.perf_counter() - t)
-        result["decode_b1_step_s"] = median(times)
-        params = {id(p): p for p in llm.runner.model.parameters()}  # tied weights once
-        result["weight_bytes"] = sum(p.numel() * p.element_size() for p in params.values())
+    if args.decode_steps:  # decode at batch 1 and a prefill chunk against the roofs
+        chunk = min(512, args.max_num_batched_tokens, llm.config.scheduler.max_model_len - 1)
+        times = roofline.step_times(llm, prompts[0], args.decode_steps, chunk)
+        result["roofline"] = roofline.roofs(llm, times)
     return [o.token_ids for o in outs]
 
 
@@ -226,13 +209,13 @@ def compare(args: argparse.Namespace, echo: Callable[[str], None] = _echo) -> di
             os.environ[var] = str(args.threads)
     import torch
 
+    from bench import roofline
     from engine.loader import load_model_config
-    from engine.tiny_model import ensure_model
 
     if args.threads is None:
         args.threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_model(PRESET, ARCH)
+    model_dir = roofline.resolve_model(args.model_dir, PRESET)
     cfg = load_model_config(model_dir)
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, cfg.vocab_size,
                            args.seed)
@@ -249,7 +232,12 @@ def compare(args: argparse.Namespace, echo: Callable[[str], None] = _echo) -> di
     for name in args.peers:
         res: dict = {}
         print(f"running {name} ...", file=sys.stderr, flush=True)  # minutes each, full size
-        outputs[name] = RUNNERS[name](model_dir, prompts, args, res)
+        if name.startswith("engine["):
+            outputs[name] = run_engine(model_dir, prompts, args, res, name[7:-1])
+        else:
+            outputs[name] = RUNNERS[name](model_dir, prompts, args, res,
+                                          **({"mode": args.compile_modes[0]}
+                                             if name == "engine" else {}))
         gc.collect()  # the peer's model goes before the next one loads
         torch.set_num_threads(args.threads)
         n_out = sum(len(o) for o in outputs[name])
@@ -258,37 +246,34 @@ def compare(args: argparse.Namespace, echo: Callable[[str], None] = _echo) -> di
         res["total_tok_s"] = (n_out + n_prompt) / res["wall_s"]
         report["peers"][name] = res
         echo(f"{name:10s} {res['output_tok_s']:8.2f} output tok/s  "
+             f"{'(' + res['compile'] + ') ' if 'compile' in res else ''}"
              f"({n_out} tokens in {res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} s CPU; "
              f"prompt+output {res['total_tok_s']:.1f} tok/s; load {res['load_s']:.1f} s)")
         if n_out != len(prompts) * args.output_len:
             echo(f"  warning: {name} produced {n_out} tokens, expected "
                  f"{len(prompts) * args.output_len}")
-    if "engine" in outputs:
+    engines = [n for n in outputs if n.startswith("engine")]
+    for e in engines:
+        tag = "" if len(engines) == 1 else f"{e} "
+        key = "" if len(engines) == 1 else f"{e}_"
         for name in outputs:
-            if name != "engine":
-                same = sum(a == b for a, b in zip(outputs["engine"], outputs[name], strict=True))
-                report["peers"][name]["greedy_equal_to_engine"] = same
-                echo(f"{name}: greedy outputs equal to the engine's for {same}/{len(prompts)} "
+            if name not in engines:
+                same = sum(a == b for a, b in zip(outputs[e], outputs[name], strict=True))
+                report["peers"][name][f"greedy_equal_to_{e}"] = same
+                echo(f"{name}: greedy outputs equal to the {e}'s for {same}/{len(prompts)} "
                      "prompts")
-        eng = report["peers"]["engine"]
+        eng = report["peers"][e]
         for name in outputs:
-            if name != "engine":
+            if name not in engines:
                 peer = report["peers"][name]
                 ratio = eng["output_tok_s"] / peer["output_tok_s"]
                 cpu_ratio = peer["cpu_s"] / eng["cpu_s"]
-                report[f"ratio_vs_{name}"] = ratio
-                report[f"cpu_ratio_vs_{name}"] = cpu_ratio
-                echo(f"ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
-        if "decode_b1_step_s" in eng:
-            bw = memcpy_bandwidth()
-            roof = eng["weight_bytes"] / bw
-            frac = roof / eng["decode_b1_step_s"]
-            report["roofline"] = {"memcpy_bytes_per_s": bw, "weight_bytes": eng["weight_bytes"],
-                                  "roof_step_s": roof, "decode_b1_step_s": eng["decode_b1_step_s"],
-                                  "fraction_of_roof": frac}
-            echo(f"decode step at batch 1: {1000 * eng['decode_b1_step_s']:.1f} ms; roof "
-                 f"{1000 * roof:.1f} ms ({eng['weight_bytes'] / 1e9:.2f} GB of weights at "
-                 f"{bw / 1e9:.1f} GB/s memcpy) -> {100 * frac:.0f}% of the bandwidth roof")
+                report[f"ratio_{key}vs_{name}"] = ratio
+                report[f"cpu_ratio_{key}vs_{name}"] = cpu_ratio
+                echo(f"{tag}ratio vs {name}: {ratio:.2f}  (CPU-time ratio {cpu_ratio:.2f})")
+        if "roofline" in eng:
+            for line in roofline.lines(eng["roofline"]):
+                echo(f"{tag}{line}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         echo(f"wrote {args.json}")

@@ -5,8 +5,9 @@
 Writes one JSON document (rewritten after every step, so a cut-off run still leaves the
 steps done) and a log beside it. Steps, each in its own process with a time limit inside
 a total budget (bench/gpu_check_steps.py): env, pytest (tests/gpu), kernels_bf16,
-kv_export, engine (eager tok/s; a compiled step is another task's), service (1P+1D on one
-GPU with fractional GPUs), attention_bw (decode attention vs read and copy bandwidth).
+kv_export, engine (tok/s), compiled_decode (CUDA-graph vs eager decode step at batch
+1..256 against HBM, bench/gpu_decode_step.py), service (1P+1D on one GPU with fractional
+GPUs), attention_bw (decode attention vs read and copy bandwidth).
 
 `--model`: a tiny_model preset (written once to a temporary directory; the default is
 the Qwen2-0.5B shape with random weights) or an HF model directory (e.g. SmolLM2 once the

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from bench.gpu_decode_step import gpu_check_step
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -265,6 +267,7 @@ STEPS: dict[str, tuple[Callable[[Ctx], dict[str, Any]], float, bool]] = {
     "kernels_bf16": (step_kernels_bf16, 60, True),
     "kv_export": (step_kv_export, 60, False),
     "engine": (step_engine, 120, False),
+    "compiled_decode": (gpu_check_step, 240, True),  # bench/gpu_decode_step.py
     "service": (step_service, 180, False),
     "attention_bw": (step_attention_bw, 120, True),
 }

@@ -1,8 +1,8 @@
-"""KV transfer bandwidth: raw loopback socket vs the tcp connector vs the ray connector.
+"""KV transfer bandwidth: raw loopback socket vs the tcp, torchdist and ray connectors.
 
 Every configuration sends the same bytes three ways, interleaved so machine load hits
 all of them alike, and prints GB/s with ``ratio vs raw``. The receiving side always runs
-in another process (a spawned child for raw/tcp, a Ray actor for ray), as a decode worker
+in another process (a spawned child for raw/tcp/torchdist, a Ray actor for ray), as a decode worker
 would. Payloads are exported once (untimed) from a paged cache with the given block size,
 so rows that differ only in block size repeat a measurement (a view of the noise).
 
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="short run: blocks 16,128; chunks 64,256,2048; 128 MiB per measurement; 1 repeat")
-    p.add_argument("--connectors", default="raw,tcp,ray",
-                   help="comma list of raw (plain socket sendall/recv_into), tcp, ray")
+    p.add_argument("--connectors", default="raw,tcp,torchdist,ray",
+                   help="comma list of raw (plain socket sendall/recv_into), tcp, torchdist, ray")
     p.add_argument("--block-sizes", default="16,32,64,128", help="paged-cache block sizes (tokens)")
     p.add_argument("--chunk-tokens", default="64,256,1024,2048", help="tokens per sent KVChunk")
     p.add_argument("--mib", type=int, default=512, help="MiB sent per measurement")
@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         proc, tcp_pipe, endpoint = _spawn("tcp", cfg)
         procs.append(proc)
         tcp_tx = make_sender(cfg)
+    if "torchdist" in conns:
+        dist_cfg = dataclasses.replace(cfg, connector="torchdist")
+        proc, dist_pipe, dist_endpoint = _spawn("torchdist", dist_cfg)
+        procs.append(proc)
+        dist_tx = make_sender(dist_cfg)
     if "ray" in conns:
         ray, sink, ray_tx = _ray_setup(dataclasses.replace(cfg, connector="ray"))
     results = []
@@ -212,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 if "tcp" in conns:
                     dt = _run_tcp(tcp_tx, endpoint, tcp_pipe, pool, n, chunk, tag)
                     best["tcp"] = max(best.get("tcp", 0), n * pool[0].nbytes / dt)
+                if "torchdist" in conns:
+                    dt = _run_tcp(dist_tx, dist_endpoint, dist_pipe, pool, n, chunk, tag)
+                    best["torchdist"] = max(best.get("torchdist", 0), n * pool[0].nbytes / dt)
                 if "ray" in conns:
                     dt = _run_ray(ray, sink, ray_tx, pool, n, chunk, tag)
                     best["ray"] = max(best.get("ray", 0), n * pool[0].nbytes / dt)
@@ -228,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    for pipe in [x for x in (locals().get("raw_pipe"), locals().get("tcp_pipe")) if x]:
+    for pipe in [x for x in (locals().get("raw_pipe"), locals().get("tcp_pipe"),
+                             locals().get("dist_pipe")) if x]:
         pipe.send(("stop",))
     if "tcp" in conns:
         tcp_tx.close()
+    if "torchdist" in conns:
+        dist_tx.close()
     if "ray" in conns:
         ray_tx.close()
         ray.shutdown()

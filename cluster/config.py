@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from cluster.config_fields import Section, did_you_mean, opt
 from engine.attention.registry import ATTENTION_BACKENDS
-from engine.config import DTYPES
+from engine.config import COMPILE_MODES, DTYPES
 from engine.logprobs import LOGPROBS_MODES
 from engine.model_fetch import REAL_MODELS
 from kv_transfer.pacing import SEND_POLICIES
@@ -50,6 +50,9 @@ class ModelSection(Section):
     max_model_len: int | None = opt(None, "prompt + output token limit (default: the model's)",
                                     ge=2)
     attention_backend: str = opt("auto", "attention kernels", choices=ATTENTION_BACKENDS)
+    compile: str = opt("auto", "compiled model step (torch.compile; CUDA graphs for decode on "
+                       "CUDA): none, decode (decode-only steps), all, or auto = the device's "
+                       "default (engine/compile.py)", choices=COMPILE_MODES)
 
     def _check(self) -> None:
         if not self.path:

@@ -43,7 +43,7 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
             enable_chunked_prefill=s.enable_chunked_prefill if colocated else True,
             max_model_len=cfg.model.max_model_len or model.max_position_embeddings),
         device=cfg.model.device, dtype=cfg.model.dtype,
-        attention_backend=cfg.model.attention_backend)
+        attention_backend=cfg.model.attention_backend, compile=cfg.model.compile)
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:

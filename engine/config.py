@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 # The one list of dtype names: weights, KV cache, the config's choices and the KV wire.
 DTYPES = ("float32", "float16", "bfloat16")
+# The one list of compiled-step modes (engine.compile says what each does; kept here, in
+# a torch-free module, so the CLI's choices come from it without loading torch).
+COMPILE_MODES = ("auto", "none", "decode", "all")
 
 
 def torch_dtype(name: str):
@@ -123,7 +126,10 @@ class EngineConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"
     seed: int = 0
+    compile: str = "auto"  # compiled model step (engine.compile): auto, none, decode, all
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")

@@ -64,10 +64,12 @@ class LLM:
         kv_cache_memory_bytes: int = 1 << 30,
         gpu_memory_utilization: float = 0.9,
         gpu_share: float = 1.0,
+        compile: str = "auto",
     ):
         """`device`: 'cpu', 'cuda', 'cuda:N' or 'auto'. The KV cache holds `num_blocks`
         blocks, by default `kv_cache_memory_bytes` on CPU and, on a GPU, what the loaded
-        weights leave of `gpu_memory_utilization x gpu_share` of its memory."""
+        weights leave of `gpu_memory_utilization x gpu_share` of its memory. `compile`:
+        'none', 'decode', 'all' or 'auto' (the device's default; see engine.compile)."""
         model = load_model_config(model_dir)
         config = EngineConfig(
             model_dir=str(model_dir),
@@ -79,6 +81,7 @@ class LLM:
                 max_model_len or model.max_position_embeddings,
             ),
             device=str(local_device(device)), dtype=dtype, attention_backend=attention_backend,
+            compile=compile,
         )
         self._start(config, max_model_len_given=max_model_len is not None)
 

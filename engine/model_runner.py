@@ -7,7 +7,8 @@ engines, prefill workers and decode workers all drive the same runner.
 Per step, every integer the forward needs (token ids, positions, slots, block tables,
 sequence lengths, query starts, sampled rows) is packed into one int32 host buffer and
 reaches the device in one copy (non-blocking from pinned memory on CUDA); the tensors
-the model sees are views of it.
+the model sees are views of it. The forward is the compiled one where engine.compile
+says so (a CUDA-graph decode step reads the buffer at offsets fixed by its bucket).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import get_backend
+from engine.attention.base import AttentionMetadata
+from engine.compile import CompiledStep
+from engine.compile_ops import step_context
 from engine.config import EngineConfig, torch_dtype
 from engine.device import ThreadBinder, pinned_empty
 from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
-from engine.models.llama import AttentionMetadata
+from engine.models.linear import can_pack
 
 __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
@@ -61,13 +65,18 @@ class _StepBuffer:
     pinned and reused: before it is rewritten, the previous step's copy out of it must
     have finished (an event, normally long done)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, capacity: int = 0):
+        """`capacity` > 0: allocate once, never move (CUDA graphs read it in place)."""
         self.device = device
         self.cuda = device.type == "cuda"
         self.values = array("i")
+        self.fixed = capacity > 0
         self._host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
+        if self.fixed and self.cuda:
+            self._host = pinned_empty((capacity,), torch.int32)
+            self._dev = torch.zeros(capacity, dtype=torch.int32, device=device)
 
     def add(self, values) -> tuple[int, int]:
         """Append a segment; returns its (offset, length)."""
@@ -84,6 +93,7 @@ class _StepBuffer:
         if not self.cuda:
             return src
         if self._host is None or self._host.numel() < n:
+            assert not self.fixed, f"step buffer of {self._host.numel()} int32s, {n} needed"
             cap = max(1024, 1 << (n - 1).bit_length())
             self._host = pinned_empty((cap,), torch.int32)
             self._dev = torch.empty(cap, dtype=torch.int32, device=self.device)
@@ -112,6 +122,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, config.model_dir, self.device, self.dtype)
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
+        if can_pack(self.device, self.dtype):
+            self.model.pack()  # CPU GEMMs of 2+ rows on oneDNN-packed weights
         memory = device_memory(self.device) if self.device.type == "cuda" else None
         if num_blocks is None:
             num_blocks = num_kv_blocks(config, memory=memory)
@@ -120,18 +132,34 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv = KVCache(config.model, num_blocks, self.block_size, self.dtype, self.device)
         self._buf = _StepBuffer(self.device)
+        self.compiled: CompiledStep | None = None  # eager until built below
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warmup()
+        compiled = CompiledStep(self.model, self.device, config.compile,
+                                config.scheduler.max_num_seqs)
+        # a CUDA-graph decode step's block tables: as wide as the longest sequence that fits
+        max_len = min(config.scheduler.max_model_len, num_blocks * self.block_size)
+        self._graph_width = -(-max_len // self.block_size)
+        if compiled.buckets:
+            rows = compiled.buckets[-1]
+            # ids, pos, slots, dlens, tables, and up to 2 rows of logits per decode (sampled +
+            # all_logits), plus alignment
+            self._graph_buf = _StepBuffer(self.device, (6 + self._graph_width) * rows + 64)
+        self.compiled = compiled
+        compiled.warmup(self._run_padding)
 
-    def _table(self, chunks: list[SeqChunk]) -> tuple[int, int, int]:
-        """Block tables of `chunks` padded with block 0: (offset, rows, width)."""
-        width = max((len(c.block_ids) for c in chunks), default=0)
+    @staticmethod
+    def _table(buf: _StepBuffer, tables: list[tuple[int, ...]], width: int | None = None
+               ) -> tuple[int, int, int]:
+        """Block tables padded with block 0 to the longest (or to `width`):
+        (offset, rows, width)."""
+        width = max((len(t) for t in tables), default=0) if width is None else width
         flat: list[int] = []
-        for c in chunks:
-            flat.extend(c.block_ids)
-            flat.extend([0] * (width - len(c.block_ids)))
-        off, _ = self._buf.add(flat)
-        return off, len(chunks), width
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+        off, _ = buf.add(flat)
+        return off, len(tables), width
 
     def execute(self, chunks: list[SeqChunk]) -> tuple[list[str], torch.Tensor]:
         """Run one flat batch; returns (request ids of sampled rows, fp32 logits [N, V])."""
@@ -166,38 +194,27 @@ class ModelRunner:
             if c.all_logits:
                 full_rows.extend(range(len(ids) - len(c.token_ids), len(ids)))
                 full_ids.append((c.request_id, len(c.token_ids)))
-        q_starts = [0]
-        for c in prefills:
-            q_starts.append(q_starts[-1] + len(c.token_ids))
-        b = self._buf
-        seg = {"ids": b.add(ids), "pos": b.add(pos), "slots": b.add(slots),
-               "rows": b.add(sample_rows + full_rows), "dlens": b.add([c.end for c in decodes]),
-               "qsl": b.add(q_starts), "plens": b.add([c.end for c in prefills])}
-        dtab, ptab = self._table(decodes), self._table(prefills)
-        dev = b.upload()
-
-        def view(name: str) -> torch.Tensor:
-            off, n = seg[name]
-            return dev[off:off + n]
-
-        def table(t: tuple[int, int, int]) -> torch.Tensor:
-            off, rows, width = t
-            return dev[off:off + rows * width].view(rows, width)
-
+        compiled = self.compiled
+        fn = compiled.forward_for(decode_only=not prefills) if compiled else None
+        buf, width = self._buf, None
+        dtables = [c.block_ids for c in decodes]
+        if fn is not None and compiled.padded and not prefills:
+            rows = compiled.bucket(len(decodes))
+            if rows in compiled.buckets and all(len(t) <= self._graph_width for t in dtables):
+                pad = rows - len(decodes)  # rows that write nowhere and read block 0
+                ids += [0] * pad
+                pos += [0] * pad
+                slots += [-1] * pad
+                dtables += [(0,)] * pad
+                buf, width = self._graph_buf, self._graph_width
+            else:
+                fn = None  # no graph of that size: eager
         # decode side: the GPU waits for KV still arriving into blocks this step reads
         self.kv.wait_imports(b for c in ordered for b in c.block_ids)
-        meta = AttentionMetadata(
-            backend=self.backend,
-            slot_mapping=view("slots"),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=table(dtab),
-            decode_seq_lens=view("dlens"),
-            prefill_block_tables=table(ptab),
-            prefill_query_start_loc=view("qsl"),
-            prefill_seq_lens=view("plens"),
-        )
-        hidden = self.model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
-        logits = self.model.compute_logits(hidden.index_select(0, view("rows")))
+        logits = self._forward(fn, buf, ids, pos, slots, dtables, [c.end for c in decodes],
+                               [c.block_ids for c in prefills],
+                               [len(c.token_ids) for c in prefills],
+                               [c.end for c in prefills], sample_rows + full_rows, width)
         if not full_ids:
             return StepLogits(sample_ids, logits, {})
         full, at = {}, len(sample_rows)
@@ -205,6 +222,68 @@ class ModelRunner:
             full[rid] = logits[at:at + n]
             at += n
         return StepLogits(sample_ids, logits[:len(sample_rows)], full)
+
+    def _forward(self, fn, buf: _StepBuffer, ids, pos, slots, dtables, dlens, ptables, qlens,
+                 plens, rows, width) -> torch.Tensor:
+        """Pack, upload and run one step (compiled `fn`, or eager when None); returns the
+        logits of `rows` (the sampled rows, then those of all_logits chunks; padding rows
+        follow the real ones, so no row index moves). The segments the forward reads come
+        first, in a fixed order: a padded decode batch of one bucket always has the same
+        layout (a CUDA graph reads it in place); `rows`, read outside the graph, comes last."""
+        dlens = dlens + [1] * (len(dtables) - len(dlens))  # padding rows see one key
+        q_starts = [0]
+        for n in qlens:
+            q_starts.append(q_starts[-1] + n)
+        seg = {"ids": buf.add(ids), "pos": buf.add(pos), "slots": buf.add(slots),
+               "dlens": buf.add(dlens), "qsl": buf.add(q_starts), "plens": buf.add(plens)}
+        dtab, ptab = self._table(buf, dtables, width), self._table(buf, ptables)
+        seg["rows"] = buf.add(rows)
+        dev = buf.upload()
+
+        def view(name: str) -> torch.Tensor:
+            off, n = seg[name]
+            return dev[off:off + n]
+
+        def table(t: tuple[int, int, int]) -> torch.Tensor:
+            off, rows, w = t
+            return dev[off:off + rows * w].view(rows, w)
+
+        meta = AttentionMetadata(
+            backend=self.backend,
+            slot_mapping=view("slots"),
+            num_decode_tokens=len(dtables),
+            decode_block_tables=table(dtab),
+            decode_seq_lens=view("dlens"),
+            prefill_block_tables=table(ptab),
+            prefill_query_start_loc=view("qsl"),
+            prefill_seq_lens=view("plens"),
+        )
+        model = self.model
+        with step_context(meta, self.kv.k, self.kv.v, model.packed):
+            hidden = None
+            if fn is not None:
+                try:
+                    hidden = self.compiled.run(fn, view("ids"), view("pos"))
+                except Exception as e:  # noqa: BLE001 - a compiled step that fails: go eager
+                    self.compiled.disable(e)
+            if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
+                hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
+            return model.compute_logits(hidden.index_select(0, view("rows")))
+
+    def _run_padding(self, decode_only: bool, rows: int) -> None:
+        """One compiled step of `rows` padding tokens (slot -1: no KV is written; they read
+        block 0), as `rows` decodes or one prefill chunk: compiles or records that shape."""
+        fn = self.compiled.forward_for(decode_only)
+        buf, width = self._buf, None
+        if decode_only and self.compiled.padded:
+            buf, width = self._graph_buf, self._graph_width
+        zeros = [0] * rows
+        if decode_only:
+            self._forward(fn, buf, zeros, zeros, [-1] * rows, [(0,)] * rows, [], [], [], [],
+                          [0], width)
+        else:
+            self._forward(fn, buf, zeros, list(range(rows)), [-1] * rows, [], [], [(0,) * rows],
+                          [rows], [rows], [rows - 1], width)
 
     def warmup(self) -> None:
         """Compile every attention kernel variant serving will launch (prefill, write_kv,

@@ -10,8 +10,12 @@ name (``kv_transfer.registry``); every transport honours the same contract:
 * ``KVReceiver`` never writes into caller tensors from a foreign thread: the owner polls
   chunks, copies them into its own blocks, then ``release``s them, which returns the
   credit (in-flight bytes) to the sender.
-* Per request, ``seq_no`` runs 0, 1, ..., n-1 and the chunk with ``is_final`` has the
-  highest ``seq_no``; that is how the receiver knows a request is complete.
+* Per request and receiver (``dest``), ``seq_no`` runs 0, 1, ..., n-1 and the chunk with
+  ``is_final`` has the highest ``seq_no``; that is how the receiver knows a request is
+  complete. Under tensor parallelism a chunk carries a KV-head range: a prefill rank
+  sends each decode rank the heads it needs (``kv_transfer.heads``), a decode rank may
+  receive a request from several prefill ranks, one head range each, and completes it
+  once every head it serves arrived.
 """
 
 from __future__ import annotations
@@ -22,12 +26,16 @@ from typing import Any
 
 import torch
 
+from kv_transfer.heads import HeadRange
+
 
 @dataclass(frozen=True, eq=False)
 class KVChunk:
     """KV of tokens ``[token_start, token_end)`` and layers ``[layer_start, layer_end)``.
 
-    ``payload``: CPU, contiguous, ``[layers, 2 (K,V), tokens, num_kv_heads, head_dim]``.
+    ``payload``: CPU, contiguous, ``[layers, 2 (K,V), tokens, kv_heads, head_dim]``; its
+    heads are the model's KV heads ``[head_start, head_start + kv_heads)`` of
+    ``num_kv_heads`` (0: the payload holds every head, as a single-rank worker sends).
     A final chunk may be empty (``token_start == token_end``) and carry only
     ``first_token``. A receiver may hand a big sent chunk back as several pieces split
     by layer (``layer_start`` > 0) or token range; only the last piece of the final
@@ -44,6 +52,8 @@ class KVChunk:
     first_token: int | None = None
     tenant: str = "default"
     layer_start: int = 0
+    head_start: int = 0
+    num_kv_heads: int = 0  # the model's KV heads; 0 = all of them are in the payload
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -71,10 +81,24 @@ class KVChunk:
             raise ValueError("KVChunk.first_token is only set on the final chunk")
         if not isinstance(self.tenant, str) or not self.tenant:
             raise ValueError("KVChunk.tenant must be a non-empty str")
+        if self.num_kv_heads or self.head_start:
+            if not 0 <= self.head_start < self.head_end <= self.num_kv_heads:
+                raise ValueError(
+                    f"KVChunk heads [{self.head_start}, {self.head_end}) ({p.shape[3]} in the "
+                    f"payload) must lie within the model's {self.num_kv_heads} KV heads")
 
     @property
     def layer_end(self) -> int:
         return self.layer_start + self.payload.shape[0]
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.payload.shape[3]
+
+    @property
+    def heads(self) -> HeadRange:
+        """The model's KV heads this payload holds (all of them unless ``num_kv_heads``)."""
+        return HeadRange(self.head_start, self.head_end, self.num_kv_heads or self.head_end)
 
     @property
     def num_tokens(self) -> int:
@@ -145,6 +169,13 @@ class KVSender(ABC):
     def send(self, chunk: KVChunk, *, dest: str) -> None:
         """Queue ``chunk`` for the receiver at ``dest`` (its ``endpoint``); never blocks."""
 
+    def send_many(self, items: list[tuple[KVChunk, str]]) -> None:
+        """``send`` each (chunk, dest), all queued at once: a request that streams to
+        several receivers (one per decode TP rank) queues each seq for all of them in one
+        call, so it cannot finish on one before the others have its frames."""
+        for chunk, dest in items:
+            self.send(chunk, dest=dest)
+
     @abstractmethod
     def poll(self) -> SendEvents:
         """Finished/failed requests and frame records since the last poll."""
@@ -199,6 +230,10 @@ class KVReceiver(ABC):
     @abstractmethod
     def expect(self, request_id: str) -> None:
         """Announce a request; with ``require_expect`` unannounced ones are discarded."""
+
+    def set_head_range(self, heads: HeadRange) -> None:
+        """Serve only these KV heads (a decode TP rank's); see ``kv_transfer.heads``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve a KV-head range")
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

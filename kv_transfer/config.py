@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 from kv_transfer.pacing import SEND_POLICIES
@@ -115,6 +115,23 @@ class TransferConfig:
                 raise bad("tenant_weights", f"needs str -> positive weight, got {tenant!r}: {w!r}")
         # freeze the mapping so the config stays immutable after creation
         object.__setattr__(self, "tenant_weights", FrozenWeights(weights))
+
+    def share_of(self, share: float) -> TransferConfig:
+        """This config with ``share`` (0 < share <= 1) of its per-link budget: pacing
+        rate, emulated link rate, burst and credit window (frames shrink with the window
+        when needed, never below 64 KiB), for one of the rank links that together carry
+        a TP worker pair's KV (``kv_transfer.heads.HeadTransfer.share``)."""
+        if not (isinstance(share, int | float) and 0 < share <= 1):
+            raise ValueError(f"a link's share of the transfer budget must be in (0, 1], got {share!r}")
+        if share == 1:
+            return self
+        window = int(self.credit_window_bytes * share)
+        frame = max(64 << 10, min(self.max_frame_bytes, window))
+        return replace(
+            self, rate_bytes_per_s=self.rate_bytes_per_s * share,
+            link_rate_bytes_per_s=self.link_rate_bytes_per_s * share,
+            burst_bytes=max(1, int(self.burst_bytes * share)),
+            max_frame_bytes=frame, credit_window_bytes=max(frame, window))
 
     @property
     def checksum_algo(self) -> str:

@@ -12,11 +12,14 @@ that one transmission, never to an older frame that reused its request id and ke
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
 
 from kv_transfer.base import KVChunk
+from kv_transfer.heads import HeadTransfer
 
 FrameKey = tuple[str, int, int]  # (request_id, seq_no, part)
 
@@ -75,6 +78,8 @@ def _sub(chunk: KVChunk, payload, layer_off: int, tok_off: int, last: bool) -> K
         first_token=chunk.first_token if last else None,
         tenant=chunk.tenant,
         layer_start=chunk.layer_start + layer_off,
+        head_start=chunk.head_start,
+        num_kv_heads=chunk.num_kv_heads,
     )
 
 
@@ -102,3 +107,31 @@ def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> list[Piece]:
     return [
         Piece(_sub(chunk, sp, lo, to, i == n - 1), i, n) for i, (sp, lo, to) in enumerate(subs)
     ]
+
+
+def chunks_for_heads(chunk: KVChunk, sends: Sequence[HeadTransfer],
+                     dests: Sequence[str]) -> list[tuple[KVChunk, str]]:
+    """One prefill rank's ``chunk`` (payload: the rank's heads) cut into what each decode
+    rank gets from it: ``sends`` are the rank's transfers (``heads.sends_of``), ``dests``
+    the decode ranks' endpoints by rank. Feed the result to ``KVSender.send_many``.
+
+    A transfer of all the chunk's heads reuses its payload; a narrower one copies its
+    heads out (``[L, 2, T, H, D][..., a:b, :]`` is strided), so only they travel.
+    """
+    have = chunk.heads
+    out = []
+    for t in sends:
+        h = t.heads
+        if h.total != have.total or not have.start <= h.start < h.end <= have.end:
+            raise ValueError(f"transfer of heads {tuple(h)} to decode rank {t.decode_rank} is "
+                             f"not within the chunk's heads {tuple(have)}")
+        if not 0 <= t.decode_rank < len(dests):
+            raise ValueError(f"no endpoint for decode rank {t.decode_rank} ({len(dests)} given)")
+        if (h.start, h.end) == (have.start, have.end):
+            out.append((chunk, dests[t.decode_rank]))
+            continue
+        a, b = h.start - have.start, h.end - have.start
+        out.append((dataclasses.replace(chunk, payload=chunk.payload[:, :, :, a:b].contiguous(),
+                                        head_start=h.start, num_kv_heads=h.total),
+                    dests[t.decode_rank]))
+    return out

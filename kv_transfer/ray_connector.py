@@ -129,7 +129,7 @@ class RayReceiver(InboxReceiver):
         with self._lock:
             dead = [lk for lk in self._links.values()
                     if now - lk.last_seen > self.cfg.failure_timeout_s
-                    and any(st.link is lk for st in self._requests.values())]
+                    and any(st.on_link(lk) for st in self._requests.values())]
             for k in [k for k, lk in self._links.items() if lk in dead]:
                 self._forget_link_locked(k)
         for lk in dead:

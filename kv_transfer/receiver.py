@@ -6,8 +6,12 @@ inbox with ``poll`` and returns credit with ``release``. Acks go back through th
 ``RxLink`` the frame came in on, always outside the lock (a transport's ack path may
 call into the sender synchronously, e.g. inproc).
 
-Completion: per request, seq_no runs 0..final and each chunk arrives as ``num_parts``
-frames; the request is complete when every part of every seq up to the final one is in.
+Completion: a request arrives as one *stream* per KV-head range (one per sending TP rank;
+a single-rank sender's one stream holds every head). Per stream, seq_no runs 0..final and
+each chunk arrives as ``num_parts`` frames; the stream is done when every part of every
+seq up to its final one is in, and the request is complete when its done streams tile
+the heads this receiver serves (``set_head_range``; default: all of the model's). A
+stream whose heads overlap another's, or lie outside the served range, fails the request.
 
 Credit: every transmission (``FrameHeader.tx``) gets exactly one ack that returns its
 credit: OK on release, DROPPED or FAILED when discarded. DUPLICATE (no credit) only goes
@@ -31,6 +35,7 @@ from engine.tombstones import RecentIds
 from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, AckStatus
+from kv_transfer.heads import HeadRange
 from kv_transfer.wire import ChecksumError, FrameHeader, verify
 
 _MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
@@ -57,20 +62,46 @@ class RxLink(ABC):
 
 
 @dataclass(eq=False)
-class _RxRequest:
+class _Stream:
+    """One head range of a request: its frames come over one link, seq 0..final."""
+
     link: RxLink
     parts_left: dict[int, int] = field(default_factory=dict)  # seq -> parts still missing
     seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (seq, part) -> tx
     final_seq: int | None = None
 
+    @property
+    def done(self) -> bool:
+        return self.final_seq is not None and all(
+            self.parts_left.get(s, 1) == 0 for s in range(self.final_seq + 1))
+
+
+@dataclass(eq=False)
+class _RxRequest:
+    """A request's streams by head range; complete when they are all done and tile the
+    heads this receiver serves (its ``head_range``, else all ``total`` heads)."""
+
+    total: int
+    streams: dict[tuple[int, int], _Stream] = field(default_factory=dict)
+
+    def on_link(self, link: RxLink) -> bool:
+        return any(s.link is link for s in self.streams.values())
+
+    def complete(self, want: HeadRange | None) -> bool:
+        lo, hi = (want.start, want.end) if want is not None else (0, self.total)
+        for (hs, he), s in sorted(self.streams.items()):
+            if hs != lo or not s.done:
+                return False
+            lo = he
+        return lo == hi
+
 
 class _Closed(NamedTuple):
-    """Why a request id is closed; for a completed one, the link and the highest
-    transmission it took, which tell a late copy from a new frame reusing the id."""
+    """Why a request id is closed; for a completed one, the highest transmission it took
+    per link (uid), which tells a late copy from a new frame reusing the id."""
 
     why: str
-    link_uid: int = 0
-    max_tx: int = -1
+    max_tx: dict[int, int] | None = None
 
 
 class InboxReceiver(KVReceiver):
@@ -81,14 +112,16 @@ class InboxReceiver(KVReceiver):
         self._inbox: deque[KVChunk] = deque()
         self._events = ReceiveEvents()
         self._requests: dict[str, _RxRequest] = {}
-        # rid -> {(seq, layer_start, token_start): (link, ack key, nbytes)} awaiting release
+        # rid -> {(seq, layer_start, token_start, head_start): (link, ack, nbytes)} to release
         self._unreleased: dict[str, dict[tuple[int, int, int], tuple[RxLink, Ack, int]]] = {}
         self._closed_rids: RecentIds[_Closed] = RecentIds(_MAX_CLOSED)
         self._expected: set[str] = set()
+        self._head_range: HeadRange | None = None  # None: every head of the model
         self._closed = False
         self._counters = dict.fromkeys(
             ("bytes_received", "frames_received", "frames_discarded", "duplicates",
-             "checksum_failures", "requests_completed", "requests_failed", "link_drops"), 0)
+             "checksum_failures", "head_range_failures", "requests_completed",
+             "requests_failed", "link_drops"), 0)
 
     # ---- owner API ----
     def poll(self) -> ReceiveEvents:
@@ -108,7 +141,7 @@ class InboxReceiver(KVReceiver):
     def release(self, chunk: KVChunk) -> None:
         with self._lock:
             entry = self._unreleased.get(chunk.request_id, {}).pop(
-                (chunk.seq_no, chunk.layer_start, chunk.token_start), None)
+                (chunk.seq_no, chunk.layer_start, chunk.token_start, chunk.head_start), None)
             if entry is not None and not self._unreleased[chunk.request_id]:
                 del self._unreleased[chunk.request_id]
         if entry is not None:
@@ -124,6 +157,13 @@ class InboxReceiver(KVReceiver):
     def expect(self, request_id: str) -> None:
         with self._lock:
             self._expected.add(request_id)
+
+    def set_head_range(self, heads: HeadRange) -> None:
+        """Serve only these KV heads (a decode TP rank's, ``kv_transfer.heads.rank_heads``):
+        a request completes once frames covering exactly them arrived; a frame with other
+        heads, or of a model with another head count, fails its request."""
+        with self._lock:
+            self._head_range = HeadRange(*heads).check()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -141,19 +181,26 @@ class InboxReceiver(KVReceiver):
         rid, key, tx = header.request_id, (header.seq_no, header.part), header.tx
         try:
             verify(header, payload, digest)
+            problem = None
         except ChecksumError as e:
+            problem, counter = str(e), "checksum_failures"
+        if problem is None:
             with self._lock:
-                self._counters["checksum_failures"] += 1
-                acks = [(link, Ack(rid, *key, AckStatus.FAILED, str(e), tx))]
+                problem, counter = self._head_problem_locked(header), "head_range_failures"
+        if problem is not None:
+            with self._lock:
+                self._counters[counter] += 1
+                acks = [(link, Ack(rid, *key, AckStatus.FAILED, problem, tx))]
                 if rid not in self._closed_rids:
-                    acks += self._close_request_locked(rid, str(e), AckStatus.FAILED, report=str(e))
+                    acks += self._close_request_locked(rid, problem, AckStatus.FAILED,
+                                                       report=problem)
             self._flush(acks)
             return
         with self._lock:
-            if self._is_copy_locked(rid, key, tx, link):
+            if self._is_copy_locked(header, link):
                 self._counters["duplicates"] += 1
                 ack = Ack(rid, *key, AckStatus.DUPLICATE, "duplicate", tx)
-            elif (why := self._discard_reason_locked(rid, key, link)) is not None:
+            elif (why := self._discard_reason_locked(header, link)) is not None:
                 self._counters["frames_discarded"] += 1
                 ack = Ack(rid, *key, AckStatus.DROPPED, why, tx)
             else:
@@ -162,18 +209,39 @@ class InboxReceiver(KVReceiver):
         if ack is not None:
             link.send_acks([ack])
 
-    def _is_copy_locked(self, rid: str, key: tuple[int, int], tx: int, link: RxLink) -> bool:
+    def _head_problem_locked(self, h: FrameHeader) -> str | None:
+        """Why a frame's KV heads cannot belong to this receiver's request, if they can't."""
+        if h.request_id in self._closed_rids:
+            return None  # dropped below as a late frame
+        want, st = self._head_range, self._requests.get(h.request_id)
+        got = f"KV heads [{h.head_start}, {h.head_end}) of {h.num_kv_heads}"
+        if want is not None and not (h.num_kv_heads == want.total and want.start <= h.head_start
+                                     and h.head_end <= want.end):
+            return f"{got} are not this receiver's heads [{want.start}, {want.end}) of {want.total}"
+        if st is None or (h.head_start, h.head_end) in st.streams:
+            return None
+        if h.num_kv_heads != st.total:
+            return f"{got} disagree with the request's earlier frames ({st.total} KV heads)"
+        for hs, he in st.streams:
+            if hs < h.head_end and h.head_start < he:
+                return f"{got} overlap heads [{hs}, {he}) the request already streams"
+        return None
+
+    def _is_copy_locked(self, h: FrameHeader, link: RxLink) -> bool:
         """A second copy of a transmission this receiver already took from ``link``."""
-        st = self._requests.get(rid)
+        st = self._requests.get(h.request_id)
         if st is not None:
-            return st.link is link and st.seen.get(key) == tx
-        closed = self._closed_rids.note(rid)
+            stream = st.streams.get((h.head_start, h.head_end))
+            return (stream is not None and stream.link is link
+                    and stream.seen.get((h.seq_no, h.part)) == h.tx)
+        closed = self._closed_rids.note(h.request_id)
         # a completed request took every frame; the sender numbers frames in queue order,
         # so a frame it queued later (the id reused) has a higher tx than all of them
-        return (closed is not None and closed.why == "completed"
-                and closed.link_uid == link.uid and tx <= closed.max_tx)
+        return (closed is not None and closed.why == "completed" and closed.max_tx is not None
+                and h.tx <= closed.max_tx.get(link.uid, -1))
 
-    def _discard_reason_locked(self, rid: str, key: tuple[int, int], link: RxLink) -> str | None:
+    def _discard_reason_locked(self, h: FrameHeader, link: RxLink) -> str | None:
+        rid = h.request_id
         if self._closed:
             return "receiver closed"
         if link.closed:
@@ -183,34 +251,43 @@ class InboxReceiver(KVReceiver):
         st = self._requests.get(rid)
         if st is None and self.cfg.require_expect and rid not in self._expected:
             return "unknown request (not expected)"
-        if st is not None and st.link is not link:
-            return f"request already streaming on link {st.link.name}"
-        if st is not None and key in st.seen:
-            return f"frame {key} of the request arrived twice as different transmissions"
+        stream = st.streams.get((h.head_start, h.head_end)) if st is not None else None
+        if stream is not None and stream.link is not link:
+            return (f"heads [{h.head_start}, {h.head_end}) of the request already streaming "
+                    f"on link {stream.link.name}")
+        if stream is not None and (h.seq_no, h.part) in stream.seen:
+            return (f"frame {(h.seq_no, h.part)} of the request arrived twice as different "
+                    "transmissions")
         return None
 
     def _store_locked(self, link: RxLink, h: FrameHeader, payload: torch.Tensor) -> None:
         st = self._requests.get(h.request_id)
         if st is None:
-            st = self._requests[h.request_id] = _RxRequest(link)
+            st = self._requests[h.request_id] = _RxRequest(h.num_kv_heads)
             self._expected.discard(h.request_id)
-        st.seen[(h.seq_no, h.part)] = h.tx
-        st.parts_left[h.seq_no] = st.parts_left.get(h.seq_no, h.num_parts) - 1
+        stream = st.streams.get((h.head_start, h.head_end))
+        if stream is None:
+            stream = st.streams[(h.head_start, h.head_end)] = _Stream(link)
+        stream.seen[(h.seq_no, h.part)] = h.tx
+        stream.parts_left[h.seq_no] = stream.parts_left.get(h.seq_no, h.num_parts) - 1
         if h.is_final:
-            st.final_seq = h.seq_no
+            stream.final_seq = h.seq_no
         chunk = KVChunk(h.request_id, h.seq_no, h.token_start, h.token_end, payload,
-                        h.is_final, h.first_token, h.tenant, h.layer_start)
+                        h.is_final, h.first_token, h.tenant, h.layer_start,
+                        h.head_start, h.num_kv_heads)
         self._inbox.append(chunk)
         self._arrived.notify_all()
-        self._unreleased.setdefault(h.request_id, {})[(h.seq_no, h.layer_start, h.token_start)] = (
+        self._unreleased.setdefault(h.request_id, {})[
+            (h.seq_no, h.layer_start, h.token_start, h.head_start)] = (
             link, Ack(h.request_id, h.seq_no, h.part, AckStatus.OK, "", h.tx), payload.nbytes)
         self._counters["frames_received"] += 1
         self._counters["bytes_received"] += payload.nbytes
-        if st.final_seq is not None and all(
-            st.parts_left.get(s, 1) == 0 for s in range(st.final_seq + 1)
-        ):
+        if stream.done and st.complete(self._head_range):
             del self._requests[h.request_id]
-            self._remember_closed(h.request_id, _Closed("completed", link.uid, max(st.seen.values())))
+            max_tx: dict[int, int] = {}
+            for s in st.streams.values():
+                max_tx[s.link.uid] = max(max_tx.get(s.link.uid, -1), *s.seen.values())
+            self._remember_closed(h.request_id, _Closed("completed", max_tx))
             self._events.completed.append(h.request_id)
             self._counters["requests_completed"] += 1
 
@@ -219,7 +296,7 @@ class InboxReceiver(KVReceiver):
         with self._lock:
             link.closed = True
             self._counters["link_drops"] += 1
-            for rid in [r for r, st in self._requests.items() if st.link is link]:
+            for rid in [r for r, st in self._requests.items() if st.on_link(link)]:
                 self._close_request_locked(rid, "failed", None,
                                            report=f"link dropped before final chunk: {reason}")
             for rid, entries in list(self._unreleased.items()):

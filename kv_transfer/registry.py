@@ -9,6 +9,7 @@ never imports Ray (only the "ray" connector does). A new transport is its module
   inproc  sender: clock, name                  receiver: name
   tcp     sender: clock, name                  receiver: (none; bind from cfg)
   ray     sender: resolver(dest) -> actor      receiver: endpoint (actor name)
+  torchdist sender: clock, name, sender_id     receiver: (none; bind from cfg)
 
 ``worker_kwargs(role, worker_id, actor_name)`` gives the kwargs a pool worker passes.
 """
@@ -87,6 +88,10 @@ register_connector(
     "ray", "kv_transfer.ray_connector:make_ray_sender", "kv_transfer.ray_connector:make_ray_receiver",
     help="Ray object store",
     worker_kwargs=lambda role, wid, actor: {"endpoint": actor} if role == "decode" else {})
+register_connector(
+    "torchdist", "kv_transfer.torchdist_connector:make_torchdist_sender",
+    "kv_transfer.torchdist_connector:make_torchdist_receiver",
+    help="torch.distributed send/recv")
 register_connector(
     "inproc", "kv_transfer.inproc:make_inproc_sender", "kv_transfer.inproc:make_inproc_receiver",
     help="one process, for tests", worker_kwargs=lambda role, wid, actor: {"name": wid})

@@ -37,7 +37,7 @@ class _Link:
         self.sender = sender
         self.dest = dest
         self.stats = stats
-        self.sched = LinkScheduler(sender.cfg)
+        self.sched = LinkScheduler(sender.cfg.share_of(sender._shares.get(dest, 1.0)))
         self.cond = threading.Condition(sender._lock)
         self.inflight: dict[int, QueuedFrame] = {}  # Piece.tx -> frame awaiting its ack
         self.failed: str | None = None
@@ -53,7 +53,7 @@ class _Link:
     def busy(self) -> tuple[int, int]:
         """(frames in flight, active requests): transports poll/heartbeat while busy."""
         with self.sender._lock:
-            active = sum(1 for r in self.sender._requests.values() if r.dest == self.dest)
+            active = sum(1 for r in self.sender._requests.values() if self.dest in r.dests)
             return len(self.inflight), active
 
 
@@ -71,7 +71,9 @@ class ThreadedSender(KVSender):
         self._links: dict[str, _Link] = {}
         self._link_stats: dict[str, LinkStats] = {}
         self._requests: dict[str, RequestStats] = {}
-        self._pending: dict[str, tuple[int, bool, set[int]]] = {}  # rid -> (frames out, final queued, seqs)
+        # (rid, dest) -> [frames out, final queued, seqs]: one stream per receiver of a request
+        self._streams: dict[tuple[str, str], list] = {}
+        self._shares: dict[str, float] = {}  # dest -> share of the budget its link may use
         self._dead: RecentIds[str] = RecentIds(_MAX_DEAD)
         self._events = SendEvents()
         self._records: deque[FrameRecord] = deque(maxlen=_MAX_RECORDS)
@@ -81,34 +83,70 @@ class ThreadedSender(KVSender):
 
     # ---- caller API ----
     def send(self, chunk: KVChunk, *, dest: str) -> None:
-        pieces = split_chunk(chunk, self.cfg.max_payload_bytes)
-        rid, now = chunk.request_id, self._clock()
+        self.send_many([(chunk, dest)])
+
+    def send_many(self, items: list[tuple[KVChunk, str]]) -> None:
+        split = [(c, dest, split_chunk(c, self.cfg.max_payload_bytes)) for c, dest in items]
+        now = self._clock()
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVSender is closed")
-            if rid in self._dead:
-                return  # failed or aborted: already reported, late chunks are dropped
-            req = self._requests.get(rid)
-            if req is None:
-                req = self._requests[rid] = RequestStats(dest, chunk.tenant, now)
-                self._pending[rid] = (0, False, set())
-            elif req.dest != dest:
-                raise ValueError(f"request {rid!r} is bound to {req.dest!r}, not {dest!r}")
-            out, final, seqs = self._pending[rid]
-            if final:
-                raise ValueError(f"request {rid!r}: chunk seq {chunk.seq_no} after its final chunk")
-            if chunk.seq_no in seqs:
-                raise ValueError(f"request {rid!r}: seq_no {chunk.seq_no} sent twice")
-            seqs.add(chunk.seq_no)
-            link = self._links.get(dest) or self._open_link(dest)
-            for i, p in enumerate(pieces):
-                p = replace(p, tx=next(self._tx))
-                qf = QueuedFrame(rid, chunk.tenant, p.nbytes, now, item=p, key=p.key)
-                last = chunk.is_final and i == len(pieces) - 1
-                link.sched.enqueue(qf, completes_request=last)
-            req.bytes_queued += chunk.nbytes
-            self._pending[rid] = (out + len(pieces), chunk.is_final, seqs)
-            link.cond.notify()
+            seen: dict[tuple[str, str], set[int]] = {}
+            finals: set[tuple[str, str]] = set()
+            for c, dest, _ in split:  # check everything before queueing anything
+                self._check_locked(c, dest, seen, finals)
+            for c, dest, pieces in split:
+                if c.request_id not in self._dead:
+                    self._queue_locked(c, dest, pieces, now)
+
+    def set_link_share(self, dest: str, share: float) -> None:
+        """Let the link to ``dest`` use ``share`` of the configured budget (pacing rate,
+        credit window): with TP, the rank links between two workers split one budget
+        (``kv_transfer.heads.HeadTransfer.share``). Applies from the next (re)connect."""
+        self.cfg.share_of(share)  # validates
+        with self._lock:
+            self._shares[dest] = share
+
+    def _check_locked(self, c: KVChunk, dest: str, seen: dict[tuple[str, str], set[int]],
+                      finals: set[tuple[str, str]]) -> None:
+        """Raise ``ValueError`` for a chunk that breaks a stream's seq order (``seen`` and
+        ``finals``: what this batch queues before it)."""
+        rid, key = c.request_id, (c.request_id, dest)
+        if rid in self._dead:
+            return  # failed or aborted: already reported, late chunks are dropped
+        st = self._streams.get(key)
+        seqs = seen.setdefault(key, set(st[2]) if st is not None else set())
+        if (st is not None and st[1]) or key in finals:
+            raise ValueError(f"request {rid!r}: chunk seq {c.seq_no} after its final chunk")
+        if c.seq_no in seqs:
+            raise ValueError(f"request {rid!r}: seq_no {c.seq_no} sent twice to {dest!r}")
+        if st is None and any(s[1] for (r, _), s in self._streams.items() if r == rid):
+            raise ValueError(f"request {rid!r}: a new receiver {dest!r} after a final chunk "
+                             "was queued (send every receiver's chunks in one send_many)")
+        seqs.add(c.seq_no)
+        if c.is_final:
+            finals.add(key)
+
+    def _queue_locked(self, chunk: KVChunk, dest: str, pieces: list[Piece], now: float) -> None:
+        rid = chunk.request_id
+        req = self._requests.get(rid)
+        if req is None:
+            req = self._requests[rid] = RequestStats([], chunk.tenant, now)
+        st = self._streams.get((rid, dest))
+        if st is None:
+            st = self._streams[(rid, dest)] = [0, False, set()]
+            req.dests.append(dest)
+        st[2].add(chunk.seq_no)
+        link = self._links.get(dest) or self._open_link(dest)
+        for i, p in enumerate(pieces):
+            p = replace(p, tx=next(self._tx))
+            qf = QueuedFrame(rid, chunk.tenant, p.nbytes, now, item=p, key=p.key)
+            last = chunk.is_final and i == len(pieces) - 1
+            link.sched.enqueue(qf, completes_request=last)
+        req.bytes_queued += chunk.nbytes
+        st[0] += len(pieces)
+        st[1] = chunk.is_final
+        link.cond.notify()
 
     def poll(self) -> SendEvents:
         with self._lock:
@@ -120,12 +158,13 @@ class ThreadedSender(KVSender):
     def abort(self, request_id: str) -> None:
         with self._lock:
             req = self._requests.pop(request_id, None)
-            self._pending.pop(request_id, None)
             self._mark_dead(request_id)
-            link = self._links.get(req.dest) if req else None
-            if link is not None:
-                link.sched.abort(request_id)
-                link.cond.notify()
+            for dest in req.dests if req else ():
+                self._streams.pop((request_id, dest), None)
+                link = self._links.get(dest)
+                if link is not None:
+                    link.sched.abort(request_id)
+                    link.cond.notify()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -201,7 +240,7 @@ class ThreadedSender(KVSender):
                     if batch:
                         break
                     if now - last_io >= hb and any(
-                        r.dest == link.dest for r in self._requests.values()
+                        link.dest in r.dests for r in self._requests.values()
                     ):
                         break  # heartbeat
                     link.cond.wait(min(wait, hb) if wait is not None else hb)
@@ -249,23 +288,27 @@ class ThreadedSender(KVSender):
                     what = "discarded" if a.status == AckStatus.DROPPED else "rejected"
                     self._fail_request_locked(a.request_id, f"receiver {what} frame: {a.reason}")
                     continue
-                out, final, seqs = self._pending[a.request_id]
-                self._pending[a.request_id] = (out - 1, final, seqs)
-                if final and out == 1:
-                    del self._requests[a.request_id], self._pending[a.request_id]
+                st = self._streams[(a.request_id, link.dest)]
+                st[0] -= 1
+                req = self._requests[a.request_id]
+                if all(self._streams[(a.request_id, d)][:2] == [0, True] for d in req.dests):
+                    for d in req.dests:
+                        del self._streams[(a.request_id, d)]
+                    del self._requests[a.request_id]
                     self._events.finished.append(a.request_id)
                     self._totals["requests_finished"] += 1
             link.cond.notify()
 
     def _fail_request_locked(self, rid: str, reason: str) -> None:
         req = self._requests.pop(rid, None)
-        self._pending.pop(rid, None)
         self._mark_dead(rid)
         if req is None:
             return
-        link = self._links.get(req.dest)
-        if link is not None:
-            link.sched.abort(rid)
+        for dest in req.dests:
+            self._streams.pop((rid, dest), None)
+            link = self._links.get(dest)
+            if link is not None:
+                link.sched.abort(rid)
         self._events.failed.append((rid, reason))
         self._totals["requests_failed"] += 1
 
@@ -282,7 +325,7 @@ class ThreadedSender(KVSender):
                 link.stats.failures += 1
                 self._totals["link_failures"] += 1
             for rid, req in list(self._requests.items()):
-                if req.dest == link.dest:
+                if link.dest in req.dests:
                     self._fail_request_locked(rid, f"link to {link.dest} failed: {reason}")
             link.cond.notify_all()
         if link.transport is not None:

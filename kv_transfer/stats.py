@@ -58,7 +58,7 @@ class LinkStats:
 class RequestStats:
     """One active request on the sender."""
 
-    dest: str
+    dests: list[str]  # its receivers (several: one per decode TP rank it streams to)
     tenant: str
     first_enqueue_t: float
     bytes_queued: int = 0

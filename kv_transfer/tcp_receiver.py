@@ -197,7 +197,7 @@ class TcpReceiver(InboxReceiver):
 
     def _has_incomplete(self, link: RxLink) -> bool:
         with self._lock:
-            return any(st.link is link for st in self._requests.values())
+            return any(st.on_link(link) for st in self._requests.values())
 
     def close(self) -> None:
         self._close_inbox()

@@ -12,16 +12,22 @@ from collections.abc import Iterable
 import torch
 
 from kv_transfer.base import KVChunk
+from kv_transfer.heads import HeadRange
 
 
 class PagedKV:
     """``blocks``: [num_blocks, layers, 2, block_size, kv_heads, head_dim].
 
-    Token ``i`` of a request lives at ``blocks[table[i // B], :, :, i % B]``.
+    Token ``i`` of a request lives at ``blocks[table[i // B], :, :, i % B]``. A TP rank's
+    cache holds only the model's heads ``heads`` (global head h at local h - heads.start).
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_blocks: int, dtype: torch.dtype = torch.float32) -> None:
+                 num_blocks: int, dtype: torch.dtype = torch.float32,
+                 heads: HeadRange | None = None) -> None:
+        self.heads = heads.check() if heads is not None else None
+        if heads is not None and heads.count != num_kv_heads:
+            raise ValueError(f"a cache of {num_kv_heads} KV heads cannot hold heads {heads}")
         self.block_size = block_size
         self.blocks = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
                                   dtype=dtype)
@@ -66,10 +72,15 @@ class PagedKV:
         return out
 
     def import_chunk(self, chunk: KVChunk) -> None:
-        """Write a received chunk into this cache by global token index and layer range."""
+        """Write a received chunk into this cache by global token index, layer range and
+        head range (its heads must be among this cache's)."""
         ls, le = chunk.layer_start, chunk.layer_end
+        h0 = chunk.head_start - (self.heads.start if self.heads is not None else 0)
+        h1 = h0 + chunk.payload.shape[3]
+        if h0 < 0 or h1 > self.blocks.shape[4]:
+            raise ValueError(f"chunk heads {chunk.heads} are not in this cache's {self.heads}")
         for blk, off, pos, n in self._segments(chunk.request_id, chunk.token_start, chunk.token_end):
-            self.blocks[blk, ls:le, :, off : off + n] = chunk.payload[:, :, pos : pos + n]
+            self.blocks[blk, ls:le, :, off : off + n, h0:h1] = chunk.payload[:, :, pos : pos + n]
 
 
 def make_chunks(cache: PagedKV, request_id: str, bounds: Iterable[int], *, first_token: int = 7,
@@ -83,8 +94,10 @@ def make_chunks(cache: PagedKV, request_id: str, bounds: Iterable[int], *, first
     chunks = []
     for i, (s, e) in enumerate(zip(b[:-1], b[1:], strict=True)):
         last = i == len(b) - 2
+        h = cache.heads
         chunks.append(KVChunk(request_id, i, s, e, cache.export(request_id, s, e), is_final=last,
-                              first_token=first_token if last else None, tenant=tenant))
+                              first_token=first_token if last else None, tenant=tenant,
+                              head_start=h.start if h else 0, num_kv_heads=h.total if h else 0))
     return chunks
 
 

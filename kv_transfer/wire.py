@@ -5,7 +5,8 @@
            6   u32 header length  (<= MAX_HEADER_BYTES)
            10  u64 payload length (preamble + header + payload <= max_frame_bytes)
            18  msgpack header: {"k": "kv", rid, seq, part, np, ts, te, ls, le, dt, sh,
-                                fin, ft, ten, cs, ca, tx}  or a control message {"k": ...}
+                                fin, ft, ten, cs, ca, tx, hs, he, hn}
+                                or a control message {"k": ...}
            ..  payload bytes, layout [layers, 2(K,V), tokens, kv_heads, head_dim]
 
 Decoding never trusts a size: every limit is checked before anything is allocated and
@@ -109,7 +110,8 @@ def header_for(piece: Piece, checksum_algo: str = "crc32") -> FrameHeader:
         dtype=FrameHeader.dtype_name(c.payload.dtype), shape=tuple(c.payload.shape),
         is_final=c.is_final, first_token=c.first_token, tenant=c.tenant,
         checksum=checksum(checksum_algo, payload_view(c.payload)), checksum_algo=checksum_algo,
-        tx=piece.tx,
+        tx=piece.tx, head_start=c.head_start, head_end=c.head_end,
+        num_kv_heads=c.heads.total,
     )
 
 

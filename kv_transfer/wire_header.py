@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kv_transfer.heads import HeadRange
+
 
 class WireError(Exception):
     """A frame that must not be trusted: malformed, truncated, oversized or corrupt."""
@@ -42,6 +44,22 @@ def _str(d: dict, key: str, max_len: int) -> str:
     return v
 
 
+def _heads(d: dict, sh: list[int]) -> tuple[int, int, int]:
+    """(head start, end, total) of a header: all three fields or none (= every head)."""
+    present = [k for k in ("hs", "he", "hn") if k in d]
+    if not present:
+        return 0, sh[3], sh[3]
+    if len(present) != 3:
+        raise WireError(f"header has head field(s) {present} but not all of 'hs', 'he', 'hn'")
+    hs, he, hn = _int(d, "hs"), _int(d, "he", 1), _int(d, "hn", 1)
+    if not hs < he <= hn:
+        raise WireError(f"header head range [{hs}, {he}) is not within [0, {hn})")
+    if sh[3] != he - hs:
+        raise WireError(f"header shape {sh} has {sh[3]} KV heads but the head range "
+                        f"[{hs}, {he}) has {he - hs}")
+    return hs, he, hn
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     request_id: str
@@ -60,6 +78,11 @@ class FrameHeader:
     checksum: int
     checksum_algo: str
     tx: int = 0  # the sender's transmission number, echoed by the ack
+    # the model's KV heads [head_start, head_end) of num_kv_heads the payload holds; a
+    # frame without them (a single-rank sender's) holds every head: [0, shape[3]) of shape[3]
+    head_start: int = 0
+    head_end: int = 0
+    num_kv_heads: int = 0
 
     @staticmethod
     def dtype_name(dtype: torch.dtype) -> str:
@@ -71,6 +94,10 @@ class FrameHeader:
     @property
     def key(self) -> tuple[str, int, int]:
         return (self.request_id, self.seq_no, self.part)
+
+    @property
+    def heads(self) -> HeadRange:
+        return HeadRange(self.head_start, self.head_end, self.num_kv_heads)
 
     @property
     def payload_nbytes(self) -> int:
@@ -88,7 +115,7 @@ class FrameHeader:
             "ls": self.layer_start, "le": self.layer_end, "dt": self.dtype,
             "sh": list(self.shape), "fin": self.is_final, "ft": self.first_token,
             "ten": self.tenant, "cs": self.checksum, "ca": self.checksum_algo,
-            "tx": self.tx,
+            "tx": self.tx, "hs": self.head_start, "he": self.head_end, "hn": self.num_kv_heads,
         }
 
     @classmethod
@@ -111,12 +138,14 @@ class FrameHeader:
         ca = d.get("ca")
         if ca not in CHECKSUM_ALGOS:
             raise WireError(f"header field 'ca' must be one of {CHECKSUM_ALGOS}, got {ca!r}")
+        hs, he, hn = _heads(d, sh)
         h = cls(
             request_id=_str(d, "rid", 1024), seq_no=_int(d, "seq"), part=_int(d, "part"),
             num_parts=_int(d, "np", 1), token_start=_int(d, "ts"), token_end=_int(d, "te"),
             layer_start=_int(d, "ls"), layer_end=_int(d, "le"), dtype=dt, shape=tuple(sh),
             is_final=fin, first_token=ft, tenant=_str(d, "ten", 256),
             checksum=_int(d, "cs", 0, 0xFFFFFFFFFFFFFFFF), checksum_algo=ca, tx=_int(d, "tx"),
+            head_start=hs, head_end=he, num_kv_heads=hn,
         )
         if h.part >= h.num_parts:
             raise WireError(f"header part {h.part} not below num_parts {h.num_parts}")

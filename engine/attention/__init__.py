@@ -11,6 +11,7 @@ import importlib
 
 _EXPORTS = {
     "AttentionBackend": "engine.attention.base",
+    "AttentionMetadata": "engine.attention.base",
     "ATTENTION_BACKENDS": "engine.attention.registry",
     "get_backend": "engine.attention.registry",
 }

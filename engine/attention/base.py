@@ -27,3 +27,17 @@ class AttentionBackend:
     paged_prefill_attention: PrefillFn
     paged_decode_attention: DecodeFn
     write_kv: WriteFn
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one flat batch; built by ModelRunner only."""
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int  # the first N tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # [N, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [N] int32
+    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [P + 1] int32, relative to the prefill part
+    prefill_seq_lens: torch.Tensor  # [P] int32

@@ -117,9 +117,14 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new K/V `[tokens, KVH, D]` into their slots (`slot_mapping` `[tokens]`)."""
+    """Scatter new K/V `[tokens, KVH, D]` into their slots (`slot_mapping` `[tokens]`).
+
+    A negative slot (-1) marks a padding token and is skipped (padding rows trail)."""
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
     idx = slot_mapping.long()
+    if idx.numel() and idx[-1] < 0:
+        n = int((idx >= 0).sum())
+        k, v, idx = k[:n], v[:n], idx[:n]
     flat_k.index_copy_(0, idx, k.to(k_cache.dtype))
     flat_v.index_copy_(0, idx, v.to(v_cache.dtype))

@@ -7,41 +7,30 @@ names match the HF checkpoints, so `load_state_dict` takes safetensors as they a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention.base import AttentionMetadata
+from engine.compile_ops import attend, paged_attention
 from engine.config import ModelConfig
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one flat batch; built by ModelRunner only."""
-
-    backend: AttentionBackend
-    slot_mapping: torch.Tensor  # [T] int64
-    num_decode_tokens: int  # the first N tokens are single-token decodes
-    decode_block_tables: torch.Tensor  # [N, max_blocks] int32
-    decode_seq_lens: torch.Tensor  # [N] int32
-    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
-    prefill_query_start_loc: torch.Tensor  # [P + 1] int32, relative to the prefill part
-    prefill_seq_lens: torch.Tensor  # [P] int32
+from engine.models.linear import pack, project
 
 
 class RMSNorm(nn.Module):
+    """transformers' RMSNorm as one op: `F.rms_norm` is bit-equal to its fp32 formula
+    (tests/unit/test_compiled_step.py); other dtypes normalise in fp32 and round before
+    the weight, as transformers does."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
 def _fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
@@ -70,8 +59,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer  # this layer's KV cache in a compiled step's context
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -85,6 +75,8 @@ class Attention(nn.Module):
         # set by fuse(); the q/k/v weights view it. Buffers, so that `.to()` moves them.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv_key: int | None = None  # packed copies (models/linear.py), set by pack()
+        self.o_key: int | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -108,7 +100,7 @@ class Attention(nn.Module):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 KVH) * D]
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_key)  # [T, (H+2KVH)*D]
             qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if self.qk_norm:
@@ -123,21 +115,13 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = q * c + _rotate_half(q) * s
             k = k * c + _rotate_half(k) * s
-        be = meta.backend
-        be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        n = meta.num_decode_tokens
-        parts = []
-        if n:
-            parts.append(be.paged_decode_attention(
-                q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
-            ))
-        if n < t:
-            parts.append(be.paged_prefill_attention(
-                q[n:], k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale,
-            ))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        if torch.compiler.is_compiling():  # one opaque op; caches and metadata from context
+            out = paged_attention(q, k, v, self.layer, self.scale)
+        else:
+            out = attend(meta, q, k, v, k_cache, v_cache, self.scale)
+        o = self.o_proj
+        return project(out.reshape(t, self.num_heads * self.head_dim), o.weight, o.bias,
+                       self.o_key)
 
 
 class MLP(nn.Module):
@@ -148,6 +132,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.gate_up_key: int | None = None
+        self.down_key: int | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -159,14 +145,16 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = project(x, self.gate_up_weight, self.gate_up_bias,
+                           self.gate_up_key).chunk(2, dim=-1)
+        d = self.down_proj
+        return project(F.silu(gate) * up, d.weight, d.bias, self.down_key)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -180,7 +168,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -195,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         # Rotary frequencies are not a buffer: `.to(dtype=bf16)` would round them (0.4%
         # error, radians of angle by position 4k). fp32 copies per device, made on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.packed: list[torch.Tensor] | None = None  # by key; see pack()
+        self.lm_head_key: int | None = None
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Install checkpoint tensors as the parameters themselves (`assign=True`: no copy
@@ -220,8 +210,28 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
             _fuse_params((layer.self_attn.o_proj,), "weight")
             _fuse_params((layer.mlp.down_proj,), "weight")
-        if self.lm_head.weight is not self.model.embed_tokens.weight:
-            _fuse_params((self.lm_head,), "weight")  # (a tied one serves embedding rows)
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        _fuse_params((self.lm_head,), "weight")
+        if tied:  # the embedding reads its rows from the same, transposed, storage:
+            # a strided gather of T rows costs little next to a logits GEMV at 2x speed
+            self.model.embed_tokens.weight = self.lm_head.weight
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """oneDNN-packed copies of every projection weight (after `fuse`; CPU fp32): GEMMs
+        of 2+ rows read them (models/linear.py). Modules keep the copies' keys only, so a
+        compiled graph names weights by position, not by object."""
+        self.packed = []
+
+        def add(weight: torch.Tensor) -> int:
+            self.packed.append(pack(weight))
+            return len(self.packed) - 1
+
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_key, a.o_key = add(a.qkv_weight), add(a.o_proj.weight)
+            m.gate_up_key, m.down_key = add(m.gate_up_weight), add(m.down_proj.weight)
+        self.lm_head_key = add(self.lm_head.weight)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """`[head_dim / 2]` fp32 rotary inverse frequencies on `device`, whatever the
@@ -242,16 +252,19 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor] | None = None,
+        v_caches: list[torch.Tensor] | None = None,
+        meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states `[T, hidden]` (logits are taken only where sampled)."""
+        """Hidden states `[T, hidden]` before the final norm (logits are taken only where
+        sampled). Compiled (engine.compile), the caches and metadata are left out: the
+        attention op reads them from the step context."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, k_caches[i], v_caches[i], meta)
+            x = layer(x, cos, sin, k_caches and k_caches[i], v_caches and v_caches[i], meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        return project(self.model.norm(hidden), self.lm_head.weight, None,
+                       self.lm_head_key).float()

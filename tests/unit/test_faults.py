@@ -139,10 +139,11 @@ def _wire_quiet(tx, rx, dst: PagedKV) -> None:
     assert pump(tx, rx, dst, ["sentinel"], timeout_s=30) == ({}, {})
 
 
+@pytest.mark.parametrize("connector", ["inproc", "torchdist"])
 @pytest.mark.parametrize("kind", ["duplicate", "reorder", "delay"])
-def test_duplicate_reorder_and_delay_deliver_byte_exact_kv(kind):
+def test_duplicate_reorder_and_delay_deliver_byte_exact_kv(kind, connector):
     tx_f, rx_f, done, caches, tx, rx, inj = _transfer(
-        {"kind": kind, "delay_s": 0.01, "request_filter": "^r"})
+        {"kind": kind, "delay_s": 0.01, "request_filter": "^r"}, connector)
     try:
         assert (tx_f, rx_f) == ({}, {}) and done == {"r0#1", "r1#1", "r2#1"}
         assert all(_exact(caches, f"r{i}#1") for i in range(3))
@@ -156,9 +157,10 @@ def test_duplicate_reorder_and_delay_deliver_byte_exact_kv(kind):
         rx.close()
 
 
-def test_corrupt_frame_is_caught_by_the_checksum_and_fails_the_request_on_both_sides():
+@pytest.mark.parametrize("connector", ["inproc", "torchdist"])
+def test_corrupt_frame_is_caught_by_the_checksum_and_fails_the_request_on_both_sides(connector):
     plan = {"kind": "corrupt", "request_filter": "^r1#", "every_nth": 2, "max_count": 1}
-    tx_f, rx_f, done, caches, tx, rx, inj = _transfer(plan)
+    tx_f, rx_f, done, caches, tx, rx, inj = _transfer(plan, connector)
     try:
         assert set(tx_f) == {"r1#1"} and set(rx_f) == {"r1#1"}
         assert "checksum mismatch" in rx_f["r1#1"] and "rejected" in tx_f["r1#1"]
@@ -170,9 +172,10 @@ def test_corrupt_frame_is_caught_by_the_checksum_and_fails_the_request_on_both_s
         rx.close()
 
 
-def test_dropped_frame_leaves_the_request_incomplete_until_the_owner_aborts_it():
+@pytest.mark.parametrize("connector", ["inproc", "torchdist"])
+def test_dropped_frame_leaves_the_request_incomplete_until_the_owner_aborts_it(connector):
     tx_f, rx_f, done, caches, tx, rx, inj = _transfer(
-        {"kind": "drop", "request_filter": "^r0#", "every_nth": 3, "max_count": 1})
+        {"kind": "drop", "request_filter": "^r0#", "every_nth": 3, "max_count": 1}, connector)
     try:
         # the sender believes everything arrived; the receiver never completes r0
         assert (tx_f, rx_f) == ({}, {}) and done == {"r1#1", "r2#1"}

@@ -1,4 +1,5 @@
-"""In-process connector end to end: byte-exact round trips and the sender's lifecycle."""
+"""The connector contract end to end, for every connector that runs in one process
+(inproc, tcp, torchdist): byte-exact round trips and the sender's lifecycle."""
 
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
 from kv_transfer.testing import PagedKV, make_chunks, pump, random_bounds
 
 SHAPE = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64}  # 4 KiB of KV per token
+SECRET = b"connector-contract-tests-secret-0123"
+CONNECTORS = ["inproc", "tcp", "torchdist"]
+NOWHERE = {"inproc": "inproc://no-such-receiver", "tcp": "tcp://127.0.0.1:1",
+           "torchdist": "torchdist://127.0.0.1:1"}
+
+
+def _cfg(connector: str, **kw) -> TransferConfig:
+    if connector == "tcp":
+        kw["secret"] = SECRET
+    return TransferConfig(connector=connector, **kw)
+
+
+@pytest.fixture(params=CONNECTORS)
+def connector(request) -> str:
+    return request.param
 
 
 def _caches(src_block: int, dst_block: int) -> tuple[PagedKV, PagedKV]:
@@ -21,9 +37,10 @@ def _caches(src_block: int, dst_block: int) -> tuple[PagedKV, PagedKV]:
 
 @pytest.mark.parametrize(("src_block", "dst_block"), [(16, 32), (32, 16), (16, 48)])
 @pytest.mark.parametrize("policy", ["eager", "at_end", "paced"])
-def test_round_trip_random_ranges_across_block_sizes_is_byte_exact(src_block, dst_block, policy):
+def test_round_trip_random_ranges_across_block_sizes_is_byte_exact(src_block, dst_block, policy,
+                                                                   connector):
     # 64 KiB frames force chunks to be split by layer and by token range on the way
-    cfg = TransferConfig(send_policy=policy, rate_bytes_per_s=200e6, max_frame_bytes=64 << 10,
+    cfg = _cfg(connector, send_policy=policy, rate_bytes_per_s=200e6, max_frame_bytes=64 << 10,
                          credit_window_bytes=256 << 10, send_queue="wfq")
     rng = random.Random(src_block * 7 + dst_block)
     src, dst = _caches(src_block, dst_block)
@@ -65,8 +82,8 @@ def _wait(cond, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_request_finishes_only_when_the_owner_released_every_frame():
-    cfg = TransferConfig()
+def test_a_request_finishes_only_when_the_owner_released_every_frame(connector):
+    cfg = _cfg(connector)
     rx, tx = make_receiver(cfg), make_sender(cfg)
     try:
         for s in range(3):
@@ -89,8 +106,8 @@ def test_a_request_finishes_only_when_the_owner_released_every_frame():
         rx.close()
 
 
-def test_sender_abort_drops_queued_frames_and_reports_nothing():
-    cfg = TransferConfig(send_policy="at_end")
+def test_sender_abort_drops_queued_frames_and_reports_nothing(connector):
+    cfg = _cfg(connector, send_policy="at_end")
     rx, tx = make_receiver(cfg), make_sender(cfg)
     try:
         tx.send(_one("gone", 0, False), dest=rx.endpoint)
@@ -109,28 +126,34 @@ def test_sender_abort_drops_queued_frames_and_reports_nothing():
         rx.close()
 
 
-def test_sender_rejects_contract_violations():
-    cfg = TransferConfig()
+def test_sender_rejects_contract_violations(connector):
+    cfg = _cfg(connector)
     rx, tx = make_receiver(cfg), make_sender(cfg)
     try:
         tx.send(_one("r", 0, False), dest=rx.endpoint)
         with pytest.raises(ValueError, match="sent twice"):
             tx.send(_one("r", 0, False), dest=rx.endpoint)
-        with pytest.raises(ValueError, match="bound to"):
-            tx.send(_one("r", 1, False), dest="inproc://elsewhere")
+        # a batch with one bad item queues nothing of it
+        with pytest.raises(ValueError, match="sent twice"):
+            tx.send_many([(_one("r", 1, False), rx.endpoint), (_one("r", 1, True), rx.endpoint)])
+        assert tx.stats()["requests"]["r"]["bytes_queued"] == _one("r", 0, False).nbytes
         tx.send(_one("r", 1, True), dest=rx.endpoint)
         with pytest.raises(ValueError, match="after its final chunk"):
             tx.send(_one("r", 2, True), dest=rx.endpoint)
+        # another receiver (a decode TP rank) joining after the final chunk would let the
+        # request finish before that receiver got anything
+        with pytest.raises(ValueError, match="new receiver"):
+            tx.send(_one("r", 0, True), dest=NOWHERE[connector])
     finally:
         tx.close()
         rx.close()
 
 
-def test_unreachable_or_closed_receiver_fails_its_requests():
-    cfg = TransferConfig(failure_timeout_s=1.0)
+def test_unreachable_or_closed_receiver_fails_its_requests(connector):
+    cfg = _cfg(connector, failure_timeout_s=1.0, handshake_timeout_s=1.0)
     rx, tx = make_receiver(cfg), make_sender(cfg)
     try:
-        tx.send(_one("nowhere", 0, True), dest="inproc://no-such-receiver")
+        tx.send(_one("nowhere", 0, True), dest=NOWHERE[connector])
         tx.send(_one("cut", 0, False), dest=rx.endpoint)
         _wait(lambda: len(rx.poll().chunks) == 1)
         rx.close()  # receiver gone mid-request
@@ -143,8 +166,8 @@ def test_unreachable_or_closed_receiver_fails_its_requests():
         rx.close()
 
 
-def test_sender_close_reports_unfinished_requests_failed():
-    cfg = TransferConfig(send_policy="at_end")
+def test_sender_close_reports_unfinished_requests_failed(connector):
+    cfg = _cfg(connector, send_policy="at_end")
     rx, tx = make_receiver(cfg), make_sender(cfg)
     tx.send(_one("r", 0, False), dest=rx.endpoint)
     tx.close()
@@ -159,8 +182,8 @@ class PagedKVStub:
         pass
 
 
-def test_idle_owner_can_block_in_wait_until_a_chunk_arrives():
-    cfg = TransferConfig()
+def test_idle_owner_can_block_in_wait_until_a_chunk_arrives(connector):
+    cfg = _cfg(connector)
     rx, tx = make_receiver(cfg), make_sender(cfg)
     try:
         t0 = time.monotonic()

@@ -1,0 +1,191 @@
+"""The compiled model step: `torch.compile` of the model forward, for ModelRunner.
+
+Modes (`EngineConfig.compile`, `LLM(compile=...)`, `--compile`):
+- `none`    every step runs the eager forward;
+- `decode`  steps whose rows are all single-token decodes run the compiled forward;
+- `all`     every step does (prefill chunks and mixed batches too);
+- `auto`    the default: `AUTO_MODE` of the device type, chosen from measurements
+            (bench/engine_vs_hf.py --compile; see the README's figures).
+
+The graph covers embedding, every layer and rotary; attention is one opaque op per layer
+(engine/compile_ops.py) that reads the step's caches and metadata from a context, so the
+graph's inputs are token ids and positions only: its shape is the token count T and
+nothing else. It is compiled with dynamic shapes, once for T == 1 and once for T >= 2
+(dynamo specialises size 1), so no batch or chunk size compiles again while serving.
+
+- CPU: inductor's C++/OpenMP kernels; batches run unpadded (a padded row costs a GEMM row).
+- CUDA: decode steps run as CUDA graphs (`mode="reduce-overhead"`), one per batch-size
+  bucket: a decode batch is padded to its bucket (`DECODE_BUCKETS`, as vLLM's capture
+  sizes) with rows that write nowhere (slot -1), and its block table to the longest
+  sequence the cache holds, so the step buffer's layout, which a graph reads at fixed
+  addresses, depends on the bucket only. Prefill (`all`) is compiled without graphs.
+
+Every graph is built during start-up (`warmup`), timed and logged; inductor caches its
+artefacts on disk (`$TORCHINDUCTOR_CACHE_DIR`, by default under the pdserve cache), so a
+second start with the same model compiles nothing. Where compiling or a compiled step
+fails, the runner logs why and goes on eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import COMPILE_MODES
+
+log = logging.getLogger(__name__)
+
+# CPU: "none". Measured on the 2-core development machine (SmolLM2 fp32, one thread,
+# compiled and eager steps interleaved, CPU ms): batch 1 42.7 -> 40.4, batch 4 42.5 -> 40.9,
+# batch 16 76.9 -> 73.7, a 512-token chunk 1367 -> 1331 (3-5%: the GEMMs dominate), for
+# 20-70 s more start-up with a warm inductor cache and minutes cold. It does not pay there.
+# CUDA: decode steps as CUDA graphs (launch overhead is what bounds a small decode step).
+AUTO_MODE = {"cpu": "none", "cuda": "decode"}
+PADDED_DECODE = {"cuda"}  # devices whose decode steps pad to buckets (CUDA graphs need it)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+RECOMPILE_LIMIT = 64  # dynamo's cache entries per code object (engines of several models)
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+    return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The CUDA-graph batch sizes: DECODE_BUCKETS up to the first one >= max_num_seqs."""
+    out = [b for b in DECODE_BUCKETS if b < max_num_seqs]
+    return (*out, next((b for b in DECODE_BUCKETS if b >= max_num_seqs), max_num_seqs))
+
+
+def default_cache_dir() -> str:
+    from engine.model_fetch import cache_root
+
+    return str(cache_root() / "inductor")
+
+
+@dataclass
+class CompileReport:
+    """What start-up compiled and what it cost (`LLM.runner.compiled.report`)."""
+
+    requested: str
+    mode: str  # the mode in force: "none" after a fallback
+    compile_s: float = 0.0
+    graphs: list[str] = field(default_factory=list)  # "decode T=1", "mixed T=2", ...
+    cache_hits: int = 0
+    cache_misses: int = 0
+    fallback_reason: str | None = None
+
+    def line(self) -> str:
+        if self.mode == "none":
+            why = f": {self.fallback_reason}" if self.fallback_reason else ""
+            return f"compiled step off (requested {self.requested}){why}"
+        return (f"compiled step: mode {self.mode}, {len(self.graphs)} shapes warmed up in "
+                f"{self.compile_s:.1f} s (inductor cache {self.cache_hits} hits, "
+                f"{self.cache_misses} misses)")
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return first[:300]
+
+
+class CompiledStep:
+    """The compiled forwards of one model on one device (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, mode: str,
+                 max_num_seqs: int):
+        self.device = device
+        self.report = CompileReport(requested=mode, mode=resolve_mode(mode, device))
+        self.graphs = device.type == "cuda"  # CUDA graphs for decode steps
+        # decode batches padded to buckets, tables to a fixed width: what graphs need
+        self.padded = device.type in PADDED_DECODE
+        self.buckets = decode_buckets(max_num_seqs) if self.padded else ()
+        self._decode: Callable | None = None
+        self._mixed: Callable | None = None
+        if self.report.mode == "none":
+            return
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+        dyn = torch._dynamo.config
+        dyn.recompile_limit = max(dyn.recompile_limit, RECOMPILE_LIMIT)
+
+        # Two code objects: dynamo keeps compiled entries per code object, so the
+        # CUDA-graph decode forward and the graph-free prefill one never meet.
+        def decode_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model(input_ids, positions)
+
+        def mixed_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model(input_ids, positions)
+
+        mode_kw = {"mode": "reduce-overhead"} if self.graphs else {}
+        self._decode = torch.compile(decode_forward, dynamic=True, fullgraph=True, **mode_kw)
+        if self.report.mode == "all":
+            # on CPU one graph serves both (its inputs are only ids and positions)
+            self._mixed = (torch.compile(mixed_forward, dynamic=True, fullgraph=True)
+                           if self.graphs else self._decode)
+
+    @property
+    def mode(self) -> str:
+        return self.report.mode
+
+    def forward_for(self, decode_only: bool) -> Callable | None:
+        """The compiled forward for a step, or None: run it eagerly."""
+        return self._decode if decode_only else self._mixed
+
+    def bucket(self, num_decodes: int) -> int:
+        """Rows a decode step of `num_decodes` runs with (its CUDA-graph bucket)."""
+        if not self.buckets or num_decodes > self.buckets[-1]:
+            return num_decodes
+        return next(b for b in self.buckets if b >= num_decodes)
+
+    def run(self, fn: Callable, input_ids: torch.Tensor, positions: torch.Tensor
+            ) -> torch.Tensor:
+        if self.graphs and fn is self._decode:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are done
+        return fn(input_ids, positions)
+
+    def warmup(self, run_padded: Callable[[bool, int], None]) -> None:
+        """Build every graph serving will use, before the first request: `run_padded(
+        decode_only, rows)` runs one step of padding rows (they write no KV). On failure
+        the mode becomes "none" and the reason is logged."""
+        if self.mode == "none":
+            return
+        rep = self.report
+        from torch._dynamo.utils import counters
+
+        hits0 = counters["inductor"]["fxgraph_cache_hit"]
+        miss0 = counters["inductor"]["fxgraph_cache_miss"]
+        t0 = time.perf_counter()
+        shapes: list[tuple[bool, int]] = [(True, b) for b in self.buckets] or [(True, 1),
+                                                                              (True, 2)]
+        if rep.mode == "all" and self.graphs:
+            shapes += [(False, 2), (False, 3)]
+        try:
+            for decode_only, rows in shapes:
+                for _ in range(3 if self.graphs and decode_only else 1):  # warm, record, replay
+                    run_padded(decode_only, rows)
+                    if self.mode == "none":  # the step failed, was logged and ran eagerly
+                        return
+                rep.graphs.append(f"{'decode' if decode_only else 'mixed'} T={rows}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: serve eagerly
+            self.disable(e)
+            return
+        rep.compile_s = time.perf_counter() - t0
+        rep.cache_hits = counters["inductor"]["fxgraph_cache_hit"] - hits0
+        rep.cache_misses = counters["inductor"]["fxgraph_cache_miss"] - miss0
+        log.info(rep.line())
+
+    def disable(self, error: BaseException) -> None:
+        """Turn the compiled step off for good (the runner re-runs the step eagerly)."""
+        self.report.mode = "none"
+        self.report.fallback_reason = _short(error)
+        self._decode = self._mixed = None
+        log.warning("%s; running eagerly", self.report.line())
