@@ -198,9 +198,14 @@ def report_throughput(streams: int, eng: dict, svc: dict, floor: dict) -> None:
     fd_msg = svc["cpu"]["front door"] / max(1, svc["messages"]) * 1e6
     print(f"{tag} grpc floor: {floor['us_per_message']:.1f} us server CPU per 24-byte message "
           f"({floor['messages']} messages) ({floor['load']})")
+    base = floor["us_per_message"]
+    if base <= 0:  # the floor server's CPU stayed under one clock tick (a --quick run)
+        print(f"{tag} front door per streamed message: {fd_msg:.1f} us; per token "
+              f"{per['front door']:.1f} us (no ratio: too few messages to time the floor)")
+        return
     print(f"{tag} front door per streamed message: {fd_msg:.1f} us = "
-          f"{fd_msg / floor['us_per_message']:.2f}x the grpc floor; per token "
-          f"{per['front door']:.1f} us = {per['front door'] / floor['us_per_message']:.2f}x")
+          f"{fd_msg / base:.2f}x the grpc floor; per token "
+          f"{per['front door']:.1f} us = {per['front door'] / base:.2f}x")
 
 
 def report_idle(eng: dict, svc: dict) -> None:

@@ -91,9 +91,11 @@ class CompileReport:
 
 
 def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    first = text.splitlines()[0] if text else type(e).__name__
-    return first[:300]
+    """One line naming the failure: inductor's first line ends in "raised:", and what
+    it raised is on the next non-empty line."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    return text[:300]
 
 
 class CompiledStep:
@@ -188,4 +190,4 @@ class CompiledStep:
         self.report.mode = "none"
         self.report.fallback_reason = _short(error)
         self._decode = self._mixed = None
-        log.warning("%s; running eagerly", self.report.line())
+        log.warning("%s; running eagerly", self.report.line(), exc_info=error)

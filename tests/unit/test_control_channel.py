@@ -107,6 +107,11 @@ def test_load_reaches_an_idle_link_and_a_wrong_secret_is_refused():
     async def go():
         got = []
         ch = await _connect(srv, got)
+        # the server admits the link on its own thread, and subscribes it once the link
+        # spoke: a publish before that has nobody to send to (the worker's loop publishes
+        # every step; this test publishes once)
+        await _until(lambda: srv._links and all(k.subscribed for k in srv._links),
+                     "the link subscribed")
         w.load = WorkerLoad(kv_blocks_used=5)
         srv._idle = lambda: True  # the worker went idle: its last load goes out at once
         srv.publish([])
