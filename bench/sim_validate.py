@@ -119,6 +119,31 @@ def diagnose(real: dict, sim: dict, metric: str) -> str:
     return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms"
 
 
+def describe(cal, rows: list[dict]) -> str:
+    """What the simulated side knows: how its calibration and control plane were taken."""
+    w, c = cal.data.get("workload", {}), cal.data.get("control", {})
+    d, svc = c.get("delivery", {}), c.get("service", {})
+    factors = [r["factor"] for r in rows if "factor" in r]
+    lines = [f"calibration: {w.get('stat', 'min')} of {w.get('repeats')} timings per point, "
+             f"taken in this run before the real runs (load average "
+             f"{', '.join(f'{x:.1f}' for x in w.get('load_average', []))})"]
+    if factors:
+        lines.append(f"compute scaled per run by a contention probe (reference steps timed just "
+                     f"before each real run / at calibration): x{min(factors):.2f}..x"
+                     f"{max(factors):.2f}")
+    if svc:
+        lines.append(
+            f"control plane measured on a real 1P1D service at idle ({svc['requests']} "
+            f"requests): dispatch {svc['dispatch_s_median'] * 1e3:.2f} ms (rpc_s = "
+            f"{c['rpc_s'] * 1e3:.2f} ms per message), first token +{d['first_token_s'] * 1e3:.2f}"
+            f" ms, tokens +{d['token_s'] * 1e3:.2f} ms after their step, "
+            f"{d['gap_s'] * 1e3:.2f} ms between deliveries per {d['scope']} (fit error "
+            f"{svc['fit_mean_abs_err_s'] * 1e3:.2f} ms per token)")
+    else:
+        lines.append("control plane: " + cal.source_of("control.delivery"))
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = ("config", "load", "TTFT p50 ms real/sim/err", "TTFT p99 ms real/sim/err",
             "ITL p50 ms real/sim/err", "ITL p99 ms real/sim/err", "term off (sim vs real)")
@@ -155,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.reprint:
         data = json.loads(Path(args.reprint).read_text())
-        print(f"cost model: {data['label']}\n{table(data['rows'])}")
+        print(f"cost model: {data['label']}\n{data.get('header', '')}\n{table(data['rows'])}")
         return 0
     logging.basicConfig(level=logging.WARNING)
     from bench.studies.service import ServicePool, ensure_ray
@@ -164,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     from sim.calibration import Calibration
     from sim.cluster import simulate_config
     from sim.cost_loader import load_costs
+    from sim.measure import Measurer
+    from sim.measure_control import add_control
     from sim.options import SimOptions
+    from sim.scaled import ScaledCosts, contention_probe
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,41 +202,54 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown configuration(s) {sorted(unknown)}; known: {list(CONFIGS)}")
     t0 = time.monotonic()
+    base = base_config(model_dir)
+    ensure_ray(num_cpus=4)
     cal_path = args.calibration or str(out / "calibration.json")
     if not args.calibration:
+        # the median under the machine's load now (the runs share it), not the fastest
         print(f"calibrating {model_dir} on this machine -> {cal_path}")
         calibrate(model_dir, out=cal_path, max_model_len=MAX_MODEL_LEN, max_batch_tokens=512,
-                  max_seqs=64, log=lambda s: print(f"  {s}"))
+                  max_seqs=64, stat="median", log=lambda s: print(f"  {s}"))
+        add_control(cal_path, base.with_values({"pools.prefill_workers": 1,
+                                                "pools.decode_workers": 1}),
+                    log=lambda s: print(f"  {s}"))
     costs = load_costs(Calibration.load(cal_path))
-    print(f"cost model: {costs.label}")
-    base = base_config(model_dir)
+    probe = Measurer(model_dir, device="cpu", dtype="float32", backend="auto", block_size=16,
+                     max_model_len=MAX_MODEL_LEN, max_batch_tokens=512, max_seqs=4,
+                     repeats=9, kv_budget_bytes=1 << 28, stat="median")
+    ref = contention_probe(probe)  # the reference steps under the calibration's load
+    print(f"cost model: {costs.label}; contention probe {ref * 1e3:.2f} ms")
     from engine.loader import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
-    ensure_ray(num_cpus=4)
     pool = ServicePool(trace=False)
     rows: list[dict] = []
     try:
         for name in names:
             cfg = config_for(base, CONFIGS[name])
+            svc = pool.get(cfg)
             for load, rate in LOADS.items():
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
-                real = pool.get(cfg).run_workload(reqs, transport="inproc")
-                sim = simulate_config(cfg, reqs, costs, SimOptions())
-                row = {"config": name, "load": f"{load} ({rate:g}/s)",
+                # the same reference steps just before this run: the load it will share
+                factor = contention_probe(probe) / ref
+                scaled = ScaledCosts(costs, factor, "contention probe before the run")
+                real = svc.run_workload(reqs, transport="inproc")
+                sim = simulate_config(cfg, reqs, scaled, SimOptions())
+                row = {"config": name, "load": f"{load} ({rate:g}/s)", "factor": factor,
                        "real": summarize(real), "sim": summarize(sim)}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
     finally:
         pool.close()
     text = table(rows)
+    header = describe(costs.calibration, rows)
     print(f"\nsimulated vs real on this machine ({time.monotonic() - t0:.0f} s); "
-          f"cost model: {costs.label}\n{text}")
+          f"cost model: {costs.label}\n{header}\n{text}")
     misses = sum("within" not in line for line in text.splitlines()[2:])
     print(f"{len(rows) - misses} of {len(rows)} rows within {GOAL:.0%} at p50 and p99")
-    (out / "sim_validate.md").write_text(text + "\n")
+    (out / "sim_validate.md").write_text(header + "\n" + text + "\n")
     (out / "sim_validate.json").write_text(json.dumps(
-        {"calibration": cal_path, "label": costs.label, "rows": rows}, indent=1, default=str))
+        {"calibration": cal_path, "label": costs.label, "header": header, "rows": rows}, indent=1, default=str))
     return 0
 
 
