@@ -79,20 +79,19 @@ def fit_delivery(streams: list[tuple[np.ndarray, np.ndarray]], *, first_token_s:
                  scope: str, poll_timeout_s: float | None, offset_s: float = 0.0,
                  ) -> tuple[Delivery, float]:
     """``token_s`` and ``gap_s`` that best reproduce measured streams: each is (step ends,
-    client arrival times) of one request's decode tokens on an idle service. Grid search
-    on the mean absolute error of the arrivals; returns the model and that error.
+    client arrival times) of one request's decode tokens on an idle service. Which steps
+    go together depends on ``gap_s`` alone and ``token_s`` only shifts them, so for each
+    ``gap_s`` of a fine grid the best ``token_s`` is the median residual; the pair with
+    the least mean absolute error of the arrivals wins (returned with that error).
     ``offset_s`` is subtracted from ``token_s`` (work the simulator already counts in the
     step after the measured end)."""
-    lags = np.concatenate([a - e for e, a in streams])
-    lo, hi = max(0.0, float(np.min(lags))), float(np.percentile(lags, 50))
-    token_grid = np.linspace(lo, max(hi, lo + 1e-5), 25)
-    gap_grid = np.concatenate([[0.0], np.geomspace(1e-4, 0.03, 40)])
     best: tuple[float, float, float] | None = None
-    for gap in gap_grid:
-        for tok in token_grid:
-            d = Delivery(first_token_s, float(tok), float(gap), scope, poll_timeout_s)
-            err = float(np.mean(np.concatenate([np.abs(d.arrivals(e) - a) for e, a in streams])))
-            if best is None or err < best[0]:
-                best = (err, float(tok), float(gap))
+    for gap in np.concatenate([[0.0], np.geomspace(5e-5, 0.05, 400)]):
+        taken = Delivery(first_token_s, 0.0, float(gap), scope, poll_timeout_s)
+        resid = np.concatenate([a - taken.arrivals(e) for e, a in streams])
+        tok = max(float(np.median(resid)), 0.0)
+        err = float(np.mean(np.abs(resid - tok)))
+        if best is None or err < best[0]:
+            best = (err, tok, float(gap))
     err, tok, gap = best
     return Delivery(first_token_s, max(tok - offset_s, 0.0), gap, scope, poll_timeout_s), err

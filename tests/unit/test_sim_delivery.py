@@ -1,0 +1,106 @@
+"""The control plane's delivery model (sim/delivery.py), its fit to measured streams, its
+use in a simulated run, and the contention-scaled cost model (sim/scaled.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.workload import WorkloadRequest
+from sim.adapters import ServeConfig
+from sim.calibration import Calibration, CalibrationError
+from sim.cluster import Simulation
+from sim.cost_loader import load_costs
+from sim.costs import TableCosts
+from sim.delivery import Delivery, fit_delivery
+from sim.options import SimOptions
+from sim.scaled import ScaledCosts
+from sim.synthetic import synthetic_calibration
+
+MS = 1e-3
+
+
+def test_without_a_gap_each_step_arrives_token_s_after_it() -> None:
+    ends = np.array([0.0, 1.0, 2.5]) * MS
+    assert Delivery(0.0, 0.4 * MS).arrivals(ends) == pytest.approx(ends + 0.4 * MS)
+
+
+def test_steps_that_end_while_the_path_is_busy_go_together_once_it_is_free() -> None:
+    d = Delivery(0.0, 0.5 * MS, gap_s=2.5 * MS, scope="worker")
+    # step 0 taken at once; the path is busy until 2.5 ms: steps 1 and 2 go then; busy
+    # again until 5 ms: step 3 goes then; busy until 7.5 ms: step 4 (6 ms) goes then;
+    # step 5 ends after the path is free again: taken at once
+    ends = np.array([0.0, 1.0, 2.0, 3.0, 6.0, 10.5]) * MS
+    assert d.arrivals(ends) / MS == pytest.approx([0.5, 3.0, 3.0, 5.5, 8.0, 11.0])
+
+
+def test_an_event_in_the_gap_after_an_empty_poll_waits_for_the_next_poll() -> None:
+    d = Delivery(0.0, 0.0, gap_s=1 * MS, scope="worker", poll_timeout_s=50 * MS)
+    # after step 0 the next poll is armed at 1 ms, times out at 51 ms, re-armed at 52 ms
+    inside = d.arrivals(np.array([0.0, 50.5 * MS]))
+    in_gap = d.arrivals(np.array([0.0, 51.5 * MS]))
+    assert inside[1] == pytest.approx(50.5 * MS)
+    assert in_gap[1] == pytest.approx(52 * MS)
+
+
+def test_bad_delivery_figures_are_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="gap_s"):
+        Delivery(0.0, 0.0, gap_s=-1.0)
+    with pytest.raises(ValueError, match="scope"):
+        Delivery(0.0, 0.0, scope="router")
+
+
+def test_the_fit_recovers_the_mechanism_that_made_the_streams() -> None:
+    truth = Delivery(0.0, 0.6 * MS, gap_s=1.8 * MS, scope="worker", poll_timeout_s=0.05)
+    rng = np.random.default_rng(0)
+    streams = []
+    for _ in range(6):
+        ends = np.cumsum(rng.uniform(0.5, 1.5, 24)) * MS
+        streams.append((ends, truth.arrivals(ends)))
+    got, err = fit_delivery(streams, first_token_s=0.0, scope="worker", poll_timeout_s=0.05)
+    assert err < 0.1 * MS
+    assert got.token_s == pytest.approx(truth.token_s, abs=0.1 * MS)
+    assert got.gap_s == pytest.approx(truth.gap_s, rel=0.15)
+
+
+def _sim(delivery: Delivery) -> Simulation:
+    cal = synthetic_calibration(prefill=lambda c, p: 0.010, decode=lambda b, L: 0.001,
+                                rpc_s=0.001, delivery=delivery)
+    cfg = ServeConfig().with_values({
+        "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
+        "cache.num_blocks": 256, "model.max_model_len": 2048})
+    return Simulation(cfg, load_costs(cal), SimOptions())
+
+
+def test_a_run_delivers_the_first_token_and_coalesced_decode_tokens_as_measured() -> None:
+    req = WorkloadRequest("r0", 0.0, list(range(1, 33)), max_tokens=9)
+    plain = _sim(Delivery(0.001, 0.001)).run([req]).records()[0]
+    slow = _sim(Delivery(0.004, 0.001, gap_s=0.0025, scope="worker")).run([req]).records()[0]
+    # the first token 3 ms later; the decode steps (1 ms apart) reach the client in
+    # groups: the first alone, then what ended during each 2.5 ms gap
+    assert slow.ttft == pytest.approx(plain.ttft + 0.003, abs=1e-12)
+    assert min(plain.itls[1:]) == pytest.approx(0.001, abs=1e-12)
+    decode_itls = np.array(slow.itls[1:])
+    assert (decode_itls < 1e-9).sum() >= 3  # tokens that came together
+    assert slow.token_times[-1] >= plain.token_times[-1]
+
+
+def test_a_calibration_without_its_delivery_model_is_an_error_naming_it() -> None:
+    data = synthetic_calibration(prefill=lambda c, p: 0.01, decode=lambda b, L: 0.001).data
+    del data["control"]["delivery"]
+    with pytest.raises(CalibrationError, match=r"missing entry 'control.delivery'"):
+        _ = TableCosts(Calibration(data, "cal.json")).delivery
+
+
+def test_a_contention_factor_scales_compute_but_not_links_or_the_control_plane() -> None:
+    base = load_costs(synthetic_calibration(
+        prefill=lambda c, p: 0.01, decode=lambda b, L: 0.002, sample_s=1e-4,
+        step_overhead_s=2e-4, link_latency_s=5e-4, rpc_s=1e-3))
+    s = ScaledCosts(base, 1.5, "probe")
+    assert s.prefill_s([(64, 0)]) == pytest.approx(0.015)
+    assert s.decode_s(1, 100) == pytest.approx(0.003)
+    assert s.sample_s(1) == pytest.approx(1.5e-4)
+    assert s.step_overhead_s("decode", 1) == pytest.approx(3e-4)
+    assert s.link("inproc") == base.link("inproc")
+    assert s.rpc_s == base.rpc_s and s.delivery == base.delivery
+    assert "x1.50 (probe)" in s.label
