@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 GOAL = 0.10
 # name -> (pools P, D, prefill chunk, send policy, fairness policy); a fractional design
 # over the factors (each level of each factor appears; ~1 min per configuration here)
@@ -71,6 +73,35 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
         long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))
 
 
+def _by_request(events) -> dict[str, dict[str, list]]:
+    out: dict[str, dict[str, list]] = {}
+    for e in events:  # leg ids are "<request_id>#...": the request's legs together
+        out.setdefault(e.request_id.split("#")[0], {}).setdefault(e.phase, []).append(e)
+    return out
+
+
+def control_terms(out) -> dict[str, float | None]:
+    """From the traces against the client's times (wall clock): dispatch (send -> first
+    prefill chunk), first-token delivery (last chunk's end -> first token) and token
+    delivery p50 / p99 (a decode step's end -> its token at the client)."""
+    ev, off = _by_request(out.events), out.wall_offset
+    dispatch, first, lags = [], [], []
+    for r in out.records:
+        e = ev.get(r.request_id, {})
+        chunks = sorted(e.get("prefill_chunk", []), key=lambda x: x.start)
+        steps = sorted(e.get("decode_step", []), key=lambda x: x.end)
+        if not r.success or not chunks or not r.token_times:
+            continue
+        t = [x + off for x in r.token_times]
+        dispatch.append(chunks[0].start - (r.send_time + off))
+        first.append(t[0] - chunks[-1].end)
+        if len(steps) == len(t) - 1:  # one leg, no preemption: step k made token k + 1
+            lags += [a - s.end for a, s in zip(t[1:], steps, strict=True)]
+    q = (lambda xs, p: float(np.percentile(xs, p)) if xs else None)  # noqa: E731
+    return {"dispatch": q(dispatch, 50), "first-token delivery": q(first, 50),
+            "token delivery p50": q(lags, 50), "token delivery p99": q(lags, 99)}
+
+
 def summarize(out) -> dict[str, Any]:
     """TTFT / ITL percentiles and the terms the diagnosis compares."""
     from bench.metrics import compute_metrics
@@ -88,7 +119,18 @@ def summarize(out) -> dict[str, Any]:
             "terms": {"prefill step": mean_step_s(out.worker_stats, "prefill"),
                       "decode step": mean_step_s(out.worker_stats, "decode"),
                       "prefill queue": med("queue_s"), "prefill phase": med("prefill_s"),
-                      "KV transfer": med("transfer_s")}}
+                      "KV transfer": med("transfer_s"), **control_terms(out)}}
+
+
+def contention(real, sim) -> dict[str, float]:
+    """Per role: the real workers' mean step time over the simulator's on the same run."""
+    from bench.studies.service import mean_step_s
+
+    out = {}
+    for role in ("prefill", "decode"):
+        a, b = mean_step_s(real.worker_stats, role), mean_step_s(sim.worker_stats, role)
+        out[role] = a / b if a and b else 1.0
+    return out
 
 
 def rel(real: float | None, sim: float | None) -> float | None:
@@ -97,19 +139,23 @@ def rel(real: float | None, sim: float | None) -> float | None:
     return (sim - real) / real
 
 
-# the terms a metric is made of: TTFT = queueing + the prefill's steps (+ RPCs);
-# ITL p50 = a decode step; ITL p99 = a decode step or the wait for a leg's KV
-TERMS = {"ttft_p50": ("prefill queue", "prefill phase"),
-         "ttft_p99": ("prefill queue", "prefill phase"),
-         "itl_p50": ("decode step",), "itl_p99": ("decode step", "KV transfer")}
+# the terms a metric is made of: TTFT = dispatch + queueing + the prefill's steps + the
+# first token's delivery; ITL p50 = a decode step or its delivery; ITL p99 = a decode step,
+# the wait for a leg's KV or a late delivery
+TERMS = {"ttft_p50": ("dispatch", "prefill queue", "prefill phase", "first-token delivery"),
+         "ttft_p99": ("dispatch", "prefill queue", "prefill phase", "first-token delivery"),
+         "itl_p50": ("decode step", "token delivery p50"),
+         "itl_p99": ("decode step", "KV transfer", "token delivery p99")}
 
 
 def diagnose(real: dict, sim: dict, metric: str) -> str:
     """The term of ``metric`` whose simulated value is furthest off in seconds."""
     if metric.startswith("itl") and real["terms"]["decode step"] and \
-            real[metric] < 0.5 * real["terms"]["decode step"]:
-        # the client saw several steps' tokens at once: delivery, not the step, is off
-        return "token delivery (real tokens arrive coalesced)"
+            (real[metric] < 0.5 * real["terms"]["decode step"]) != \
+            (sim[metric] < 0.5 * sim["terms"]["decode step"]):
+        # one side's client saw several steps' tokens at once and the other's did not
+        side = "real" if real[metric] < sim[metric] else "simulated"
+        return f"token delivery (only the {side} tokens arrive coalesced)"
     errs = {t: (real["terms"][t], sim["terms"][t]) for t in TERMS[metric]}
     errs = {t: (a, b) for t, (a, b) in errs.items() if a is not None and b is not None}
     if not errs:
@@ -123,14 +169,18 @@ def describe(cal, rows: list[dict]) -> str:
     """What the simulated side knows: how its calibration and control plane were taken."""
     w, c = cal.data.get("workload", {}), cal.data.get("control", {})
     d, svc = c.get("delivery", {}), c.get("service", {})
-    factors = [r["factor"] for r in rows if "factor" in r]
     lines = [f"calibration: {w.get('stat', 'min')} of {w.get('repeats')} timings per point, "
              f"taken in this run before the real runs (load average "
              f"{', '.join(f'{x:.1f}' for x in w.get('load_average', []))})"]
-    if factors:
-        lines.append(f"compute scaled per run by a contention probe (reference steps timed just "
-                     f"before each real run / at calibration): x{min(factors):.2f}..x"
-                     f"{max(factors):.2f}")
+    fs = [r["factors"] for r in rows if "factors" in r]
+    if fs:
+        lines.append(
+            "compute scaled per row and role by the contention measured on a separate run "
+            "(other seed) of the same configuration and load just before: real mean step / "
+            "simulated; prefill x" + "..x".join(f"{f:.2f}" for f in (
+                min(f["prefill"] for f in fs), max(f["prefill"] for f in fs)))
+            + ", decode x" + "..x".join(f"{f:.2f}" for f in (
+                min(f["decode"] for f in fs), max(f["decode"] for f in fs))))
     if svc:
         lines.append(
             f"control plane measured on a real 1P1D service at idle ({svc['requests']} "
@@ -189,10 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     from sim.calibration import Calibration
     from sim.cluster import simulate_config
     from sim.cost_loader import load_costs
-    from sim.measure import Measurer
     from sim.measure_control import add_control
     from sim.options import SimOptions
-    from sim.scaled import ScaledCosts, contention_probe
+    from sim.scaled import ScaledCosts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,28 +263,27 @@ def main(argv: list[str] | None = None) -> int:
                                                 "pools.decode_workers": 1}),
                     log=lambda s: print(f"  {s}"))
     costs = load_costs(Calibration.load(cal_path))
-    probe = Measurer(model_dir, device="cpu", dtype="float32", backend="auto", block_size=16,
-                     max_model_len=MAX_MODEL_LEN, max_batch_tokens=512, max_seqs=4,
-                     repeats=9, kv_budget_bytes=1 << 28, stat="median")
-    ref = contention_probe(probe)  # the reference steps under the calibration's load
-    print(f"cost model: {costs.label}; contention probe {ref * 1e3:.2f} ms")
+    print(f"cost model: {costs.label}")
     from engine.loader import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
-    pool = ServicePool(trace=False)
+    pool = ServicePool(trace=True)  # the traces give the control-plane terms
     rows: list[dict] = []
     try:
         for name in names:
             cfg = config_for(base, CONFIGS[name])
             svc = pool.get(cfg)
             for load, rate in LOADS.items():
+                # the contention of this configuration at this load on this machine, from a
+                # separate run (another seed) just before: real mean step / simulated, per role
+                other = workload(args.num_requests, rate, vocab, args.seed + 1)
+                factors = contention(svc.run_workload(other, transport="inproc"),
+                                     simulate_config(cfg, other, costs, SimOptions()))
+                scaled = ScaledCosts(costs, factors, "contention run before this one")
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
-                # the same reference steps just before this run: the load it will share
-                factor = contention_probe(probe) / ref
-                scaled = ScaledCosts(costs, factor, "contention probe before the run")
                 real = svc.run_workload(reqs, transport="inproc")
-                sim = simulate_config(cfg, reqs, scaled, SimOptions())
-                row = {"config": name, "load": f"{load} ({rate:g}/s)", "factor": factor,
+                sim = simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
+                row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
                        "real": summarize(real), "sim": summarize(sim)}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)

@@ -1,57 +1,53 @@
-"""A cost model whose compute is scaled by a measured contention factor.
+"""A cost model whose compute is scaled by measured contention factors, one per role.
 
-On a shared machine the same step costs more while other processes run. A calibration
-taken at one moment is brought to the load of another by timing a few reference steps
-then and there (``contention_probe``) and scaling every compute term -- model steps,
-sampling, KV copies, per-step overheads -- by the ratio to the same probe at calibration
-time. Links and control-plane latencies are left as measured.
+On a shared machine the same step costs more while other processes run -- other users,
+and on a small box the service's own workers, router and client. A calibration taken at
+one moment is brought to the conditions of a run by a factor per role: a prefill
+worker's compute (model steps, KV export, its step overhead) and a decode worker's
+(model steps, KV import, sampling, its step overhead). Links and control-plane latencies
+are left as measured. bench/sim_validate.py measures the factors on a separate run of the
+same configuration and load, as the ratio of the real workers' mean step time to the
+simulator's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from sim.costs import CostModel, Limits, LinkCost
-
-# reference steps of the probe: (prefill chunk C, context P) and (decode batch, context)
-PROBE_PREFILL = ((128, 0), (256, 256))
-PROBE_DECODE = ((1, 128), (4, 256))
-
-
-def contention_probe(m) -> float:
-    """Seconds of the reference steps with ``m`` (a sim.measure.Measurer), its ``stat``."""
-    return (sum(m.prefill_chunks([cp]) for cp in PROBE_PREFILL)
-            + sum(m.decode_batch([ctx] * b) for b, ctx in PROBE_DECODE))
+from sim.costs import ROLES, CostModel, Limits, LinkCost
 
 
 class ScaledCosts(CostModel):
-    def __init__(self, base: CostModel, factor: float, why: str):
-        if not factor > 0:
-            raise ValueError(f"contention factor must be > 0, got {factor}")
-        self.base, self.factor = base, factor
+    def __init__(self, base: CostModel, factors: Mapping[str, float], why: str):
+        if set(factors) != set(ROLES) or not all(f > 0 for f in factors.values()):
+            raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
+                             f"got {dict(factors)}")
+        self.base, self.factors = base, dict(factors)
         self.calibration = base.calibration
-        self.label = f"{base.label}; compute x{factor:.2f} ({why})"
+        fp, fd = self.factors["prefill"], self.factors["decode"]
+        self.label = f"{base.label}; compute x{fp:.2f} prefill, x{fd:.2f} decode ({why})"
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
-        return self.base.prefill_s(chunks) * self.factor
+        return self.base.prefill_s(chunks) * self.factors["prefill"]
 
     def decode_run_s(self, batch: int, context: int, longest: int,
                      steps: int) -> Sequence[float]:
-        return np.asarray(self.base.decode_run_s(batch, context, longest, steps)) * self.factor
+        return (np.asarray(self.base.decode_run_s(batch, context, longest, steps))
+                * self.factors["decode"])
 
-    def sample_s(self, rows: int) -> float:
-        return self.base.sample_s(rows) * self.factor
+    def sample_s(self, rows: int) -> float:  # both roles sample; decode does it every step
+        return self.base.sample_s(rows) * self.factors["decode"]
 
     def kv_export_s(self, tokens: int) -> float:
-        return self.base.kv_export_s(tokens) * self.factor
+        return self.base.kv_export_s(tokens) * self.factors["prefill"]
 
     def kv_import_s(self, tokens: int) -> float:
-        return self.base.kv_import_s(tokens) * self.factor
+        return self.base.kv_import_s(tokens) * self.factors["decode"]
 
     def step_overhead_s(self, role: str, items: int) -> float:
-        return self.base.step_overhead_s(role, items) * self.factor
+        return self.base.step_overhead_s(role, items) * self.factors[role]
 
     def link(self, name: str) -> LinkCost:
         return self.base.link(name)

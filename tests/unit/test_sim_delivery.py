@@ -96,11 +96,14 @@ def test_a_contention_factor_scales_compute_but_not_links_or_the_control_plane()
     base = load_costs(synthetic_calibration(
         prefill=lambda c, p: 0.01, decode=lambda b, L: 0.002, sample_s=1e-4,
         step_overhead_s=2e-4, link_latency_s=5e-4, rpc_s=1e-3))
-    s = ScaledCosts(base, 1.5, "probe")
+    s = ScaledCosts(base, {"prefill": 1.5, "decode": 2.0}, "probe")
     assert s.prefill_s([(64, 0)]) == pytest.approx(0.015)
-    assert s.decode_s(1, 100) == pytest.approx(0.003)
-    assert s.sample_s(1) == pytest.approx(1.5e-4)
-    assert s.step_overhead_s("decode", 1) == pytest.approx(3e-4)
+    assert s.step_overhead_s("prefill", 1) == pytest.approx(3e-4)
+    assert s.decode_s(1, 100) == pytest.approx(0.004)
+    assert s.sample_s(1) == pytest.approx(2e-4)
+    assert s.step_overhead_s("decode", 1) == pytest.approx(4e-4)
     assert s.link("inproc") == base.link("inproc")
     assert s.rpc_s == base.rpc_s and s.delivery == base.delivery
-    assert "x1.50 (probe)" in s.label
+    assert "x1.50 prefill, x2.00 decode (probe)" in s.label
+    with pytest.raises(ValueError, match="contention factors"):
+        ScaledCosts(base, {"prefill": 1.0}, "probe")
