@@ -123,13 +123,16 @@ def summarize(out) -> dict[str, Any]:
 
 
 def contention(real, sim) -> dict[str, float]:
-    """Per role: the real workers' mean step time over the simulator's on the same run."""
+    """Per role: the real workers' mean step time over the simulator's on the same run;
+    for the control plane: the real median dispatch latency over the simulated one."""
     from bench.studies.service import mean_step_s
 
     out = {}
     for role in ("prefill", "decode"):
         a, b = mean_step_s(real.worker_stats, role), mean_step_s(sim.worker_stats, role)
         out[role] = a / b if a and b else 1.0
+    a, b = control_terms(real)["dispatch"], control_terms(sim)["dispatch"]
+    out["control"] = a / b if a and b and a > 0 and b > 0 else 1.0
     return out
 
 
@@ -180,7 +183,10 @@ def describe(cal, rows: list[dict]) -> str:
             "simulated; prefill x" + "..x".join(f"{f:.2f}" for f in (
                 min(f["prefill"] for f in fs), max(f["prefill"] for f in fs)))
             + ", decode x" + "..x".join(f"{f:.2f}" for f in (
-                min(f["decode"] for f in fs), max(f["decode"] for f in fs))))
+                min(f["decode"] for f in fs), max(f["decode"] for f in fs)))
+            + "; control plane (rpc_s and delivery) by real / simulated dispatch there: x"
+            + "..x".join(f"{f:.2f}" for f in (
+                min(f["control"] for f in fs), max(f["control"] for f in fs))))
     if svc:
         lines.append(
             f"control plane measured on a real 1P1D service at idle ({svc['requests']} "
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 # separate run (another seed) just before: real mean step / simulated, per role
                 other = workload(args.num_requests, rate, vocab, args.seed + 1)
                 factors = contention(svc.run_workload(other, transport="inproc"),
-                                     simulate_config(cfg, other, costs, SimOptions()))
+                                     simulate_config(cfg, other, costs, SimOptions(trace=True)))
                 scaled = ScaledCosts(costs, factors, "contention run before this one")
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
                 real = svc.run_workload(reqs, transport="inproc")

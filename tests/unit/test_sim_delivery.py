@@ -92,7 +92,7 @@ def test_a_calibration_without_its_delivery_model_is_an_error_naming_it() -> Non
         _ = TableCosts(Calibration(data, "cal.json")).delivery
 
 
-def test_a_contention_factor_scales_compute_but_not_links_or_the_control_plane() -> None:
+def test_contention_factors_scale_compute_per_role_and_the_control_plane_not_links() -> None:
     base = load_costs(synthetic_calibration(
         prefill=lambda c, p: 0.01, decode=lambda b, L: 0.002, sample_s=1e-4,
         step_overhead_s=2e-4, link_latency_s=5e-4, rpc_s=1e-3))
@@ -104,6 +104,10 @@ def test_a_contention_factor_scales_compute_but_not_links_or_the_control_plane()
     assert s.step_overhead_s("decode", 1) == pytest.approx(4e-4)
     assert s.link("inproc") == base.link("inproc")
     assert s.rpc_s == base.rpc_s and s.delivery == base.delivery
-    assert "x1.50 prefill, x2.00 decode (probe)" in s.label
+    assert "x1.50 prefill, x2.00 decode, control plane x1.00 (probe)" in s.label
+    c = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0, "control": 3.0}, "probe")
+    assert c.rpc_s == pytest.approx(3e-3)
+    assert c.delivery.token_s == pytest.approx(3 * base.delivery.token_s)
+    assert c.prefill_s([(64, 0)]) == pytest.approx(0.01)
     with pytest.raises(ValueError, match="contention factors"):
         ScaledCosts(base, {"prefill": 1.0}, "probe")

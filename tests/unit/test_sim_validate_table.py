@@ -43,10 +43,11 @@ def test_control_terms_come_from_traces_against_client_times_across_clocks() -> 
     assert terms["token delivery p99"] == pytest.approx(0.25 * MS, abs=1e-6)
 
 
-def test_contention_is_the_real_mean_step_over_the_simulated_one_per_role() -> None:
-    real, sim = _run(0, 0, 0), _run(0, 0, 0)
+def test_contention_is_the_real_mean_step_or_dispatch_over_the_simulated_one() -> None:
+    real, sim = _run(6 * MS, 0, 0), _run(2 * MS, 0, 0)
     sim.worker_stats["prefill-0"]["mean_step_s"] = 1 * MS
-    assert sv.contention(real, sim) == pytest.approx({"prefill": 2.0, "decode": 1.0})
+    assert sv.contention(real, sim) == pytest.approx(
+        {"prefill": 2.0, "decode": 1.0, "control": 3.0})
 
 
 def test_a_row_that_misses_names_the_term_furthest_off() -> None:
