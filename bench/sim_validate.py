@@ -178,9 +178,9 @@ def describe(cal, rows: list[dict]) -> str:
     fs = [r["factors"] for r in rows if "factors" in r]
     if fs:
         lines.append(
-            "compute scaled per row and role by the contention measured on a separate run "
-            "(other seed) of the same configuration and load just before: real mean step / "
-            "simulated; prefill x" + "..x".join(f"{f:.2f}" for f in (
+            "compute scaled per row and role by the contention measured on a first run of the "
+            "same configuration and workload just before the compared one (run 2): real mean "
+            "step / simulated; prefill x" + "..x".join(f"{f:.2f}" for f in (
                 min(f["prefill"] for f in fs), max(f["prefill"] for f in fs)))
             + ", decode x" + "..x".join(f"{f:.2f}" for f in (
                 min(f["decode"] for f in fs), max(f["decode"] for f in fs)))
@@ -200,18 +200,25 @@ def describe(cal, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+
+
 def table(rows: list[dict]) -> str:
     head = ("config", "load", "TTFT p50 ms real/sim/err", "TTFT p99 ms real/sim/err",
-            "ITL p50 ms real/sim/err", "ITL p99 ms real/sim/err", "term off (sim vs real)")
+            "ITL p50 ms real/sim/err", "ITL p99 ms real/sim/err",
+            "noise: run 1 vs 2 (TTFT p50/p99, ITL p50/p99)", "term off (sim vs real)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells, off = [r["config"], r["load"]], []
-        for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        for k in METRICS:
             a, b = r["real"][k], r["sim"][k]
             e = rel(a, b)
             cells.append(f"{a * 1e3:.1f} / {b * 1e3:.1f} / {e:+.0%}" if e is not None else "-")
             if e is not None and abs(e) > GOAL:
                 off.append(f"{k}: {diagnose(r['real'], r['sim'], k)}")
+        rep = r.get("repeat")
+        noise = [rel(r["real"][k], rep[k]) for k in METRICS] if rep else []
+        cells.append(" / ".join("-" if e is None else f"{e:+.0%}" for e in noise) or "-")
         cells.append("; ".join(dict.fromkeys(off)) or "within 10%")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -281,16 +288,18 @@ def main(argv: list[str] | None = None) -> int:
             svc = pool.get(cfg)
             for load, rate in LOADS.items():
                 # the contention of this configuration at this load on this machine, from a
-                # separate run (another seed) just before: real mean step / simulated, per role
-                other = workload(args.num_requests, rate, vocab, args.seed + 1)
-                factors = contention(svc.run_workload(other, transport="inproc"),
-                                     simulate_config(cfg, other, costs, SimOptions(trace=True)))
-                scaled = ScaledCosts(costs, factors, "contention run before this one")
+                # first run of the same workload just before: real mean step / simulated per
+                # role, real / simulated dispatch; that run against the second is the noise
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
+                first = svc.run_workload(reqs, transport="inproc")
+                factors = contention(first, simulate_config(cfg, reqs, costs,
+                                                            SimOptions(trace=True)))
+                scaled = ScaledCosts(costs, factors, "contention run before this one")
                 real = svc.run_workload(reqs, transport="inproc")
                 sim = simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
                 row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
-                       "real": summarize(real), "sim": summarize(sim)}
+                       "real": summarize(real), "sim": summarize(sim),
+                       "repeat": summarize(first)}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
     finally:
