@@ -2,15 +2,23 @@
 
     python -m bench.sim_validate                     # calibrate, run real + simulated, table
     python -m bench.sim_validate --calibration cal.json --quick
+    python -m bench.sim_validate --reprint out/sim_validate.json
 
 Each configuration (1P1D and 1P2D, prefill chunks 64..512, eager and paced sends, fcfs
-and srpt) runs for real -- Ray workers, the router, the TCP KV connector -- at two load
-levels, and the same workload runs in the simulator (sim/) with a calibration measured on
-this machine just before (or ``--calibration``). The table gives TTFT and ITL p50 / p99,
-real vs simulated, and the relative error; the goal is 10%. Where a figure misses it, the
-last column names the term of the model that is furthest off: the mean prefill or decode
-step (the cost tables), the queueing before a prefill (scheduling and interference), or
-the KV transfer (link cost), each compared between the two runs.
+and srpt) runs for real -- Ray workers, the router, the TCP KV connector, traces on -- at
+two load levels, and the same workload runs in the simulator (sim/). The simulator's
+costs are measured in this run, under the machine's load of the moment: the calibration
+(the median of its repeats, not the fastest) and the control plane on an idle 1P1D
+service (``pdserve calibrate --stat median --control``) just before the real runs. Each
+real workload runs twice: the first run gives this configuration's contention on this
+machine (per role, the real workers' mean step time over the simulator's; for the
+control plane, the real dispatch latency over the simulated one), which scales the
+costs the second run is compared with, and run 1 vs run 2 is the machine's noise floor.
+The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
+goal is 10%. Where a figure misses it, the last column names the term furthest off in
+seconds among those the metric is made of: dispatch, prefill queue, prefill phase and
+first-token delivery for TTFT; the decode step, the token delivery (a step's end to the
+client) and the KV transfer for ITL -- each compared between the two runs.
 """
 
 from __future__ import annotations
@@ -193,8 +201,9 @@ def describe(cal, rows: list[dict]) -> str:
             f"requests): dispatch {svc['dispatch_s_median'] * 1e3:.2f} ms (rpc_s = "
             f"{c['rpc_s'] * 1e3:.2f} ms per message), first token +{d['first_token_s'] * 1e3:.2f}"
             f" ms, tokens +{d['token_s'] * 1e3:.2f} ms after their step, "
-            f"{d['gap_s'] * 1e3:.2f} ms between deliveries per {d['scope']} (fit error "
-            f"{svc['fit_mean_abs_err_s'] * 1e3:.2f} ms per token)")
+            f"{d['gap_s'] * 1e3:.2f} ms between deliveries per {d['scope']}, every "
+            f"{d.get('stall_every') or '-'}th held {d.get('stall_s', 0) * 1e3:.2f} ms longer "
+            f"(fit error {svc['fit_mean_abs_err_s'] * 1e3:.2f} ms per quantile)")
     else:
         lines.append("control plane: " + cal.source_of("control.delivery"))
     return "\n".join(lines)

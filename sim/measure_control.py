@@ -9,8 +9,9 @@ worker traces (wall clock) are set against what the client saw:
   less what the simulator counts in that step after the compute (sampling, the KV
   export, the step overhead): ``control.delivery.first_token_s``;
 - decode tokens: each decode step's end -> the client has its token;
-  ``control.delivery.token_s`` and ``gap_s`` are fitted to those streams with the
-  router's delivery mechanism (sim/delivery.py; its own figures, not a free curve).
+  ``control.delivery`` (token_s, gap_s, the stalls) is fitted to the distribution of those
+  delays and of the client's inter-token gaps with the router's delivery mechanism
+  (sim/delivery.py).
 
 Under load the router's CPU is shared by more streams; these idle figures do not grow
 with it (the README's validation says how far that goes).
@@ -113,13 +114,16 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
               "dispatch_s_median": statistics.median(dispatch),
               "first_token_lag_s_median": statistics.median(first),
               "token_lag_s_median": float(np.median(lags)),
+              "token_lag_s_p99": float(np.percentile(lags, 99)),
               "client_itl_s_median": float(np.median(itl)),
               "coalesced_fraction": float(np.mean(itl < 1e-4)),
               "fit_mean_abs_err_s": err}
     log(f"  control plane at idle ({len(streams)} requests): dispatch "
         f"{report['dispatch_s_median'] * 1e3:.2f} ms, first token +{first_s * 1e3:.2f} ms, "
         f"tokens +{delivery.token_s * 1e3:.2f} ms with {delivery.gap_s * 1e3:.2f} ms between "
-        f"deliveries per {scope} (fit error {err * 1e3:.2f} ms per token)")
+        f"deliveries per {scope}, every {delivery.stall_every or '-'}th held "
+        f"{delivery.stall_s * 1e3:.2f} ms longer (delay p99 {report['token_lag_s_p99'] * 1e3:.2f}"
+        f" ms; fit error {err * 1e3:.2f} ms per quantile)")
     return {"rpc_s": statistics.median(dispatch) / 3, "delivery": delivery.to_dict(),
             "service": report}
 

@@ -50,17 +50,30 @@ def test_bad_delivery_figures_are_rejected_by_name() -> None:
         Delivery(0.0, 0.0, scope="router")
 
 
-def test_the_fit_recovers_the_mechanism_that_made_the_streams() -> None:
-    truth = Delivery(0.0, 0.6 * MS, gap_s=1.8 * MS, scope="worker", poll_timeout_s=0.05)
+def test_the_fit_reproduces_the_delays_of_the_mechanism_that_made_the_streams() -> None:
+    truth = Delivery(0.0, 0.6 * MS, gap_s=1.8 * MS, scope="worker", poll_timeout_s=0.05,
+                     stall_s=8 * MS, stall_every=8)
     rng = np.random.default_rng(0)
     streams = []
     for _ in range(6):
         ends = np.cumsum(rng.uniform(0.5, 1.5, 24)) * MS
         streams.append((ends, truth.arrivals(ends)))
     got, err = fit_delivery(streams, first_token_s=0.0, scope="worker", poll_timeout_s=0.05)
-    assert err < 0.1 * MS
-    assert got.token_s == pytest.approx(truth.token_s, abs=0.1 * MS)
-    assert got.gap_s == pytest.approx(truth.gap_s, rel=0.15)
+    assert err < 0.3 * MS  # the truth lies between grid points
+    lags = lambda d: np.concatenate([d.arrivals(e) - e for e, _ in streams])  # noqa: E731
+    # the distribution, not the figures: a shorter token_s with a shorter gap fits too
+    assert np.percentile(lags(got), 50) == pytest.approx(np.percentile(lags(truth), 50),
+                                                         abs=0.4 * MS)
+    assert np.percentile(lags(got), 99) == pytest.approx(np.percentile(lags(truth), 99),
+                                                         rel=0.15)
+    assert got.stall_every > 0  # the long delays come from stalls, not from a long gap
+
+
+def test_a_stall_holds_every_nth_delivery_longer() -> None:
+    d = Delivery(0.0, 0.0, gap_s=1 * MS, scope="worker", stall_s=5 * MS, stall_every=2)
+    # deliveries at 0 (path busy to 1 ms) and 1 ms (2nd: busy to 1 + 1 + 5 = 7 ms)
+    ends = np.array([0.0, 0.5, 2.0, 3.0]) * MS
+    assert d.arrivals(ends) / MS == pytest.approx([0.0, 1.0, 7.0, 7.0])
 
 
 def _sim(delivery: Delivery) -> Simulation:
