@@ -42,7 +42,8 @@ class Waiter:
 class AdmissionQueue:
     def __init__(self) -> None:
         self._waiters: list[Waiter] = []  # sorted by key
-        self._seq = itertools.count()
+        self._of: dict[int, list[Waiter]] = {}  # id(flight) -> its waiters (a new leg's
+        self._seq = itertools.count()  # may queue while its old one is leaving)
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -50,6 +51,7 @@ class AdmissionQueue:
     def enqueue(self, flight: Any, arrival: float) -> Waiter:
         w = Waiter((arrival, next(self._seq)), flight)
         bisect.insort(self._waiters, w, key=lambda x: x.key)
+        self._of.setdefault(id(flight), []).append(w)
         if self._waiters[0] is w:
             w.event.set()  # a new head: try at once
         return w
@@ -62,6 +64,11 @@ class AdmissionQueue:
         i = bisect.bisect_left(self._waiters, w.key, key=lambda x: x.key)
         if i < len(self._waiters) and self._waiters[i] is w:
             del self._waiters[i]
+        mine = self._of.get(id(w.flight), [])
+        if w in mine:
+            mine.remove(w)
+            if not mine:
+                del self._of[id(w.flight)]
         if was_head:
             self.wake_head()
 
@@ -70,10 +77,10 @@ class AdmissionQueue:
             self._waiters[0].event.set()
 
     def wake(self, flight: Any) -> None:
-        """Wake `flight`'s waiter (its request ended: it must leave the queue)."""
-        for w in self._waiters:
-            if w.flight is flight:
-                w.event.set()
+        """Wake `flight`'s waiter (its request ended: it must leave the queue); every
+        request that ends calls this, so it looks the waiter up instead of scanning."""
+        for w in self._of.get(id(flight), ()):
+            w.event.set()
 
 
 class DecodeAdmission:

@@ -236,6 +236,12 @@ class ServerSection(Section):
     auth_token_file: str | None = opt(None, "file holding a bearer token clients must send "
                                       "as 'authorization: Bearer <token>'")
     log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    api_servers: int = opt(1, "front-door processes serving the gRPC port together "
+                           "(SO_REUSEPORT) over the same worker pools; the HTTP API and "
+                           "metrics are served by the first one only", ge=1)
+    stream_interval: int = opt(1, "tokens per streamed message (the first token and the last "
+                               "message go at once); a client that reads slower than tokens "
+                               "arrive gets them coalesced in any case", ge=1)
 
     def _check(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

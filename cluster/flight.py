@@ -9,6 +9,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from cluster.delta_stream import DeltaStream
 from cluster.pool import WorkerHandle
 from cluster.routing_policies import PrefillPlacement, default_placement, make_placement
 from cluster.types import GenerateSpec, RouterError, Usage
@@ -36,10 +37,14 @@ class RouterConfig:
     # cluster/routing_policies.py PREFILL_PLACEMENTS; None: default_placement(prefix_affinity)
     placement: str | None = None
     length_buckets: tuple[int, ...] = (256, 1024, 4096)  # thresholds of length-buckets
+    # tokens per streamed message (the first token and the last message go at once)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
             raise ValueError("max_queue_len and max_legs must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         timeouts = (self.request_timeout_s, self.unavailable_grace_s,
                     self.admission_timeout_s if self.admission_timeout_s is not None else 1.0)
         if min(timeouts) <= 0:
@@ -62,10 +67,10 @@ class RouterConfig:
         return make_placement(name, **params)
 
 
-@dataclass
+@dataclass(eq=False)
 class Flight:
     spec: GenerateSpec
-    queue: asyncio.Queue
+    queue: asyncio.Queue | DeltaStream  # what the request's consumer reads
     arrival: float
     leg: int = 0
     leg_id: str = ""
@@ -83,6 +88,11 @@ class Flight:
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
     leg_first_seen: bool = False  # the current leg's first token was streamed
     held_tokens: list = field(default_factory=list)  # (worker, decode event) that overtook it
+    unsent: list[int] = field(default_factory=list)  # tokens held for stream_interval
+    unsent_logprobs: list = field(default_factory=list)  # theirs (SamplingParams.logprobs)
+    unsent_prompt_logprobs: Any = None  # the prompt's, until the first token goes out
+    streamed: bool = False  # its first token went out
+    detok: Any = None  # its IncrementalDetokenizer (the detokenizer thread's alone)
 
     def add_timing(self, kind: EventKind, t: LegTiming) -> None:
         """A worker's phase times: the first token sets queue, prefill and cache figures
@@ -113,6 +123,7 @@ class RouterCore(Protocol):
     its pools and live legs, and the lifecycle steps they may take."""
 
     config: RouterConfig
+    tokenizer: Any  # the model's (None: the front door detokenizes)
     prefill: list[WorkerHandle]
     decode: list[WorkerHandle]
     legs: dict[str, Flight]  # leg id -> its flight (current legs only)

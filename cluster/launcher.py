@@ -99,7 +99,8 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
             pg = groups.start(spec, w, opts.max_restarts)  # None for a one-rank worker
             actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts,
                                                 pg, 0 if pg else None)).remote(spec)
-            handles.append(WorkerHandle(w.worker_id, w.role, actor))
+            handles.append(WorkerHandle(w.worker_id, w.role, actor,
+                                        actor_name=spec.actor_name))
         _wait_ready(handles, plan)
     except BaseException:
         groups.close()
@@ -113,9 +114,11 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
                      placement=cfg.pools.prefill_placement,
                      unavailable_grace_s=cfg.limits.restart_grace_s,
                      adaptive_chunks=CHUNK_POLICIES.get(cfg.scheduler.chunk_policy).uses_decode_pressure,
-                     itl_target_s=cfg.scheduler.itl_target_ms / 1000),
+                     itl_target_s=cfg.scheduler.itl_target_ms / 1000,
+                     stream_interval=cfg.server.stream_interval),
         load_tokenizer(model_dir), model.vocab_size,
         cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
+        channel_secret=specs[0].transfer.secret,
     )
     router.on_shutdown = lambda: _teardown(handles, started, groups)
     return router
@@ -133,7 +136,7 @@ def _wait_ready(handles: list[WorkerHandle], plan: PoolPlan) -> None:
     except BaseException:
         for h in handles:
             with contextlib.suppress(Exception):
-                ray.kill(h.actor, no_restart=True)
+                ray.kill(h.handle, no_restart=True)
         raise
 
 
@@ -161,10 +164,10 @@ def _teardown(handles: list[WorkerHandle], started_ray: bool,
               groups: TPGroups | None = None) -> None:
     for h in handles:
         try:
-            ray.get(h.actor.shutdown.remote(), timeout=10)
+            ray.get(h.handle.shutdown.remote(), timeout=10)
         except Exception:
             pass
-        ray.kill(h.actor, no_restart=True)
+        ray.kill(h.handle, no_restart=True)
     if groups is not None:
         groups.close()
     if started_ray:

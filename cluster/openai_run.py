@@ -80,8 +80,10 @@ class OpenAIRun:
                 self.logprobs.extend(lps)
                 if delta.prompt_logprobs is not None:
                     self.prompt_logprobs = delta.prompt_logprobs
-                text = self.stops.push(self.detok.push(ids, final=delta.finished),
-                                       final=delta.finished)
+                piece = delta.text  # None: a backend that does not detokenize
+                if piece is None:
+                    piece = self.detok.push(ids, final=delta.finished)
+                text = self.stops.push(piece, final=delta.finished)
                 if self.stops.matched is not None:  # end it now: free its KV at once
                     self._router_done = True
                     self._spawn(self._abort())

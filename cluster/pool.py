@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.types import WorkerStats
 from runtime.actor import WorkerActor
-from runtime.messages import WorkerInfo
+from runtime.messages import WorkerInfo, WorkerLoad
 from runtime.stats import EngineStats, PrefillStats
 
 
@@ -26,11 +27,37 @@ class WorkerHandle:
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet done
     legs: set[str] = field(default_factory=set)  # leg ids currently on this worker
     stats: EngineStats | None = None  # the last stats it reported (None: none yet)
+    channel: str = ""  # host:port of its control channel ("" : the router polls it)
+    link: Any = None  # cluster.worker_channel.WorkerChannel: that channel, while open
+    actor_name: str = ""  # its Ray actor's name (other front doors find it by it)
+    info: WorkerInfo | None = None  # what its ready() said last
+    load: WorkerLoad | None = None  # the load its last channel message carried
+    others_outstanding: int = 0  # prefill tokens other front doors put on it (estimate)
+
+    @property
+    def handle(self) -> WorkerActor:
+        """The worker's Ray actor itself (`actor` may wrap it in its channel)."""
+        return getattr(self.actor, "ray_actor", self.actor)
 
     @property
     def kv_usage(self) -> float:
+        """Share of its KV blocks in use or promised (from its last load message; without
+        one, the blocks in use as of its last stats)."""
+        if not self.num_blocks:
+            return 0.0
+        if self.load is not None and self.role == "decode":
+            return 1.0 - self.load.kv_blocks_promisable / self.num_blocks
         used = self.stats.kv_blocks_used if self.stats is not None else 0
-        return used / self.num_blocks if self.num_blocks else 0.0
+        return used / self.num_blocks
+
+    @property
+    def prefill_load(self) -> int:
+        """Prompt tokens queued on it: this router's own plus the others' last seen."""
+        return self.outstanding_tokens + self.others_outstanding
+
+    def observe_load(self, load: WorkerLoad) -> None:
+        self.load = load
+        self.others_outstanding = max(0, load.outstanding_tokens - self.outstanding_tokens)
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -47,6 +74,8 @@ class WorkerHandle:
         self.num_blocks = info.num_blocks
         self.block_size = info.block_size
         self.node_id = info.node_id
+        self.channel = info.channel
+        self.info = info
 
     def to_stats(self) -> WorkerStats:
         """The last stats this worker reported, as the API's WorkerStats."""

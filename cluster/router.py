@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
+from cluster.delta_stream import DeltaStream
 from cluster.flight import Flight, RouterConfig
 from cluster.pool import WorkerHandle
 from cluster.router_events import EventPump
@@ -41,7 +42,9 @@ log = logging.getLogger(__name__)
 class Router:
     def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
                  config: RouterConfig, tokenizer, vocab_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = (), metrics=None):
+                 eos_token_ids: tuple[int, ...] = (), metrics=None,
+                 channel_secret: bytes = b""):
+        """`channel_secret` opens the workers' control channels (runtime/channel.py)."""
         self.prefill, self.decode = prefill, decode
         self.config = config
         self.tokenizer = tokenizer
@@ -54,12 +57,12 @@ class Router:
         self.admission = DecodeAdmission(self)
         self.serving = True
         self._placement = config.make_placement()  # cluster/routing_policies.py
-        self._tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
+        self.tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
-        self.pump = EventPump(self)
+        self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
-        self._started = False
+        self._started: asyncio.Future | None = None
 
     # ---- RouterAPI --------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -85,10 +88,11 @@ class Router:
             w.alive for w in self.decode)
 
     async def start(self) -> None:
-        """Start the event pumps on the running loop (idempotent; generate() calls it)."""
-        if not self._started:
-            self._started = True
-            self.pump.start()
+        """Connect the workers' channels and start the event pumps on the running loop
+        (idempotent; generate() calls it)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.pump.start())
+        await asyncio.shield(self._started)
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         await self.start()
@@ -101,7 +105,7 @@ class Router:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
         self.admission.check_fits(len(spec.prompt_token_ids))
-        flight = Flight(spec, asyncio.Queue(), time.monotonic())
+        flight = Flight(spec, DeltaStream(spec.request_id), time.monotonic())
         self.flights[spec.request_id] = flight
         # The deadline posts an error into the stream; no wait_for around queue.get(),
         # whose cancellation can be lost when an item lands at the same moment.
@@ -212,7 +216,7 @@ class Router:
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
         spec = flight.spec
         flight.leg += 1
-        leg_id = f"{spec.request_id}#{self._tag}{next(self._dispatches):x}#{flight.leg}"
+        leg_id = f"{spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg}"
         prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
         sampling = replace(spec.sampling,
                            max_tokens=spec.sampling.max_tokens - len(flight.generated))
@@ -229,7 +233,7 @@ class Router:
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
-        wid = self._placement.pick([PrefillLoad(w.worker_id, w.outstanding_tokens)
+        wid = self._placement.pick([PrefillLoad(w.worker_id, w.prefill_load)
                                     for w in alive], prompt)
         return next(w for w in alive if w.worker_id == wid)
 

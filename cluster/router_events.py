@@ -1,10 +1,17 @@
-"""EventPump: long-polls every worker, applies its events to the router's flights, and
+"""EventPump: receives every worker's events, applies them to the router's flights, and
 watches liveness (a dead actor's legs are re-dispatched; a restarted one is re-adopted).
 
-A worker's pump never waits on another request: a re-dispatch (which may queue for
-decode admission) runs as its own task, so one preemption cannot delay the tokens of
-every other stream of that worker. An event counts only when it comes from the worker
-that holds the leg in that role (a late reservation elsewhere cannot touch it)."""
+A worker with a control channel (`WorkerHandle.channel`, runtime/channel.py) sends one
+message per step with every leg's events and its load; `on_batch` applies it on the
+event loop with no task, Future or Ray call per event, and the step's token deltas go
+to the detokenizer thread in one batch (the router's `deliver`). A worker without one
+(a colocated pool, a test's fake) is long-polled over its actor's `poll()`.
+
+A re-dispatch (which may queue for decode admission) runs as its own task, so one
+preemption cannot delay the other streams of that worker. An event counts only when it
+comes from the worker that holds the leg in that role. A flight's tokens are released
+every `stream_interval` tokens (the first token and the last message at once).
+"""
 
 from __future__ import annotations
 
@@ -12,74 +19,81 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 
+from cluster.detokenize import DetokenizerThread
 from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
-from cluster.types import ErrorCode, RouterError, TokenDelta, WorkerStats
-from engine.quantiles import percentile
-from runtime.messages import EventKind, WorkerEvent
+from cluster.router_upkeep import Upkeep
+from cluster.types import ErrorCode, RouterError, TokenDelta
+from cluster.worker_channel import ChannelActor, WorkerChannel
+from runtime.batch_codec import FINISH_OF, entry_event
+from runtime.messages import EventKind, LegTiming, WorkerEvent
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 0.05
-PRESSURE_WINDOW_S = 2.0
-PRESSURE_PERIOD_S = 0.5
 REVIVE_INTERVAL_S = 0.5
 
 
+# [(flight, token_ids, finished, finish_reason, usage, logprobs, prompt_logprobs)] of a batch
+Delivery = list
+
 class EventPump:
-    def __init__(self, router: RouterCore):
+    def __init__(self, router: RouterCore, channel_secret: bytes = b""):
         self.router = router
+        self.channel_secret = channel_secret
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self._gaps: deque[tuple[float, float]] = deque()  # (time, inter-token gap)
+        self.upkeep = Upkeep(router)
+        self._detok: DetokenizerThread | None = None
+        self.decode_pressure = self.upkeep.decode_pressure
+        self.waiting_on_prefill = self.upkeep.waiting_on_prefill
+        self.collect_stats = self.upkeep.collect_stats
+        self.collect_traces = self.upkeep.collect_traces
 
-    def start(self) -> None:
+    def uses_channel(self, w: WorkerHandle) -> bool:
+        return bool(self.channel_secret and w.channel)
+
+    def deliver(self, out: Delivery) -> None:
+        """Hand a batch's token deltas (Delivery) to the detokenizer thread; they reach
+        their streams, with text, in order."""
+        if self._detok is None:  # no tokenizer: the front door detokenizes
+            self._deliver(out, [None] * len(out))
+            return
+        self._detok.submit([(d[0], d[1], d[2]) for d in out],
+                           lambda _items, texts: self._deliver(out, texts))
+
+    @staticmethod
+    def _deliver(out: Delivery, texts: list[str | None]) -> None:
+        for (flight, ids, finished, reason, usage, lps, plps), text in zip(out, texts,
+                                                                          strict=True):
+            last = TokenDelta(flight.spec.request_id, (), True, reason, usage) \
+                if finished else None
+            flight.queue.put(ids, text, last, lps, plps)
+
+    async def start(self) -> None:
+        """Connect every worker's channel (before any request is dispatched: a leg must
+        be created over the link its events come back on), then pump them all."""
+        if self.router.tokenizer is not None:
+            self._detok = DetokenizerThread(self.router.tokenizer, asyncio.get_running_loop())
+        chans = [w for w in self.router.workers if self.uses_channel(w)]
+        for w, err in zip(chans, await asyncio.gather(
+                *(self._connect(w) for w in chans), return_exceptions=True), strict=True):
+            if isinstance(err, BaseException):
+                log.warning("channel to %s failed: %s", w.worker_id, err)
+                self.mark_dead(w)
         for w in self.router.workers:
-            self._tasks.append(asyncio.ensure_future(self._pump(w)))
-        if self.router.config.adaptive_chunks:
-            self._tasks.append(asyncio.ensure_future(self._pressure_loop()))
-        self._tasks.append(asyncio.ensure_future(self._keepalive_loop()))
-
-    # ---- adaptive chunking: decode ITL -> prefill chunk cap ----------------------------
-    def decode_pressure(self, now: float) -> float:
-        """ITL p90 of the last window over the target (>= 1: decodes are being hurt)."""
-        while self._gaps and self._gaps[0][0] < now - PRESSURE_WINDOW_S:
-            self._gaps.popleft()
-        if not self._gaps:
-            return 0.0
-        return percentile([g for _, g in self._gaps], 90) / self.router.config.itl_target_s
-
-    async def _pressure_loop(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(PRESSURE_PERIOD_S)
-            pressure = self.decode_pressure(time.monotonic())
-            for w in self.router.prefill:
-                if w.alive:
-                    with contextlib.suppress(Exception):
-                        w.actor.set_decode_pressure.remote(pressure)
-
-    # ---- KV-wait keepalive ----------------------------------------------------------------
-    def waiting_on_prefill(self) -> dict[int, tuple[WorkerHandle, list[str]]]:
-        """Per decode worker, the legs whose prefill is queued or running on a live worker."""
-        out: dict[int, tuple[WorkerHandle, list[str]]] = {}
-        for leg_id, f in self.router.legs.items():
-            p, d = f.prefill, f.decode
-            if (f.done or f.prefill_done or p is None or d is None or p is d or not p.alive
-                    or not d.alive or leg_id != f.leg_id):
-                continue
-            out.setdefault(id(d), (d, []))[1].append(leg_id)
-        return out
-
-    async def _keepalive_loop(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(self.router.config.kv_keepalive_s)
-            for d, legs in self.waiting_on_prefill().values():
-                with contextlib.suppress(Exception):
-                    d.actor.keepalive.remote(legs)
+            pump = self._pump_channel(w) if self.uses_channel(w) else self._pump(w)
+            self._tasks.append(asyncio.ensure_future(pump))
+        self._tasks += self.upkeep.start()
 
     async def stop(self) -> None:
         self._stopping = True
+        self.upkeep.stopping = True
+        if self._detok is not None:
+            self._detok.stop()
+        for w in self.router.workers:
+            if w.link is not None:
+                w.link.close()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -92,6 +106,8 @@ class EventPump:
             return
         w.alive = False
         w.outstanding_tokens = 0
+        if w.link is not None:  # its pump revives it with a fresh channel
+            w.link.close()
         log.warning("worker %s is dead; re-dispatching %d legs", w.worker_id, len(w.legs))
         for leg_id in list(w.legs):
             flight = self.router.legs.get(leg_id)
@@ -104,16 +120,38 @@ class EventPump:
         while not self._stopping:
             try:
                 info = await asyncio.wait_for(w.actor.ready.remote(), timeout=30)
+                w.refresh(info)
+                if self.uses_channel(w):
+                    await self._connect(w)
             except Exception:
                 await asyncio.sleep(REVIVE_INTERVAL_S)
                 continue
-            w.refresh(info)
             w.restarts += 1
             w.stats = None
             w.alive = True
             log.warning("worker %s is back (restart %d)", w.worker_id, w.restarts)
             self.router.wake_admission()
             return
+
+    async def _connect(self, w: WorkerHandle) -> None:
+        name = f"router-{getattr(self.router, 'tag', '')}"
+        ch = await WorkerChannel.connect(w.worker_id, w.channel, self.channel_secret, name,
+                                         lambda _wid, load, entries: self.on_batch(w, load,
+                                                                                   entries))
+        w.link = ch
+        if not hasattr(w.actor, "ray_actor"):  # (a test may have wrapped it since)
+            w.actor = ChannelActor(w.actor, w)
+
+    async def _pump_channel(self, w: WorkerHandle) -> None:
+        """Watch `w`'s channel: its loss marks `w` dead; once back it is re-adopted."""
+        while not self._stopping:
+            if not w.alive:
+                await self._revive(w)
+                continue
+            why = await asyncio.shield(w.link.lost)
+            if not self._stopping and w.alive:
+                log.warning("channel to %s lost: %s", w.worker_id, why)
+                self.mark_dead(w)
 
     async def _pump(self, w: WorkerHandle) -> None:
         while not self._stopping:
@@ -128,14 +166,44 @@ class EventPump:
                 log.warning("poll of %s failed: %s", w.worker_id, e)
                 self.mark_dead(w)
                 continue
+            out: Delivery = []
             for ev in events:
                 try:
-                    await self._apply(w, ev)
+                    self._apply(w, ev, out)
                 except Exception:
                     log.exception("event %s of %s failed", ev.kind, ev.leg_id)
+            if out:
+                self.deliver(out)
 
     # ---- events -----------------------------------------------------------------------
-    async def _apply(self, w: WorkerHandle, ev: WorkerEvent) -> None:
+    def on_batch(self, w: WorkerHandle, load, entries: list) -> None:
+        """One step message of `w`: TOKENS entries straight from the wire (the hot path),
+        the rest as WorkerEvents through `_apply`."""
+        if load is not None:
+            w.observe_load(load)
+        out: Delivery = []
+        legs = self.router.legs
+        for e in entries:
+            try:
+                if e[0] != "tokens":
+                    self._apply(w, entry_event(w.worker_id, e), out)
+                    continue
+                flight = legs.get(e[1])
+                if flight is None or flight.done or flight.leg_id != e[1]:
+                    continue
+                if flight.decode is not w or not flight.leg_first_seen or e[7] is not None:
+                    self._apply(w, entry_event(w.worker_id, e), out)  # ignored, held, extras
+                    continue
+                if e[5] is not None:
+                    flight.add_timing(EventKind.TOKENS, LegTiming(*e[5]))
+                self._emit(w, flight, EventKind.TOKENS, e[2],
+                           None if e[3] is None else FINISH_OF[e[3]], out)
+            except Exception:
+                log.exception("event %s of %s from %s failed", e[0], e[1], w.worker_id)
+        if out:
+            self.deliver(out)
+
+    def _apply(self, w: WorkerHandle, ev: WorkerEvent, out: Delivery) -> None:
         flight = self.router.legs.get(ev.leg_id)
         if flight is None or flight.done or flight.leg_id != ev.leg_id:
             return  # a leg that already ended
@@ -150,13 +218,14 @@ class EventPump:
                 if self.router.metrics:
                     self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
             flight.leg_first_seen = True
-            self._emit(w, flight, ev)
+            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out,
+                       ev.logprobs, ev.prompt_logprobs)
             # decode tokens that overtook the first token (they come from another worker's
             # pump) follow it now, in order
             held, flight.held_tokens = flight.held_tokens, []
             for src, later in held:
                 if not flight.done:
-                    await self._apply(src, later)
+                    self._apply(src, later, out)
         elif ev.kind == EventKind.PREFILL_DONE:
             flight.add_timing(ev.kind, ev.timing)
             p = flight.prefill
@@ -169,37 +238,50 @@ class EventPump:
             flight.held_tokens.append((w, ev))  # the prefill's first token has not arrived
         elif ev.kind == EventKind.TOKENS:
             flight.add_timing(ev.kind, ev.timing)
-            self._emit(w, flight, ev)
+            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out, ev.logprobs)
         elif ev.kind in (EventKind.PREEMPTED, EventKind.FAILED):
             # a preempted leg that streamed its first token made progress: not a failure
             progressed = ev.kind == EventKind.PREEMPTED and flight.leg_first_seen
             self.redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}",
                             failed=not progressed, ended=(w,))  # w let go of it itself
 
-    def _emit(self, w: WorkerHandle, flight: Flight, ev: WorkerEvent) -> None:
-        flight.generated.extend(ev.token_ids)
+    def _emit(self, w: WorkerHandle, flight: Flight, kind: EventKind, token_ids,
+              finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None) -> None:
+        flight.generated.extend(token_ids)
         now = time.monotonic()
-        if ev.kind == EventKind.TOKENS and flight.last_token_at is not None:
-            self._gaps.append((now, now - flight.last_token_at))
+        if (kind == EventKind.TOKENS and flight.last_token_at is not None
+                and self.router.config.adaptive_chunks):  # read (and trimmed) only then
+            self.upkeep.gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
-        if self.router.metrics and flight.generated and ev.kind == EventKind.TOKENS:
+        if self.router.metrics and flight.generated and kind == EventKind.TOKENS:
             self.router.metrics.observe_token(flight)
-        finished = ev.finished
+        finished = finish_reason is not None
         usage = None
         if finished:
             self.router.release(flight)
             # The worker that finished the request ended its part itself, and so did the
             # prefill of a leg that decode finished (decode ran on all of its KV): only a
             # decode reservation left by a request that ended at its first token is aborted.
-            ended = (w,) if ev.kind == EventKind.FIRST_TOKEN else (w, flight.prefill)
+            ended = (w,) if kind == EventKind.FIRST_TOKEN else (w, flight.prefill)
             self.router.end_leg(flight, ended=ended)
             usage = flight.usage()
             if self.router.metrics:
                 self.router.metrics.observe_finish(usage)
-        flight.queue.put_nowait(TokenDelta(
-            flight.spec.request_id, tuple(ev.token_ids), finished,
-            ev.finish_reason.value if finished else None, usage,
-            logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs))
+        flight.unsent.extend(token_ids)
+        if logprobs is not None:
+            flight.unsent_logprobs.extend(logprobs)
+        if prompt_logprobs is not None:
+            flight.unsent_prompt_logprobs = prompt_logprobs
+        if (finished or not flight.streamed
+                or len(flight.unsent) >= self.router.config.stream_interval):
+            flight.streamed = True
+            out.append((flight, flight.unsent, finished,
+                        finish_reason.value if finished else None, usage,
+                        tuple(flight.unsent_logprobs) if flight.unsent_logprobs else None,
+                        flight.unsent_prompt_logprobs))
+            flight.unsent, flight.unsent_prompt_logprobs = [], None
+            if flight.unsent_logprobs:
+                flight.unsent_logprobs = []
 
     def redispatch(self, flight: Flight, why: str, *, failed: bool,
                    ended: tuple[WorkerHandle, ...] = ()) -> None:
@@ -220,27 +302,6 @@ class EventPump:
         except Exception as e:
             self.router.fail(flight, RouterError(ErrorCode.UNAVAILABLE, f"{why}: {e}"))
 
-    # ---- stats ------------------------------------------------------------------------
-    async def collect_stats(self) -> list[WorkerStats]:
-        async def one(w: WorkerHandle) -> WorkerStats:
-            if w.alive:
-                try:
-                    w.stats = await asyncio.wait_for(w.actor.stats.remote(), timeout=5)
-                except Exception:
-                    w.stats = None
-            return w.to_stats()
-
-        return list(await asyncio.gather(*(one(w) for w in self.router.workers)))
-
-    async def collect_traces(self) -> list[dict]:
-        async def one(w: WorkerHandle) -> list[dict]:
-            try:
-                return await w.actor.drain_trace.remote()
-            except Exception:
-                return []
-
-        batches = await asyncio.gather(*(one(w) for w in self.router.workers if w.alive))
-        return [e for batch in batches for e in batch]
 
 def _holds(w: WorkerHandle, flight: Flight, kind: EventKind) -> bool:
     """Does `w` hold the flight's current leg in the role that reports `kind`?"""

@@ -13,16 +13,17 @@ With `server.http_port` set, the OpenAI-compatible HTTP API (cluster/openai_api.
 served by uvicorn on the same event loop, over the same router and ServingState: draining
 covers both front doors, and the bearer token and TLS files apply to both.
 
-Health: both "" and "pdserve.v1.Generation" report SERVING while the router is healthy
-(polled every `health_poll_s`) and NOT_SERVING when it is not or while draining. Health
-checks need no token (see cluster/auth.py). Graceful stop: NOT_SERVING, new Generate
-calls get UNAVAILABLE, running ones get `limits.drain_timeout_s` to finish and are then
-aborted, the gRPC server stops, then `router.shutdown()`.
+Health: "" and "pdserve.v1.Generation" are SERVING while the router is healthy (polled
+every `health_poll_s`), else (or while draining) NOT_SERVING; no token needed (see
+cluster/auth.py). Graceful stop: NOT_SERVING, new Generate calls get UNAVAILABLE, running
+ones get `limits.drain_timeout_s` to finish and are then aborted, the gRPC server stops,
+then `router.shutdown()`. `server.api_servers` > 1: cluster/front_doors.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -46,8 +47,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it.
+# SO_REUSEPORT off: a second server on a busy port must fail, not silently share it
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
+SHARED_PORT_OPTIONS = [("grpc.so_reuseport", 1)]  # server.api_servers > 1: shared on purpose
 
 
 class GenerationServer:
@@ -67,6 +69,8 @@ class GenerationServer:
         self._drain_end = float("inf")
         self._stopped: asyncio.Event | None = None  # created by start() (needs a loop)
         self.http: HttpServer | None = None
+        self.servicer: GenerationServicer | None = None
+        self.front_doors = None  # cluster.front_doors.FrontDoors of front door 0
 
     @property
     def address(self) -> str:
@@ -80,7 +84,8 @@ class GenerationServer:
         interceptors = []
         if srv_cfg.auth_token_file:
             interceptors.append(BearerTokenInterceptor(read_token(srv_cfg.auth_token_file)))
-        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        options = SHARED_PORT_OPTIONS if srv_cfg.api_servers > 1 else GRPC_OPTIONS
+        server = grpc.aio.server(interceptors=interceptors, options=options)
         # one intake (size checks, the tokenizer thread) serves both front doors
         self.intake = PromptIntake(self.router, max_prompt_tokens=limits.max_prompt_tokens,
                                    max_prompt_bytes=limits.max_prompt_bytes,
@@ -89,6 +94,7 @@ class GenerationServer:
         servicer = GenerationServicer(self.router, self.state,
                                       request_timeout_s=limits.request_timeout_s,
                                       intake=self.intake)
+        self.servicer = servicer
         pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -185,6 +191,8 @@ class GenerationServer:
         self.state.draining = True
         self._drain_end = time.monotonic() + timeout
         await self._set_health(False)
+        doors = None if self.front_doors is None else asyncio.ensure_future(
+            self.front_doors.stop(timeout))  # the other front doors drain meanwhile
         log.info("draining %d request(s) for up to %.1f s", len(self.state.active), timeout)
         while self.state.active and time.monotonic() < self._drain_end:
             await asyncio.sleep(0.05)
@@ -197,6 +205,8 @@ class GenerationServer:
             while self.state.active and time.monotonic() < grace_end:
                 await asyncio.sleep(0.05)
         await self._server.stop(grace=1.0)
+        if doors is not None:
+            await doors  # before the pools go: their streams run on them
         if self.http is not None:
             await self.http.stop()
         if self._poller is not None:
@@ -216,9 +226,16 @@ async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
                 on_started: Callable[[GenerationServer], None] | None = None) -> None:
     """Serve until SIGINT/SIGTERM (main thread) or until the server is stopped; then drain.
 
-    `on_ready(address)` / `on_started(server)` run once both front doors listen."""
+    `on_ready(address)` / `on_started(server)` run once every front door listens (with
+    `server.api_servers` N > 1, N - 1 more processes share the port)."""
     server = GenerationServer(router, cfg)
     address = await server.start()
+    if server.cfg.server.api_servers > 1:
+        from cluster.front_doors import start_front_doors
+
+        await start_front_doors(server)
+    gc.collect()  # what startup built (torch, tokenizer, pools) stays: keep the collector
+    gc.freeze()  # off it, so a full collection walks the requests' objects only
     if on_ready is not None:
         on_ready(address)
     if on_started is not None:

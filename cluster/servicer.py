@@ -15,7 +15,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -81,6 +81,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.intake = intake or PromptIntake(router, max_prompt_tokens=max_prompt_tokens,
                                              max_prompt_bytes=max_prompt_bytes)
         self._tasks: set[asyncio.Task] = set()
+        self.peers = None  # cluster.front_doors.Peers: the other front doors of the port
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -103,9 +104,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if finished:
                     call.ended = True
                     self.state.release(call)  # free before the client sees the end
+                text = delta.text
+                if text is None:  # a backend that does not detokenize (LocalBackend)
+                    text = detok.push(delta.token_ids, final=finished)
                 yield pb.GenerateResponse(
-                    request_id=rid, token_ids=delta.token_ids,
-                    text=detok.push(delta.token_ids, final=finished),
+                    request_id=rid, token_ids=delta.token_ids, text=text,
                     finish_reason=FINISH_TO_PROTO[delta.finish_reason if finished else None],
                     usage=usage_to_proto(delta.usage) if finished and delta.usage else None,
                     logprobs=logprobs_to_proto(delta.logprobs or ()),
@@ -204,11 +207,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        found = await self.abort_local(rid)
+        if not found and self.peers is not None:  # its stream may be on another front door
+            found = await self.peers.abort(rid)
+        return pb.AbortResponse(found=found)
+
+    async def abort_local(self, rid: str) -> bool:
+        """Abort `rid` if this front door holds it; whether it did."""
         call = self.state.mark_aborted(rid)
         found = bool(await self.router.abort(rid))
         if call is not None:  # the request has ended: its id is free when Abort returns
             self.state.release(call)
-        return pb.AbortResponse(found=found or call is not None)
+        return found or call is not None
 
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
@@ -216,6 +226,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             stats = await self.router.stats()
         except RouterError as e:
             await context.abort(STATUS_OF[e.code], e.message)
+        if self.peers is not None:  # every front door's requests
+            inflight, queued = await self.peers.totals()
+            stats = replace(stats, num_inflight=stats.num_inflight + inflight,
+                            router_queue_depth=stats.router_queue_depth + queued)
         return stats_to_proto(stats, serving=stats.serving and not self.state.draining)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

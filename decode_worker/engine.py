@@ -20,7 +20,7 @@ from engine.tombstones import Tombstones
 from engine.tp_driver import make_runner
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
-from runtime.messages import DecodeTask, EventKind, LegTiming, WorkerEvent
+from runtime.messages import NO_TIMING, DecodeTask, EventKind, LegTiming, WorkerEvent
 from runtime.stats import DecodeStats
 
 if TYPE_CHECKING:
@@ -114,21 +114,21 @@ class DecodeEngine:
             return events
         t0, wall0 = time.monotonic(), time.time()
         sampled = execute_and_sample(self.runner, items)
-        now = time.monotonic()
-        for s in sampled:
+        now, wall = time.monotonic(), time.time()
+        for s in sampled:  # one event per request, all sent as one message per step
             r, tok = s.request, s.token_id
             r.num_cached_tokens += 1
             r.append_token(tok)
             if not r.is_finished and r.num_tokens >= self.max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
-            timing = LegTiming()
+            timing = NO_TIMING
             if r.is_finished:
                 self.scheduler.finish(r)
                 self.aborted_early.ended(r.request_id)
                 timing = LegTiming(decode_s=now - self.started.pop(r.request_id, now))
             events.append(WorkerEvent(
                 EventKind.TOKENS, r.request_id, self.worker_id, (tok,),
-                finish_reason=r.finish_reason, timing=timing,
+                finish_reason=r.finish_reason, wall_time=wall, timing=timing,
                 logprobs=None if s.logprobs is None else (s.logprobs,)))
         self.num_steps += 1
         self.step_seconds += now - t0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import ray
@@ -10,7 +12,7 @@ from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
 from kv_transfer.heads import rank_heads
 from kv_transfer.registry import make_receiver
-from runtime.messages import DecodeTask
+from runtime.messages import DecodeTask, WorkerLoad
 from runtime.spec import WorkerSpec
 from runtime.tp_links import GroupReceiver, join_endpoints
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase, advertised
@@ -27,6 +29,26 @@ class DecodeWorker(WorkerBase):
             self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1, 0))
             engine.receiver = GroupReceiver(self.receiver, engine.runner)
         self.start(engine)
+        threading.Thread(target=self._doorbell, name="kv-doorbell", daemon=True).start()
+
+    def _doorbell(self) -> None:
+        """Wake the loop from its nap when KV arrives (a leg waiting on its KV starts on
+        arrival, not at the next nap's end)."""
+        while not self.loop.stopped:
+            if self.receiver.wait(0.1):
+                if self.loop.napping:
+                    self.loop.wake()
+                time.sleep(0.0005)  # the loop takes the inbox at its next step
+
+    def channel_commands(self) -> dict:
+        e = self.engine
+        return {**super().channel_commands(), "reserve": self._on_loop(e.reserve),
+                "keepalive": self._on_loop(e.keepalive)}
+
+    def load(self) -> WorkerLoad:
+        e = self.engine
+        return WorkerLoad(e.bm.num_used_blocks, e.scheduler.promised_free_blocks(),
+                          len(e.scheduler.running), len(e.scheduler.pending))
 
     def endpoint(self) -> str:
         """The receiver's address as peers on other nodes can reach it; a TP worker's is

@@ -7,7 +7,7 @@ import ray
 from kv_transfer.registry import make_sender
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillSchedulerConfig
-from runtime.messages import PrefillTask
+from runtime.messages import PrefillTask, WorkerLoad
 from runtime.spec import WorkerSpec
 from runtime.tp_links import GroupSender, HeadSender
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase
@@ -26,6 +26,17 @@ class PrefillWorker(WorkerBase):
         if self.ranks:  # a TP group: every rank sends its own heads, rank 0 coordinates
             engine.sender = GroupSender(heads, engine.runner)
         self.start(engine)
+
+    def channel_commands(self) -> dict:
+        e = self.engine
+        return {**super().channel_commands(), "add": self._on_loop(e.add),
+                "set_decode_pressure": self._on_loop(
+                    e.scheduler.chunk_policy.observe_decode_pressure)}
+
+    def load(self) -> WorkerLoad:
+        e = self.engine
+        return WorkerLoad(e.bm.num_used_blocks, 0, len(e.scheduler.active),
+                          len(e.scheduler.waiting), e.scheduler.num_outstanding_tokens)
 
     def add(self, task: PrefillTask) -> None:
         self.loop.call(lambda: self.engine.add(task))

@@ -3,7 +3,10 @@
 Every engine (PrefillEngine, DecodeEngine, the colocated engine) is single-threaded by
 design: commands from other threads (add, abort, reserve, stats) are queued and run on
 the loop thread between steps. A step's events go to `on_events` (called on the loop
-thread) or, without it, to an outbox that `poll` long-polls (the Ray actors).
+thread) or, without it, to an outbox that `poll` long-polls. With `every_step`,
+`on_events` is called after every step that ran or emitted (even with no events) and
+once when the engine goes idle, so a channel can publish the worker's load. `wake()`
+ends a nap early (e.g. KV arrived for a leg that waits on it).
 
 A step that raises fails the legs the engine holds (`fail_all`: FAILED events, resources
 freed), so no request hangs on a broken step; after `max_step_failures` failures in a
@@ -42,7 +45,7 @@ class WorkerLoop:
     def __init__(self, engine: SteppableEngine, idle_wait_s: float = 0.002,
                  thread_init: Callable[[], None] | None = None,
                  on_events: Callable[[list[WorkerEvent]], None] | None = None,
-                 max_step_failures: int = MAX_STEP_FAILURES):
+                 max_step_failures: int = MAX_STEP_FAILURES, every_step: bool = False):
         """`thread_init` runs first on the loop thread (e.g. binding its CUDA device; the
         engine's ModelRunner also binds every thread that calls it)."""
         self.engine = engine
@@ -50,6 +53,8 @@ class WorkerLoop:
         self._on_events = on_events if on_events is not None else self._to_outbox
         self.idle_wait_s = idle_wait_s
         self.max_step_failures = max_step_failures
+        self.every_step = every_step
+        self.napping = False  # waiting on I/O between steps: wake() ends it
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._outbox: list[WorkerEvent] = []
         self._cond = threading.Condition()
@@ -79,6 +84,11 @@ class WorkerLoop:
     def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
         """Run `fn` on the loop thread and return its result (exceptions propagate)."""
         return self.submit(fn).result(timeout=timeout)
+
+    def wake(self) -> None:
+        """End the current nap (a no-op command); harmless when the loop is busy."""
+        if not self._stop.is_set():
+            self._commands.put((_nothing, Future()))
 
     def poll(self, timeout_s: float) -> list[WorkerEvent]:
         """Events since the last poll; waits up to `timeout_s` for the first one."""
@@ -134,6 +144,7 @@ class WorkerLoop:
 
     def _run(self) -> None:
         failures = 0
+        was_busy = False
         if self._thread_init is not None:
             try:
                 self._thread_init()
@@ -142,19 +153,23 @@ class WorkerLoop:
                 self.error = f"{type(e).__name__}: {e}"
         while not self._stop.is_set() and self.fatal is None:
             events, failures = self._step(failures)
-            if events:
+            ran = self.engine.last_step_ran
+            if events or (self.every_step and (ran or was_busy)):
                 self._on_events(events)
+            was_busy = ran or bool(events)
             if self.fatal is not None:
                 break
             if failures:  # let a transient cause (e.g. memory) pass before the next try
                 time.sleep(0.1)
             # busy: take commands between steps without waiting; waiting on I/O: a short
             # nap; idle: sleep until a command arrives (or 50 ms, to notice stop)
-            if self.engine.last_step_ran:
+            if ran:
                 wait = 0.0
             else:
                 wait = self.idle_wait_s if self.engine.has_work else 0.05
+            self.napping = wait > 0
             self._drain_commands(wait)
+            self.napping = False
         if self.fatal is not None:
             self._reject_commands()
             with self._cond:
@@ -173,3 +188,7 @@ class WorkerLoop:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def _nothing() -> None:
+    return None

@@ -105,3 +105,16 @@ class WorkerInfo:
     cuda_visible_devices: str | None = None
     # a tensor-parallel worker: one line per rank (pid, node, GPUs), rank 0 first
     tp_ranks: tuple[str, ...] = ()
+    channel: str = ""  # host:port of its control channel (runtime/channel.py; "" if none)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load as every step's channel message carries it: what each front door
+    places requests on (all front doors see every worker's load, not just their own)."""
+
+    kv_blocks_used: int = 0
+    kv_blocks_promisable: int = 0  # decode: free blocks no reservation is owed
+    num_running: int = 0
+    num_waiting: int = 0
+    outstanding_tokens: int = 0  # prefill: prompt tokens not yet prefilled

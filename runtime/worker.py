@@ -4,6 +4,11 @@ runtime/ that imports ray). Its subclasses build an engine and hand it to `start
 Actors are threaded (`max_concurrency`) so a long-poll `poll()` never blocks `add` or
 `abort`. Every actor declares `num_cpus` (cluster.placement) and uses that many torch
 threads. The calls it answers are the `runtime.actor.WorkerActor` protocol.
+
+A worker with a cluster secret (every P/D worker) also serves a control channel
+(runtime/channel.py, its address in `WorkerInfo.channel`): the front doors send the hot
+commands (`CHANNEL_COMMANDS`) over it and receive one message per step with every leg's
+events and the worker's load, with no Ray call per poll or per command.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -26,8 +33,9 @@ from engine.tp_driver import DriverRunner, make_runner, serve_rank
 from engine.tracing import TraceRecorder
 from kv_transfer.heads import rank_heads
 from kv_transfer.registry import make_receiver, make_sender
+from runtime.channel import ChannelServer
 from runtime.loop import SteppableEngine, WorkerLoop
-from runtime.messages import WorkerEvent, WorkerInfo
+from runtime.messages import WorkerEvent, WorkerInfo, WorkerLoad
 from runtime.spec import WorkerSpec, resolve_engine, worker_fault_injector
 from runtime.stats import EngineStats
 from runtime.tp_links import HeadSender, RankLinks
@@ -62,6 +70,7 @@ class WorkerBase:
         self.loop: WorkerLoop | None = None
         self.ranks: list = []  # the other ranks' actors of a tensor-parallel worker
         self._rank_refs: list = []  # their join() calls: they end when a rank dies
+        self.channel: ChannelServer | None = None
         if self.cfg.tensor_parallel_size > 1:
             self._start_group()
 
@@ -107,7 +116,31 @@ class WorkerBase:
         if isinstance(runner, DriverRunner):
             runner.describe_failure = self._describe_dead_ranks
             runner.on_failure = self._group_down
-        self.loop = WorkerLoop(engine, thread_init=thread_init)
+        secret = self.spec.transfer.secret if self.spec.transfer is not None else b""
+        if len(secret) < 16:  # no cluster secret (colocated pool): the router polls
+            self.loop = WorkerLoop(engine, thread_init=thread_init)
+            return
+        host = self.spec.transfer.bind_host
+        self.channel = ChannelServer(
+            self.spec.worker_id, self.spec.role, secret, self.channel_commands(), host=host,
+            load=self.load, idle=lambda: not engine.has_work, unrouted=self._unrouted)
+        self.loop = WorkerLoop(engine, thread_init=thread_init, on_events=self.channel.publish,
+                               every_step=True)
+
+    def channel_commands(self) -> dict[str, Callable[..., Any]]:
+        """Commands the channel runs: each queues its call on the loop (a Future)."""
+        return {"abort": self._on_loop(lambda leg_id: self.engine.abort(leg_id)),
+                "hello": lambda: self.spec.worker_id}
+
+    def _on_loop(self, fn: Callable[..., Any]) -> Callable[..., Future]:
+        return lambda *args: self.loop.submit(lambda: fn(*args))
+
+    def load(self) -> WorkerLoad:
+        """The worker's load (called on the loop thread after each step)."""
+        return WorkerLoad()
+
+    def _unrouted(self, events: list[WorkerEvent]) -> None:
+        self.loop._to_outbox(events)  # legs a router added over Ray: it polls for them
 
     def ready(self) -> WorkerInfo:
         if self.loop.fatal is not None:  # a dead engine is not adopted again
@@ -119,10 +152,20 @@ class WorkerBase:
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             tp_ranks=(_where(0), *ray.get([a.where.remote() for a in self.ranks]))
-            if self.ranks else ())
+            if self.ranks else (),
+            channel=self._channel_address())
 
     def endpoint(self) -> str:
         return ""
+
+    def _channel_address(self) -> str:
+        """host:port of the channel as peers on other nodes reach it ("" if none)."""
+        if self.channel is None:
+            return ""
+        host = self.channel.host
+        if host in ("0.0.0.0", "::"):  # every interface: advertise this node's IP
+            host = ray.util.get_node_ip_address()
+        return f"[{host}]:{self.channel.port}" if ":" in host else f"{host}:{self.channel.port}"
 
     def poll(self, timeout_s: float = 0.05) -> list[WorkerEvent]:
         return self.loop.poll(timeout_s)
@@ -147,6 +190,8 @@ class WorkerBase:
     def shutdown(self) -> None:
         if self.loop:
             self.loop.stop()
+        if self.channel is not None:
+            self.channel.close()
         runner = getattr(self.engine, "runner", None)
         if isinstance(runner, DriverRunner):  # the loop is stopped: no step in flight
             try:

@@ -237,6 +237,7 @@ class _AddFailsOnce:
 
 def test_prefill_dying_under_add_is_redispatched_once(runner, reference):
     router = runner.router
+    runner.run(router.start())  # wrap the started router's actor (its channel is up)
     handle = router.prefill[0]
     real, dispatched = handle.actor, []
     orig = router.dispatch

@@ -140,7 +140,7 @@ def test_worker_killed_mid_run_every_request_ends(start_router, tiny_model, vict
         while not pool[0].legs:  # kill it while it holds requests
             assert time.monotonic() < end, f"{victim}-0 never got a request"
             await asyncio.sleep(0.01)
-        ray.kill(pool[0].actor, no_restart=False)  # Ray restarts it (max_restarts)
+        ray.kill(pool[0].handle, no_restart=False)  # Ray restarts it (max_restarts)
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
 
     t0 = time.monotonic()

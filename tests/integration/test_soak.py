@@ -92,7 +92,7 @@ def service(ray_session, tiny_model):
 
 def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model):
     srv, router, metrics_url = service
-    tag = service_tag(router.prefill[0].actor)
+    tag = service_tag(router.prefill[0].handle)
     assert {w.role for w in find_worker_actors(tag)} == {"prefill", "decode"}
     cfg = SoakConfig(
         addr=srv.address, requests=200, rate=5.0, cancel_rate=0.3, kill_every_s=6.0,

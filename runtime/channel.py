@@ -1,0 +1,292 @@
+"""ChannelServer: a worker's control channel to the front doors (Ray-free).
+
+Each front door (router) opens one TCP connection per worker, authenticated with the
+cluster secret (kv_transfer.tcp_auth, the KV links' handshake), and uses it both ways:
+
+    router -> worker   C  (call id, command, args)   pickled; run on the WorkerLoop in
+                                                      arrival order (one FIFO per link)
+    worker -> router   R  (call id, ok, value)       pickled reply, when the command ran
+    worker -> router   E  one step's events           msgpack (runtime/batch_codec.py)
+
+So a decode step costs one message per front door carrying every request's new tokens,
+sent by a writer thread (the loop thread only queues it), and a command costs a write
+and a wake-up instead of a Ray actor call. Events go to the link whose command created
+the leg (`add` / `reserve`); each message also carries the worker's load, and links
+without events get that load at most every LOAD_PERIOD_S (and whenever the worker goes
+idle), so every front door places requests on fresh per-worker load.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from kv_transfer.tcp_auth import AuthError, DeadlineSocket, handshake_reader, server_handshake
+from runtime.batch_codec import encode_batch
+from runtime.messages import EventKind, WorkerEvent, WorkerLoad
+
+log = logging.getLogger(__name__)
+HEADER = struct.Struct("!IB")  # body length (kind byte included), kind
+KIND_CALL, KIND_REPLY, KIND_EVENTS = ord("C"), ord("R"), ord("E")
+MAX_FRAME_BYTES = 64 << 20
+HANDSHAKE_TIMEOUT_S = 10.0
+LOAD_PERIOD_S = 0.02
+# kinds after which a role holds the leg no more (besides a finishing event)
+LEG_ENDS = {
+    "decode": frozenset({EventKind.PREEMPTED, EventKind.FAILED}),
+    "prefill": frozenset({EventKind.PREFILL_DONE, EventKind.FAILED}),
+    "colocated": frozenset({EventKind.FAILED}),
+}
+Command = Callable[..., Any]  # returns a Future (run on the loop) or a plain value
+
+
+def frame(kind: int, body: bytes) -> bytes:
+    return HEADER.pack(len(body) + 1, kind) + body
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes] | None:
+    """One frame from a blocking socket; None at EOF."""
+    head = _recv_exact(sock, HEADER.size)
+    if head is None:
+        return None
+    n, kind = HEADER.unpack(head)
+    if not 1 <= n <= MAX_FRAME_BYTES:
+        raise ConnectionError(f"channel frame of {n} bytes")
+    body = _recv_exact(sock, n - 1)
+    if body is None:
+        raise ConnectionError("channel closed mid-frame")
+    return kind, body
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            if buf:
+                raise ConnectionError("channel closed mid-frame")
+            return None
+        buf += part
+    return bytes(buf)
+
+
+class _Link:
+    """One front door's connection: a reader thread (commands) and a writer thread."""
+
+    def __init__(self, server: ChannelServer, sock: socket.socket, peer: str):
+        self.server, self.sock, self.peer = server, sock, peer
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.alive = True
+        self.subscribed = False  # it spoke first: from now on it gets load messages
+        self.last_load: WorkerLoad | None = None
+        self.last_sent = 0.0
+        for target, name in ((self._read, "reader"), (self._write, "writer")):
+            threading.Thread(target=target, name=f"channel-{name}:{peer}", daemon=True).start()
+
+    def send_events(self, events: list[WorkerEvent], load: WorkerLoad | None) -> None:
+        self.last_load, self.last_sent = load, time.monotonic()
+        self.out.put((events, load))
+
+    def _reply(self, call_id: int, fut_or_value: Any) -> None:
+        if not isinstance(fut_or_value, Future):
+            self.out.put(frame(KIND_REPLY, _dump_reply(call_id, True, fut_or_value)))
+            return
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            body = _dump_reply(call_id, exc is None, exc if exc is not None else f.result())
+            self.out.put(frame(KIND_REPLY, body))
+
+        fut_or_value.add_done_callback(done)
+
+    def _read(self) -> None:
+        try:
+            while self.alive:
+                got = read_frame(self.sock)
+                if got is None:
+                    break
+                kind, body = got
+                if kind != KIND_CALL:
+                    raise ConnectionError(f"unexpected channel frame kind {kind}")
+                call_id, name, args = pickle.loads(body)
+                self.subscribed = True
+                try:
+                    result = self.server.run_command(self, name, args)
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    self.out.put(frame(KIND_REPLY, _dump_reply(call_id, False, e)))
+                    continue
+                self._reply(call_id, result)
+        except (OSError, ConnectionError, pickle.UnpicklingError, ValueError) as e:
+            if self.alive:
+                log.info("channel link %s broke: %s", self.peer, e)
+        finally:
+            self.close()
+
+    def _write(self) -> None:
+        worker_id = self.server.worker_id
+        try:
+            while True:
+                item = self.out.get()
+                if item is None:
+                    return
+                if isinstance(item, tuple):
+                    events, load = item
+                    item = frame(KIND_EVENTS, encode_batch(worker_id, events, load))
+                self.sock.sendall(item)
+        except OSError as e:
+            if self.alive:
+                log.info("channel link %s broke on send: %s", self.peer, e)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.out.put(None)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.server.forget(self)
+
+
+def _dump_reply(call_id: int, ok: bool, value: Any) -> bytes:
+    try:
+        return pickle.dumps((call_id, ok, value))
+    except Exception:  # an exception (or value) that does not pickle: say what it was
+        return pickle.dumps((call_id, False, RuntimeError(repr(value))))
+
+
+class ChannelServer:
+    """The worker side: listens on `host`, authenticates each front door with `secret`,
+    runs its commands (`commands[name](*args)`) and sends it its legs' events."""
+
+    def __init__(self, worker_id: str, role: str, secret: bytes,
+                 commands: Mapping[str, Command], *, host: str = "127.0.0.1",
+                 load: Callable[[], WorkerLoad] | None = None,
+                 idle: Callable[[], bool] | None = None,
+                 unrouted: Callable[[list[WorkerEvent]], None] | None = None):
+        if len(secret) < 16:
+            raise ValueError("the channel needs a cluster secret of at least 16 bytes")
+        self.worker_id, self.role, self.secret = worker_id, role, secret
+        self.commands = dict(commands)
+        self._load, self._idle, self._unrouted = load, idle, unrouted
+        self._ends = LEG_ENDS[role]
+        self._links: list[_Link] = []
+        self._origin: dict[str, _Link] = {}  # leg id -> the link that created the leg
+        self._lock = threading.Lock()
+        self.ever_linked = False
+        self._sock = socket.create_server((host, 0))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"channel-accept:{worker_id}",
+                         daemon=True).start()
+
+    @property
+    def legs(self) -> int:
+        """Legs whose events are routed to a link (0 once every leg ended: a leak check)."""
+        return len(self._origin)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        try:
+            dl = DeadlineSocket(sock, HANDSHAKE_TIMEOUT_S)
+            peer = server_handshake(dl, handshake_reader(dl), self.secret)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (AuthError, OSError, TimeoutError) as e:
+            log.warning("channel: refused %s: %s", addr, e)
+            sock.close()
+            return
+        with self._lock:
+            self.ever_linked = True
+            self._links.append(_Link(self, sock, f"{peer}@{addr[0]}:{addr[1]}"))
+
+    def forget(self, link: _Link) -> None:
+        with self._lock:
+            if link in self._links:
+                self._links.remove(link)
+            for leg_id in [k for k, v in self._origin.items() if v is link]:
+                del self._origin[leg_id]
+
+    def run_command(self, link: _Link, name: str, args: tuple) -> Any:
+        fn = self.commands.get(name)
+        if fn is None:
+            raise ValueError(f"unknown channel command {name!r}")
+        if name == "abort":
+            self._origin.pop(args[0], None)
+        if name not in ("add", "reserve"):
+            return fn(*args)
+        leg_id = args[0].leg_id
+        self._origin[leg_id] = link  # before it runs: its first events may follow at once
+        try:
+            result = fn(*args)
+        except Exception:
+            self._drop(leg_id, link)
+            raise
+        if isinstance(result, Future):
+            result.add_done_callback(lambda f: self._settled(leg_id, link, f))
+        elif result is False:
+            self._drop(leg_id, link)
+        return result
+
+    def _settled(self, leg_id: str, link: _Link, fut: Future) -> None:
+        """A refused `reserve` (False) or a failed command created no leg here."""
+        if fut.exception() is not None or fut.result() is False:
+            self._drop(leg_id, link)
+
+    def _drop(self, leg_id: str, link: _Link) -> None:
+        if self._origin.get(leg_id) is link:
+            del self._origin[leg_id]
+
+    def publish(self, events: list[WorkerEvent]) -> None:
+        """One step's events (called on the loop thread, possibly with none)."""
+        by_link: dict[int, list[WorkerEvent]] = {}
+        unrouted = []
+        origin, ends = self._origin, self._ends
+        for ev in events:
+            link = origin.get(ev.leg_id)
+            if link is None:
+                unrouted.append(ev)
+                continue
+            by_link.setdefault(id(link), []).append(ev)
+            if ev.finish_reason is not None or ev.kind in ends:
+                origin.pop(ev.leg_id, None)
+        if unrouted and self._unrouted is not None and not self.ever_linked:
+            self._unrouted(unrouted)  # a router without a channel polls for them
+        if not self._links:
+            return
+        load = self._load() if self._load is not None else None
+        idle = self._idle() if self._idle is not None else False
+        now = time.monotonic()
+        for link in list(self._links):
+            mine = by_link.get(id(link))
+            if mine or (link.subscribed and load != link.last_load
+                        and (idle or now - link.last_sent >= LOAD_PERIOD_S)):
+                link.send_events(mine or [], load)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        for link in list(self._links):
+            link.close()

@@ -1,0 +1,177 @@
+"""The worker's control channel (runtime/channel.py) against the front door's side
+(cluster/worker_channel.py) over real sockets: the HMAC handshake, commands run in order
+with results and exceptions returned, one message per step routed to the link that
+created each leg, load updates, a lost link failing its calls, and no routing entry left
+once every leg ended (the channel's leak check)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+import pytest
+
+from cluster.worker_channel import ChannelActor, WorkerChannel
+from engine.request import FinishReason, SamplingParams
+from kv_transfer.tcp_auth import AuthError
+from runtime.batch_codec import decode_batch, encode_batch, entry_event
+from runtime.channel import ChannelServer
+from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent, WorkerLoad
+
+SECRET = b"s" * 32
+
+
+def _task(leg: str) -> PrefillTask:
+    return PrefillTask(leg, (1, 2, 3), SamplingParams(max_tokens=4), "fake://d")
+
+
+class Worker:
+    """Commands recorded in order; `add` answers through a Future like the loop does."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.load = WorkerLoad(kv_blocks_used=3, kv_blocks_promisable=7)
+        self.unrouted: list = []
+
+    def commands(self):
+        def add(task):
+            self.calls.append(("add", task.leg_id))
+            f: Future = Future()
+            f.set_result(None)
+            return f
+
+        def reserve(task):
+            raise ValueError(f"leg {task.leg_id!r} cannot fit")
+
+        return {"hello": lambda: "w0", "add": add, "reserve": reserve,
+                "abort": lambda leg: self.calls.append(("abort", leg)) or True}
+
+    def server(self) -> ChannelServer:
+        return ChannelServer("w0", "prefill", SECRET, self.commands(),
+                             load=lambda: self.load, unrouted=self.unrouted.extend)
+
+
+async def _connect(server: ChannelServer, batches: list, secret: bytes = SECRET):
+    return await WorkerChannel.connect("w0", f"127.0.0.1:{server.port}", secret, "test",
+                                       lambda wid, load, entries: batches.append((load, entries)))
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_commands_run_in_order_and_events_reach_the_link_that_made_the_leg():
+    w = Worker()
+    srv = w.server()
+
+    async def go():
+        mine, other = [], []
+        a, b = await _connect(srv, mine), await _connect(srv, other)
+        await asyncio.gather(*(a.call("add", _task(f"leg{i}")) for i in range(5)))
+        await b.call("add", _task("b-leg"))
+        with pytest.raises(ValueError, match="cannot fit"):  # the worker's exception, typed
+            await a.call("reserve", _task("x"))
+        srv.publish([WorkerEvent(EventKind.FIRST_TOKEN, "leg0", "w0", (9,),
+                                 timing=LegTiming(queue_s=0.5)),
+                     WorkerEvent(EventKind.FIRST_TOKEN, "b-leg", "w0", (4,)),
+                     WorkerEvent(EventKind.FIRST_TOKEN, "nobody", "w0", (1,))])
+        await _until(lambda: mine and other, "both links got the step")
+        assert srv.legs == 6
+        for i in range(5):  # each leg ends here: its routing entry goes
+            srv.publish([WorkerEvent(EventKind.PREFILL_DONE, f"leg{i}", "w0")])
+        srv.publish([WorkerEvent(EventKind.FAILED, "b-leg", "w0", message="boom")])
+        await _until(lambda: srv.legs == 0, "every leg forgotten")
+        a.close(), b.close()
+        return mine, other
+
+    mine, other = asyncio.run(go())
+    srv.close()
+    assert w.calls == [("add", f"leg{i}") for i in range(5)] + [("add", "b-leg")]
+    load, entries = mine[0]
+    assert load == WorkerLoad(kv_blocks_used=3, kv_blocks_promisable=7)
+    ev = entry_event("w0", entries[0])  # only its own leg, with its timing
+    assert [e[1] for e in entries] == ["leg0"] and ev.token_ids == (9,)
+    assert ev.timing.queue_s == 0.5
+    assert [e[1] for e in other[0][1]] == ["b-leg"]
+    assert not w.unrouted  # links exist: an event of an unknown leg is dropped, not kept
+
+
+def test_load_reaches_an_idle_link_and_a_wrong_secret_is_refused():
+    w = Worker()
+    srv = w.server()
+
+    async def go():
+        got = []
+        ch = await _connect(srv, got)
+        w.load = WorkerLoad(kv_blocks_used=5)
+        srv._idle = lambda: True  # the worker went idle: its last load goes out at once
+        srv.publish([])
+        await _until(lambda: got, "a load-only message")
+        with pytest.raises(AuthError):
+            await _connect(srv, [], secret=b"x" * 32)
+        ch.close()
+        return got
+
+    got = asyncio.run(go())
+    srv.close()
+    assert got[0] == (WorkerLoad(kv_blocks_used=5), [])
+
+
+def test_a_lost_link_fails_its_pending_calls_and_the_actor_wrapper_routes_commands():
+    w = Worker()
+    blocked: Future = Future()
+    cmds = w.commands()
+    cmds["add"] = lambda task: blocked  # never answered
+    srv = ChannelServer("w0", "decode", SECRET, cmds)
+
+    async def go():
+        ch = await _connect(srv, [])
+        holder = type("Handle", (), {"link": ch})()
+        actor = ChannelActor(ray_actor=type("Ray", (), {"ping": "ray-side"})(), holder=holder)
+        pending = actor.add.remote(_task("leg"))  # sent at once, even if never awaited
+        await _until(lambda: srv.legs == 1, "the add arrived")
+        assert actor.ping == "ray-side"  # everything else goes to the Ray actor
+        srv.close()  # the worker goes away
+        with pytest.raises(ConnectionError):
+            await pending
+        assert ch.lost.done()
+        with pytest.raises(ConnectionError):
+            await actor.abort.remote("leg")
+
+    asyncio.run(go())
+    assert srv.legs == 0
+
+
+def test_the_step_codec_round_trips_every_field():
+    evs = [WorkerEvent(EventKind.TOKENS, "a#1", "w", (1, 2), FinishReason.LENGTH, "",
+                       12.5, LegTiming(decode_s=0.25)),
+           WorkerEvent(EventKind.PREEMPTED, "b#1", "w", message="out of KV blocks")]
+    wid, load, entries = decode_batch(encode_batch("w", evs, WorkerLoad(num_running=2)))
+    assert wid == "w" and load == WorkerLoad(num_running=2)
+    assert [entry_event("w", e) for e in entries] == evs
+
+
+def test_optional_per_token_extras_travel_in_their_entry(monkeypatch):
+    """An optional WorkerEvent field registered in EXTRAS (as log-probabilities would be)
+    rides in its own entry, converted to plain data and back; entries without it stay
+    plain (the router's hot path)."""
+    from dataclasses import dataclass
+
+    import runtime.batch_codec as codec
+
+    @dataclass(frozen=True)
+    class Scored(WorkerEvent):
+        scores: tuple[tuple[int, float], ...] | None = None
+
+    monkeypatch.setattr(codec, "EXTRAS", {"scores": (
+        lambda v: [list(x) for x in v], lambda rows: tuple(tuple(r) for r in rows))})
+    monkeypatch.setattr(codec, "WorkerEvent", Scored)
+    evs = [Scored(EventKind.TOKENS, "a#1", "w", (5,), scores=((5, -0.25),)),
+           Scored(EventKind.TOKENS, "b#1", "w", (6,))]
+    _, _, entries = decode_batch(encode_batch("w", evs, None))
+    assert entries[0][7] == {"scores": [[5, -0.25]]} and entries[1][7] is None
+    assert [entry_event("w", e) for e in entries] == evs
