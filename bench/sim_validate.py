@@ -160,7 +160,8 @@ TERMS = {"ttft_p50": ("dispatch", "prefill queue", "prefill phase", "first-token
 
 
 def diagnose(real: dict, sim: dict, metric: str) -> str:
-    """The term of ``metric`` whose simulated value is furthest off in seconds."""
+    """The term of ``metric`` whose simulated value is furthest off in seconds (among those
+    off in the same direction as the metric, when any is)."""
     if metric.startswith("itl") and real["terms"]["decode step"] and \
             (real[metric] < 0.5 * real["terms"]["decode step"]) != \
             (sim[metric] < 0.5 * sim["terms"]["decode step"]):
@@ -171,7 +172,10 @@ def diagnose(real: dict, sim: dict, metric: str) -> str:
     errs = {t: (a, b) for t, (a, b) in errs.items() if a is not None and b is not None}
     if not errs:
         return "?"
-    t = max(errs, key=lambda k: abs(errs[k][1] - errs[k][0]))
+    # the term furthest off in the direction the metric is off, if any is
+    sign = 1 if sim[metric] > real[metric] else -1
+    same = {k: v for k, v in errs.items() if (v[1] - v[0]) * sign > 0} or errs
+    t = max(same, key=lambda k: abs(same[k][1] - same[k][0]))
     a, b = errs[t]
     return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms"
 

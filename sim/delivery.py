@@ -3,11 +3,14 @@
 A step's tokens leave the worker at the step's end. They reach the router ``token_s``
 later when the path is free; after a delivery the path is busy for ``gap_s`` (the router
 applies the events and asks again), and what the worker produces meanwhile goes with the
-next delivery, coalesced. ``scope`` says what one path is: ``"worker"`` -- the router
-long-polls each worker (one poll returns every event of every stream of that worker;
-``poll_timeout_s``: an empty poll returns after it and the next one is armed ``gap_s``
-later) -- or ``"request"`` -- each stream is its own path (a reader that takes what
-accumulated since its last read). ``first_token_s``: a prefill step's end to the router
+next delivery, coalesced; every ``stall_every``-th delivery holds the path ``stall_s``
+longer (the stalls of a busy event loop or a thread waiting for the GIL). ``scope`` says
+what one path is: ``"router"`` -- every worker pushes one message per step and the
+router's event loop and detokenizer thread take what queued meanwhile as one batch (the
+per-step control channel) -- ``"worker"`` -- the router long-polls each worker (one
+poll returns every event of that worker; ``poll_timeout_s``: an empty poll returns after
+it and the next one is armed ``gap_s`` later) -- or ``"request"`` -- each stream is its
+own path (a reader that takes what accumulated since its last read). ``first_token_s``: a prefill step's end to the router
 having the first token. The figures come from the real service at idle
 (sim/measure_control.py) or are assumed (analytic and synthetic calibrations).
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-SCOPES = ("worker", "request")
+SCOPES = ("router", "worker", "request")
 
 
 @dataclass(frozen=True)

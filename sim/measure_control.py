@@ -47,12 +47,14 @@ def service_config(model_dir: str, max_model_len: int):
 
 
 def delivery_mechanism() -> tuple[str, float | None]:
-    """The router's: it long-polls each worker (one path per worker, polls that time out),
-    or each stream reads what its worker pushed (one path per stream)."""
+    """The router's: workers push one message per step over their control channel and
+    the router applies and detokenizes what queued as one batch (one path for the whole
+    router), or it long-polls each worker (one path per worker, polls that time out)."""
     from cluster import router_events
 
-    timeout = getattr(router_events, "POLL_TIMEOUT_S", None)
-    return ("worker", float(timeout)) if timeout is not None else ("request", None)
+    if hasattr(router_events.EventPump, "on_batch"):
+        return "router", None
+    return "worker", float(router_events.POLL_TIMEOUT_S)
 
 
 def _requests(n: int, vocab: int) -> list:

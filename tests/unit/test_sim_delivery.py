@@ -47,7 +47,7 @@ def test_bad_delivery_figures_are_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="gap_s"):
         Delivery(0.0, 0.0, gap_s=-1.0)
     with pytest.raises(ValueError, match="scope"):
-        Delivery(0.0, 0.0, scope="router")
+        Delivery(0.0, 0.0, scope="nowhere")
 
 
 def test_the_fit_reproduces_the_delays_of_the_mechanism_that_made_the_streams() -> None:
@@ -76,13 +76,15 @@ def test_a_stall_holds_every_nth_delivery_longer() -> None:
     assert d.arrivals(ends) / MS == pytest.approx([0.0, 1.0, 7.0, 7.0])
 
 
-def _sim(delivery: Delivery) -> Simulation:
+def _sim(delivery: Delivery, *, stream_interval: int = 1, decode_workers: int = 1,
+         decode_order: str = "least-kv-usage") -> Simulation:
     cal = synthetic_calibration(prefill=lambda c, p: 0.010, decode=lambda b, L: 0.001,
                                 rpc_s=0.001, delivery=delivery)
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
-        "cache.num_blocks": 256, "model.max_model_len": 2048})
-    return Simulation(cfg, load_costs(cal), SimOptions())
+        "cache.num_blocks": 256, "model.max_model_len": 2048,
+        "server.stream_interval": stream_interval, "pools.decode_workers": decode_workers})
+    return Simulation(cfg, load_costs(cal), SimOptions(decode_order=decode_order))
 
 
 def test_a_run_delivers_the_first_token_and_coalesced_decode_tokens_as_measured() -> None:
@@ -124,3 +126,30 @@ def test_contention_factors_scale_compute_per_role_and_the_control_plane_not_lin
     assert c.prefill_s([(64, 0)]) == pytest.approx(0.01)
     with pytest.raises(ValueError, match="contention factors"):
         ScaledCosts(base, {"prefill": 1.0}, "probe")
+
+
+def test_stream_interval_releases_decode_tokens_k_at_a_time_after_the_first() -> None:
+    req = WorkloadRequest("r0", 0.0, list(range(1, 33)), max_tokens=8)
+    one = _sim(Delivery(0.001, 0.001)).run([req]).records()[0]
+    sim = _sim(Delivery(0.001, 0.001), stream_interval=3)
+    t = sim.run([req]).records()[0].token_times
+    u = one.token_times
+    # the first at once; decode tokens 1-3 with the 3rd, 4-6 with the 6th, the 7th alone
+    assert t == pytest.approx((u[0], u[3], u[3], u[3], u[6], u[6], u[6], u[7]), abs=1e-12)
+
+
+def test_one_router_path_coalesces_the_steps_of_every_decode_worker() -> None:
+    reqs = [WorkloadRequest(f"r{i}", 0.0, list(range(1 + i, 33 + i)), max_tokens=12)
+            for i in range(2)]
+
+    def deliveries(scope: str) -> np.ndarray:
+        sim = _sim(Delivery(0.001, 0.001, gap_s=0.0015, scope=scope), decode_workers=2,
+                   decode_order="least-legs")
+        out = sim.run(reqs).records()
+        assert all(len(s.step_times) for s in sim.decode)  # both workers decoded
+        return np.unique(np.concatenate([r.token_times[1:] for r in out]))
+
+    # one path for the router: its deliveries are a gap apart whichever worker they serve;
+    # a path per worker: the two workers' deliveries interleave closer than that
+    assert np.diff(deliveries("router")).min() >= 0.0015 - 1e-12
+    assert np.diff(deliveries("worker")).min() < 0.0015 - 1e-9
