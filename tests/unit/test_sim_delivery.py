@@ -100,6 +100,13 @@ def test_a_run_delivers_the_first_token_and_coalesced_decode_tokens_as_measured(
     assert slow.token_times[-1] >= plain.token_times[-1]
 
 
+def test_the_delivery_model_survives_the_calibration_file() -> None:
+    d = Delivery(0.001, 0.0005, gap_s=0.0002, scope="router", stall_s=0.004, stall_every=8)
+    cal = synthetic_calibration(prefill=lambda c, p: 0.01, decode=lambda b, L: 0.001,
+                                delivery=d)
+    assert TableCosts(Calibration(cal.data, "cal.json")).delivery == d
+
+
 def test_a_calibration_without_its_delivery_model_is_an_error_naming_it() -> None:
     data = synthetic_calibration(prefill=lambda c, p: 0.01, decode=lambda b, L: 0.001).data
     del data["control"]["delivery"]
