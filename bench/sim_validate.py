@@ -177,7 +177,9 @@ def diagnose(real: dict, sim: dict, metric: str) -> str:
     same = {k: v for k, v in errs.items() if (v[1] - v[0]) * sign > 0} or errs
     t = max(same, key=lambda k: abs(same[k][1] - same[k][0]))
     a, b = errs[t]
-    return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms"
+    gap = sim[metric] - real[metric]
+    share = f", {(b - a) / gap:.0%} of the gap" if gap else ""
+    return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms{share}"
 
 
 def describe(cal, rows: list[dict]) -> str:
