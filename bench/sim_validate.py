@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -106,8 +105,9 @@ def control_terms(out) -> dict[str, float | None]:
         if len(steps) == len(t) - 1:  # one leg, no preemption: step k made token k + 1
             lags += [a - s.end for a, s in zip(t[1:], steps, strict=True)]
     q = (lambda xs, p: float(np.percentile(xs, p)) if xs else None)  # noqa: E731
-    return {"dispatch": q(dispatch, 50), "first-token delivery": q(first, 50),
-            "token delivery p50": q(lags, 50), "token delivery p99": q(lags, 99)}
+    return {f"{name} p{p}": q(xs, p) for name, xs in (
+        ("dispatch", dispatch), ("first-token delivery", first), ("token delivery", lags))
+        for p in (50, 99)}
 
 
 def summarize(out) -> dict[str, Any]:
@@ -117,17 +117,19 @@ def summarize(out) -> dict[str, Any]:
 
     m = compute_metrics(out.records)
 
-    def med(field: str) -> float | None:
+    def pct(field: str, p: int) -> float | None:
         xs = [getattr(r, field) for r in out.records if getattr(r, field) is not None]
-        return statistics.median(xs) if xs else None
+        return float(np.percentile(xs, p)) if xs else None
 
     return {"ttft_p50": m.ttft.median, "ttft_p99": m.ttft.percentiles[99.0],
             "itl_p50": m.itl.median, "itl_p99": m.itl.percentiles[99.0],
             "completed": m.completed, "failed": m.failed,
             "terms": {"prefill step": mean_step_s(out.worker_stats, "prefill"),
                       "decode step": mean_step_s(out.worker_stats, "decode"),
-                      "prefill queue": med("queue_s"), "prefill phase": med("prefill_s"),
-                      "KV transfer": med("transfer_s"), **control_terms(out)}}
+                      **{f"{name} p{p}": pct(field, p) for name, field in (
+                          ("prefill queue", "queue_s"), ("prefill phase", "prefill_s"),
+                          ("KV transfer", "transfer_s")) for p in (50, 99)},
+                      **control_terms(out)}}
 
 
 def contention(real, sim) -> dict[str, float]:
@@ -139,7 +141,7 @@ def contention(real, sim) -> dict[str, float]:
     for role in ("prefill", "decode"):
         a, b = mean_step_s(real.worker_stats, role), mean_step_s(sim.worker_stats, role)
         out[role] = a / b if a and b else 1.0
-    a, b = control_terms(real)["dispatch"], control_terms(sim)["dispatch"]
+    a, b = control_terms(real)["dispatch p50"], control_terms(sim)["dispatch p50"]
     out["control"] = a / b if a and b and a > 0 and b > 0 else 1.0
     return out
 
@@ -153,10 +155,10 @@ def rel(real: float | None, sim: float | None) -> float | None:
 # the terms a metric is made of: TTFT = dispatch + queueing + the prefill's steps + the
 # first token's delivery; ITL p50 = a decode step or its delivery; ITL p99 = a decode step,
 # the wait for a leg's KV or a late delivery
-TERMS = {"ttft_p50": ("dispatch", "prefill queue", "prefill phase", "first-token delivery"),
-         "ttft_p99": ("dispatch", "prefill queue", "prefill phase", "first-token delivery"),
-         "itl_p50": ("decode step", "token delivery p50"),
-         "itl_p99": ("decode step", "KV transfer", "token delivery p99")}
+TERMS = {f"ttft_p{p}": tuple(f"{t} p{p}" for t in (
+    "dispatch", "prefill queue", "prefill phase", "first-token delivery")) for p in (50, 99)}
+TERMS.update({"itl_p50": ("decode step", "token delivery p50"),
+              "itl_p99": ("decode step", "KV transfer p99", "token delivery p99")})
 
 
 def diagnose(real: dict, sim: dict, metric: str) -> str:
@@ -168,7 +170,7 @@ def diagnose(real: dict, sim: dict, metric: str) -> str:
         # one side's client saw several steps' tokens at once and the other's did not
         side = "real" if real[metric] < sim[metric] else "simulated"
         return f"token delivery (only the {side} tokens arrive coalesced)"
-    errs = {t: (real["terms"][t], sim["terms"][t]) for t in TERMS[metric]}
+    errs = {t: (real["terms"].get(t), sim["terms"].get(t)) for t in TERMS[metric]}
     errs = {t: (a, b) for t, (a, b) in errs.items() if a is not None and b is not None}
     if not errs:
         return "?"
