@@ -1,11 +1,12 @@
-"""bench/sim_validate.py's figures: the control-plane terms read from traces against the
-client's times, the contention factors, and the term the table names when a row misses."""
+"""bench/sim_validate_report.py (the validation's figures): the control-plane terms read
+from traces against the client's times, the contention factors, and the term the table
+names when a row misses."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import sim_validate as sv
+from bench import sim_validate_report as sv
 from bench.records import RequestRecord
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
