@@ -8,6 +8,10 @@ worker traces (wall clock) are set against what the client saw:
 - first token: the last prefill chunk's compute ends -> the client has the first token,
   less what the simulator counts in that step after the compute (sampling, the KV
   export, the step overhead): ``control.delivery.first_token_s``;
+- KV handoff: the last prefill chunk's compute ends -> the decode worker admits the leg
+  (its KV arrived), less the same post-compute work and the bytes at the calibrated
+  bandwidth: the link's latency between two worker processes, which replaces the
+  in-process figure of ``links.<connector>.latency_s`` (kept as ``latency_s_inprocess``);
 - decode tokens: each decode step's end -> the client has its token;
   ``control.delivery`` (token_s, gap_s, the stalls) is fitted to the distribution of those
   delays and of the client's inter-token gaps with the router's delivery mechanism
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.adapters import kv_bytes_per_token
 from sim.calibration import Calibration, CalibrationError
 from sim.costs import TableCosts
 from sim.delivery import fit_delivery
@@ -88,7 +93,7 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
     by_leg: dict[str, dict[str, list]] = {}
     for e in out.events:
         by_leg.setdefault(e.request_id.split("#")[0], {}).setdefault(e.phase, []).append(e)
-    dispatch, first, streams = [], [], []
+    dispatch, first, handoff, streams = [], [], [], []
     after_compute = (costs.sample_s(1) + costs.kv_export_s(PROMPT)
                      + costs.step_overhead_s("prefill", 1))
     for r in out.records:
@@ -100,6 +105,9 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
         t = np.array(r.token_times) + out.wall_offset  # monotonic -> wall clock
         dispatch.append(chunks[0].start - (r.send_time + out.wall_offset))
         first.append(t[0] - chunks[-1].end - after_compute)
+        admit = ev.get("decode_admit", [])
+        if admit:
+            handoff.append(min(a.start for a in admit) - chunks[-1].end - after_compute)
         streams.append((np.array([e.end for e in steps]), t[1:]))
     if len(streams) < max(2, requests // 2):
         raise CalibrationError(f"control-plane measurement: only {len(streams)} of {requests} "
@@ -126,8 +134,19 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
         f"deliveries per {scope}, every {delivery.stall_every or '-'}th held "
         f"{delivery.stall_s * 1e3:.2f} ms longer (delay p99 {report['token_lag_s_p99'] * 1e3:.2f}"
         f" ms; fit error {err * 1e3:.2f} ms per quantile)")
+    link = None
+    if handoff:
+        conn = cfg.transfer.connector
+        nbytes = PROMPT * kv_bytes_per_token(costs.calibration.get("model"),
+                                             str(costs.calibration.get("dtype")))
+        wire = nbytes / costs.link(conn).bytes_per_s
+        link = {"connector": conn, "latency_s": max(statistics.median(handoff) - wire, 0.0)}
+        report["kv_handoff_s_median"] = statistics.median(handoff)
+        log(f"  KV handoff at idle: {report['kv_handoff_s_median'] * 1e3:.2f} ms -> {conn} "
+            f"link latency {link['latency_s'] * 1e3:.2f} ms between processes (in-process "
+            f"{costs.link(conn).latency_s * 1e3:.2f} ms)")
     return {"rpc_s": statistics.median(dispatch) / 3, "delivery": delivery.to_dict(),
-            "service": report}
+            "service": report, "link": link}
 
 
 def add_control(cal_path: str | Path, cfg=None, *, requests: int = 12,
@@ -137,8 +156,16 @@ def add_control(cal_path: str | Path, cfg=None, *, requests: int = 12,
     if cfg is None:
         cfg = service_config(cal.get("model.path"), int(cal.get("workload.max_model_len")))
     got = measure_control(cfg, TableCosts(cal), requests=requests, log=log)
+    link = got.pop("link")
     cal.data["control"].update(got)
     src = cal.data.setdefault("sources", {})
+    if link is not None:
+        entry = cal.data["links"][link["connector"]]
+        entry.setdefault("latency_s_inprocess", entry["latency_s"])
+        entry["latency_s"] = link["latency_s"]
+        src[f"links.{link['connector']}.latency_s"] = (
+            "measured: idle 1P1D service, last prefill chunk -> decode admission less the "
+            "post-compute work and the bytes at the in-process bandwidth")
     src["control.rpc_s"] = ("measured: a third of the idle dispatch latency on a 1P1D "
                             "service (send -> first prefill chunk: reserve, reply, add)")
     src["control.delivery"] = ("measured: idle 1P1D service traces vs client times; token_s "
