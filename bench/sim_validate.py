@@ -2,15 +2,23 @@
 
     python -m bench.sim_validate                     # calibrate, run real + simulated, table
     python -m bench.sim_validate --calibration cal.json --quick
+    python -m bench.sim_validate --reprint out/sim_validate.json
 
 Each configuration (1P1D and 1P2D, prefill chunks 64..512, eager and paced sends, fcfs
-and srpt) runs for real -- Ray workers, the router, the TCP KV connector -- at two load
-levels, and the same workload runs in the simulator (sim/) with a calibration measured on
-this machine just before (or ``--calibration``). The table gives TTFT and ITL p50 / p99,
-real vs simulated, and the relative error; the goal is 10%. Where a figure misses it, the
-last column names the term of the model that is furthest off: the mean prefill or decode
-step (the cost tables), the queueing before a prefill (scheduling and interference), or
-the KV transfer (link cost), each compared between the two runs.
+and srpt) runs for real -- Ray workers, the router, the TCP KV connector, traces on -- at
+two load levels, and the same workload runs in the simulator (sim/). The simulator's
+costs are measured in this run, under the machine's load of the moment: the calibration
+(the median of its repeats, not the fastest) and the control plane on an idle 1P1D
+service (``pdserve calibrate --stat median --control``) just before the real runs. Each
+real workload runs twice: the first run gives this configuration's contention on this
+machine (per role, the real workers' mean step time over the simulator's; for the
+control plane, the real dispatch latency over the simulated one), which scales the
+costs the second run is compared with, and run 1 vs run 2 is the machine's noise floor.
+The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
+goal is 10%. Where a figure misses it, the last column names the term furthest off in
+seconds among those the metric is made of: dispatch, prefill queue, prefill phase and
+first-token delivery for TTFT; the decode step, the token delivery (a step's end to the
+client) and the KV transfer for ITL -- each compared between the two runs.
 """
 
 from __future__ import annotations
@@ -18,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-GOAL = 0.10
+from bench.sim_validate_report import GOAL, contention, describe, summarize, table
+
 # name -> (pools P, D, prefill chunk, send policy, fairness policy); a fractional design
 # over the factors (each level of each factor appears; ~1 min per configuration here)
 CONFIGS: dict[str, tuple[int, int, int, str, str]] = {
@@ -71,71 +79,6 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
         long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))
 
 
-def summarize(out) -> dict[str, Any]:
-    """TTFT / ITL percentiles and the terms the diagnosis compares."""
-    from bench.metrics import compute_metrics
-    from bench.studies.service import mean_step_s
-
-    m = compute_metrics(out.records)
-
-    def med(field: str) -> float | None:
-        xs = [getattr(r, field) for r in out.records if getattr(r, field) is not None]
-        return statistics.median(xs) if xs else None
-
-    return {"ttft_p50": m.ttft.median, "ttft_p99": m.ttft.percentiles[99.0],
-            "itl_p50": m.itl.median, "itl_p99": m.itl.percentiles[99.0],
-            "completed": m.completed, "failed": m.failed,
-            "terms": {"prefill step": mean_step_s(out.worker_stats, "prefill"),
-                      "decode step": mean_step_s(out.worker_stats, "decode"),
-                      "prefill queue": med("queue_s"), "prefill phase": med("prefill_s"),
-                      "KV transfer": med("transfer_s")}}
-
-
-def rel(real: float | None, sim: float | None) -> float | None:
-    if real is None or sim is None or real <= 0:
-        return None
-    return (sim - real) / real
-
-
-# the terms a metric is made of: TTFT = queueing + the prefill's steps (+ RPCs);
-# ITL p50 = a decode step; ITL p99 = a decode step or the wait for a leg's KV
-TERMS = {"ttft_p50": ("prefill queue", "prefill phase"),
-         "ttft_p99": ("prefill queue", "prefill phase"),
-         "itl_p50": ("decode step",), "itl_p99": ("decode step", "KV transfer")}
-
-
-def diagnose(real: dict, sim: dict, metric: str) -> str:
-    """The term of ``metric`` whose simulated value is furthest off in seconds."""
-    if metric.startswith("itl") and real["terms"]["decode step"] and \
-            real[metric] < 0.5 * real["terms"]["decode step"]:
-        # the client saw several steps' tokens at once: delivery, not the step, is off
-        return "token delivery (real tokens arrive coalesced)"
-    errs = {t: (real["terms"][t], sim["terms"][t]) for t in TERMS[metric]}
-    errs = {t: (a, b) for t, (a, b) in errs.items() if a is not None and b is not None}
-    if not errs:
-        return "?"
-    t = max(errs, key=lambda k: abs(errs[k][1] - errs[k][0]))
-    a, b = errs[t]
-    return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms"
-
-
-def table(rows: list[dict]) -> str:
-    head = ("config", "load", "TTFT p50 ms real/sim/err", "TTFT p99 ms real/sim/err",
-            "ITL p50 ms real/sim/err", "ITL p99 ms real/sim/err", "term off (sim vs real)")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells, off = [r["config"], r["load"]], []
-        for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
-            a, b = r["real"][k], r["sim"][k]
-            e = rel(a, b)
-            cells.append(f"{a * 1e3:.1f} / {b * 1e3:.1f} / {e:+.0%}" if e is not None else "-")
-            if e is not None and abs(e) > GOAL:
-                off.append(f"{k}: {diagnose(r['real'], r['sim'], k)}")
-        cells.append("; ".join(dict.fromkeys(off)) or "within 10%")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.sim_validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.reprint:
         data = json.loads(Path(args.reprint).read_text())
-        print(f"cost model: {data['label']}\n{table(data['rows'])}")
+        print(f"cost model: {data['label']}\n{data.get('header', '')}\n{table(data['rows'])}")
         return 0
     logging.basicConfig(level=logging.WARNING)
     from bench.studies.service import ServicePool, ensure_ray
@@ -164,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     from sim.calibration import Calibration
     from sim.cluster import simulate_config
     from sim.cost_loader import load_costs
+    from sim.measure_control import add_control
     from sim.options import SimOptions
+    from sim.scaled import ScaledCosts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,41 +119,55 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown configuration(s) {sorted(unknown)}; known: {list(CONFIGS)}")
     t0 = time.monotonic()
+    base = base_config(model_dir)
+    ensure_ray(num_cpus=4)
     cal_path = args.calibration or str(out / "calibration.json")
     if not args.calibration:
+        # the median under the machine's load now (the runs share it), not the fastest
         print(f"calibrating {model_dir} on this machine -> {cal_path}")
         calibrate(model_dir, out=cal_path, max_model_len=MAX_MODEL_LEN, max_batch_tokens=512,
-                  max_seqs=64, log=lambda s: print(f"  {s}"))
+                  max_seqs=64, stat="median", log=lambda s: print(f"  {s}"))
+        add_control(cal_path, base.with_values({"pools.prefill_workers": 1,
+                                                "pools.decode_workers": 1}),
+                    log=lambda s: print(f"  {s}"))
     costs = load_costs(Calibration.load(cal_path))
     print(f"cost model: {costs.label}")
-    base = base_config(model_dir)
     from engine.loader import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
-    ensure_ray(num_cpus=4)
-    pool = ServicePool(trace=False)
+    pool = ServicePool(trace=True)  # the traces give the control-plane terms
     rows: list[dict] = []
     try:
         for name in names:
             cfg = config_for(base, CONFIGS[name])
+            svc = pool.get(cfg)
             for load, rate in LOADS.items():
+                # the contention of this configuration at this load on this machine, from a
+                # first run of the same workload just before: real mean step / simulated per
+                # role, real / simulated dispatch; that run against the second is the noise
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
-                real = pool.get(cfg).run_workload(reqs, transport="inproc")
-                sim = simulate_config(cfg, reqs, costs, SimOptions())
-                row = {"config": name, "load": f"{load} ({rate:g}/s)",
-                       "real": summarize(real), "sim": summarize(sim)}
+                first = svc.run_workload(reqs, transport="inproc")
+                factors = contention(first, simulate_config(cfg, reqs, costs,
+                                                            SimOptions(trace=True)))
+                scaled = ScaledCosts(costs, factors, "contention run before this one")
+                real = svc.run_workload(reqs, transport="inproc")
+                sim = simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
+                row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
+                       "real": summarize(real), "sim": summarize(sim),
+                       "repeat": summarize(first)}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
     finally:
         pool.close()
     text = table(rows)
+    header = describe(costs.calibration, rows)
     print(f"\nsimulated vs real on this machine ({time.monotonic() - t0:.0f} s); "
-          f"cost model: {costs.label}\n{text}")
+          f"cost model: {costs.label}\n{header}\n{text}")
     misses = sum("within" not in line for line in text.splitlines()[2:])
     print(f"{len(rows) - misses} of {len(rows)} rows within {GOAL:.0%} at p50 and p99")
-    (out / "sim_validate.md").write_text(text + "\n")
+    (out / "sim_validate.md").write_text(header + "\n" + text + "\n")
     (out / "sim_validate.json").write_text(json.dumps(
-        {"calibration": cal_path, "label": costs.label, "rows": rows}, indent=1, default=str))
+        {"calibration": cal_path, "label": costs.label, "header": header, "rows": rows}, indent=1, default=str))
     return 0
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from sim.calibration import ANALYTIC_LABEL, FORMAT, Calibration, CalibrationError
 from sim.costs import ROLES, SMALL_RUN, CostModel, Limits, LinkCost
+from sim.delivery import Delivery
 
 GB, Gbit = 1e9, 1e9 / 8
 PROFILES: dict[str, dict[str, Any]] = {
@@ -113,12 +114,15 @@ def analytic_calibration(profile: str, shape: Mapping[str, Any] | str, dtype: st
     sources = {f"assumptions.{k}": "assumed (sim/analytic.py ASSUMPTIONS)" for k in a}
     sources.update({"profile": f"published: {prof['source']}",
                     "control.rpc_s": "assumed", "control.client_s": "assumed",
-                    "control.idle_wait_s": "assumed: worker loop constant"})
+                    "control.idle_wait_s": "assumed: worker loop constant",
+                    "control.delivery": "assumed: one Ray call per step's tokens, "
+                                        "never coalesced"})
     return Calibration({
         "format": FORMAT, "kind": "analytic", "label": label, "created_unix_s": time.time(),
         "profile": {"key": profile, **prof}, "model": model, "dtype": dtype,
         "assumptions": a, "links": prof["links"],
-        "control": {k: a[k] for k in ("rpc_s", "client_s", "idle_wait_s")},
+        "control": {**{k: a[k] for k in ("rpc_s", "client_s", "idle_wait_s")},
+                    "delivery": Delivery(a["rpc_s"], a["rpc_s"]).to_dict()},
         "hardware": {"device": profile, "name": prof["name"]},
         "engine": {"note": "not run: roofline model"}, "sources": sources,
     }, source=f"analytic:{profile}")
@@ -210,4 +214,4 @@ class RooflineCosts(CostModel):
                 f"model's max_position_embeddings {self.max_len} (entry "
                 "'model.max_position_embeddings')")
         self.link(limits.link)
-        _ = self.rpc_s, self.client_s, self.idle_wait_s
+        _ = self.rpc_s, self.client_s, self.idle_wait_s, self.delivery

@@ -26,6 +26,7 @@ import numpy as np
 
 from sim.calibration import FORMAT, Calibration
 from sim.costs import TableCosts
+from sim.delivery import Delivery
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
               max_batch_tokens: int = 512, max_seqs: int = 64, quick: bool = False,
               repeats: int | None = None, connectors: tuple[str, ...] = ("inproc", "tcp"),
               rpc_ms: float | None = None, client_ms: float = 0.0, seed: int = 0,
-              threads: int = 1,
+              threads: int = 1, stat: str = "min",
               log: Callable[[str], None] = print) -> Calibration:
     """Measure and write the calibration file; returns it (checked by loading its model)."""
     import torch
@@ -150,7 +151,7 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
         f"batch tokens {max_batch_tokens}, seqs {max_seqs}, {'quick' if quick else 'full'} grid")
     m = Measurer(model_dir, device=device, dtype=dtype, backend=backend, block_size=block_size,
                  max_model_len=max_len, max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                 repeats=repeats, kv_budget_bytes=1 << 30)
+                 repeats=repeats, kv_budget_bytes=1 << 30, stat=stat)
     limit = mc.max_position_embeddings
     prefill = [[m.prefill_chunks([(c, p)]) if c + p <= limit else None for p in g.context]
                for c in g.chunk]
@@ -165,7 +166,9 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
     log("  sampling, KV copies and step overheads done")
     links = {c: measure_link(m, c, g.link_tokens) for c in connectors}
     sources = {"control.client_s": f"assumed: --client-ms {client_ms:g}",
-               "control.idle_wait_s": "code constant: runtime/loop.py WorkerLoop"}
+               "control.idle_wait_s": "code constant: runtime/loop.py WorkerLoop",
+               "control.delivery": "assumed: tokens reach the router one Ray call after "
+                                   "their step, never coalesced (not measured on a service)"}
     if rpc_ms is None:
         log("  measuring Ray actor call latency ...")
         rpc_s = measure_rpc()
@@ -174,7 +177,8 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
         rpc_s = rpc_ms / 1000
         sources["control.rpc_s"] = f"assumed: --rpc-ms {rpc_ms:g}"
     for key in ("prefill", "decode", "sampling", "kv_export", "kv_import", "overheads", "links"):
-        sources.setdefault(key, f"measured on this machine, fastest of {repeats}")
+        sources.setdefault(key, f"measured on this machine, "
+                                f"{'fastest' if stat == 'min' else 'median'} of {repeats}")
     shape = {k: getattr(mc, k) for k in (
         "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
         "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
@@ -188,7 +192,8 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
             **_engine(), "attention_backend": m.runner.backend.name},
         "model": {"path": str(model_dir), "name": Path(model_dir).name, **shape},
         "dtype": dtype,
-        "workload": {"quick": quick, "repeats": repeats, "block_size": block_size,
+        "workload": {"quick": quick, "repeats": repeats, "stat": stat,
+                     "load_average": list(os.getloadavg()), "block_size": block_size,
                      "max_model_len": max_len, "max_num_batched_tokens": max_batch_tokens,
                      "max_num_seqs": max_seqs, "kv_blocks": m.num_blocks, "seed": seed,
                      "torch_threads": threads,
@@ -203,7 +208,9 @@ def calibrate(model: str, *, out: str | Path, device: str = "cpu", dtype: str = 
         "kv_export": {"x": g.tokens, "seconds": export},
         "kv_import": {"x": g.tokens, "seconds": imp},
         "overheads": overheads, "links": links,
-        "control": {"rpc_s": rpc_s, "client_s": client_ms / 1000, "idle_wait_s": IDLE_WAIT_S},
+        "control": {"rpc_s": rpc_s, "client_s": client_ms / 1000, "idle_wait_s": IDLE_WAIT_S,
+                    # until measured on a service (sim/measure_control.py): one Ray call
+                    "delivery": Delivery(rpc_s, rpc_s).to_dict()},
         "sources": sources,
     }
     cal = Calibration(data, source=Path(out).name)

@@ -168,13 +168,19 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="largest decode batch to cover (default 64)")
     p.add_argument("--quick", action="store_true", help="a coarse grid (seconds on tiny)")
-    p.add_argument("--repeats", type=int, default=None, help="timings per point (median)")
+    p.add_argument("--repeats", type=int, default=None, help="timings per point")
     p.add_argument("--connectors", default="inproc,tcp", help="links to measure")
     p.add_argument("--rpc-ms", type=float, default=None, help="assume this one-way Ray call "
                    "latency instead of measuring it (recorded as assumed)")
     p.add_argument("--client-ms", type=float, default=0.0,
                    help="one-way client <-> router latency to assume (default 0: in-process)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a worker's cores)")
+    p.add_argument("--control", action="store_true",
+                   help="also measure the control plane (dispatch, token delivery) on a real "
+                        "1P1D service at idle (Ray; ~1 min)")
+    p.add_argument("--stat", choices=("min", "median"), default="min",
+                   help="figure kept of the repeats: min (the machine without interference) "
+                        "or median (its cost under the load it has now)")
     p.add_argument("--analytic", metavar="PROFILE", help="write an analytic profile instead "
                    "of measuring (h200, h100, a100)")
     p.add_argument("--model-shape", default="llama-3-8b", help="with --analytic: shape name")
@@ -200,7 +206,12 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
                         max_batch_tokens=args.max_num_batched_tokens,
                         max_seqs=args.max_num_seqs, quick=args.quick, repeats=args.repeats,
                         connectors=tuple(c for c in args.connectors.split(",") if c),
-                        rpc_ms=args.rpc_ms, client_ms=args.client_ms, threads=args.threads)
+                        rpc_ms=args.rpc_ms, client_ms=args.client_ms, threads=args.threads,
+                        stat=args.stat)
+        if args.control:
+            from sim.measure_control import add_control
+
+            cal = add_control(args.out, log=print)
     except (CalibrationError, ValueError, OSError) as e:
         print(f"pdserve calibrate: error: {e}", file=sys.stderr)
         return 2

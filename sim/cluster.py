@@ -44,6 +44,7 @@ class Simulation:
         self.link_cost = costs.link(link)
         self.rpc_s, self.client_s = costs.rpc_s, costs.client_s
         self.idle_wait_s = costs.idle_wait_s
+        self.delivery = costs.delivery
         self.loop = EventLoop()
         self.tracer = SimTracer() if options.trace else None
         # the router's own choice (RouterConfig.make_placement), or the one asked for

@@ -23,6 +23,7 @@ from itertools import pairwise
 import numpy as np
 
 from sim.calibration import Calibration, CalibrationError
+from sim.delivery import Delivery
 
 ROLES = ("prefill", "decode")
 SMALL_RUN = 32  # runs of decode steps up to this long are computed on plain floats
@@ -105,6 +106,23 @@ class CostModel(ABC):
     @property
     def idle_wait_s(self) -> float:
         return self.calibration.number("control.idle_wait_s", minimum=1e-9)
+
+    @property
+    def delivery(self) -> Delivery:
+        """How tokens reach the router (sim/delivery.py), from ``control.delivery``."""
+        d = getattr(self, "_delivery", None)
+        if d is None:
+            cal, key = self.calibration, "control.delivery"
+            timeout = cal.get(key).get("poll_timeout_s")
+            try:
+                d = Delivery(cal.number(f"{key}.first_token_s"), cal.number(f"{key}.token_s"),
+                             cal.number(f"{key}.gap_s"), str(cal.get(f"{key}.scope")),
+                             None if timeout is None else float(timeout),
+                             cal.number(f"{key}.stall_s"), int(cal.number(f"{key}.stall_every")))
+            except ValueError as e:
+                raise CalibrationError(f"{cal.source}: entry {key!r}: {e}") from None
+            self._delivery = d
+        return d
 
 
 def _axis(cal: Calibration, dotted: str) -> list[float]:
@@ -261,5 +279,5 @@ class TableCosts(CostModel):
         self.overheads["prefill"](limits.max_prefill_seqs)
         self.overheads["decode"](limits.max_decode_seqs)
         self.link(limits.link)
-        _ = self.rpc_s, self.client_s, self.idle_wait_s
+        _ = self.rpc_s, self.client_s, self.idle_wait_s, self.delivery
 

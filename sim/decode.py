@@ -161,7 +161,7 @@ class SimDecode(SimWorker):
     def deliver(self, pieces: list[Piece]) -> None:
         self.inbox.extend(pieces)
         self._cut()
-        self.io_ready()
+        self.wake()  # the KV doorbell ends a nap at once
 
     def _cut(self) -> None:
         """End a multi-step run at the first step boundary from now on (the commands

@@ -1,8 +1,9 @@
 """Timings for `pdserve calibrate`, taken with the real engine on this machine.
 
-Every figure is the fastest of ``repeats`` runs after one warm-up, with the device
-synchronised around it on CUDA: the machine's cost without interference from other
-processes (on a shared machine the median is whatever the neighbours were doing). Prefill and decode steps run ``ModelRunner.execute`` on
+Every figure is the fastest (``stat="min"``: the machine's cost without interference
+from other processes) or the median (``stat="median"``: its cost under the load it has
+now, for a simulation compared with runs taken under that load) of ``repeats`` runs after
+one warm-up, with the device synchronised around it on CUDA. Prefill and decode steps run ``ModelRunner.execute`` on
 chunks with real block tables (KV contents are whatever the cache holds: the cost does
 not depend on them); decode sequences get distinct blocks while ``kv_budget_bytes``
 allows, then share them cyclically. Step overheads run the real PrefillEngine and
@@ -12,6 +13,7 @@ time measured inside the same steps.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,12 +22,17 @@ import torch
 
 from sim.adapters import engine_tools
 
+STATS = {"min": min, "median": statistics.median}
+
 
 class Measurer:
     def __init__(self, model_dir: str, *, device: str, dtype: str, backend: str,
                  block_size: int, max_model_len: int, max_batch_tokens: int, max_seqs: int,
-                 repeats: int, kv_budget_bytes: int):
+                 repeats: int, kv_budget_bytes: int, stat: str = "min"):
+        if stat not in STATS:
+            raise ValueError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
         self.T = T = engine_tools()
+        self.stat = stat
         self.model_dir, self.repeats = model_dir, repeats
         self.model = T.load_model_config(model_dir)
         self.block_size, self.max_len = block_size, max_model_len
@@ -58,7 +65,11 @@ class Measurer:
             fn()
             self._sync()
             out.append(time.perf_counter() - t0)
-        return min(out)
+        return self.reduce(out)
+
+    def reduce(self, timings: Sequence[float]) -> float:
+        """The figure kept of repeated timings (``stat``)."""
+        return float(STATS[self.stat](timings))
 
     def _table(self, n_tokens: int, offset: int = 0) -> tuple[int, ...]:
         nb = -(-n_tokens // self.block_size)

@@ -48,7 +48,7 @@ def measure_link(m: Measurer, connector: str, token_counts: Sequence[int]) -> di
                             got = time.perf_counter() - t0
                 if rep:
                     times.append(got)
-            points.append((int(payload.numel() * payload.element_size()), min(times)))
+            points.append((int(payload.numel() * payload.element_size()), m.reduce(times)))
     finally:
         tx.close()
         rx.close()
@@ -127,7 +127,7 @@ def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, 
                     pre.abort(leg)
             for key, vals in (("prefill_step", pre_s), ("decode_step", dec_s)):
                 out[key]["x"].append(n)
-                out[key]["seconds"].append(max(min(vals), 0.0))
+                out[key]["seconds"].append(max(m.reduce(vals), 0.0))
     finally:
         tx.close()
         rx.close()

@@ -189,7 +189,9 @@ class SimPrefill(SimWorker):
         else:
             self._send(job, item.start, end, simulated_token())
         self.sched.finish(r, r.status if ended else RequestStatus.RUNNING)
-        self.sim.emit(self.sim.router.on_first_token, self, job.leg_id, ended, timing)
+        # through the control plane's first-token path (sim/delivery.py), not a plain call
+        self.loop.at(self.loop.now + self.sim.delivery.first_token_s,
+                     self.sim.router.on_first_token, self, job.leg_id, ended, timing)
 
     def stats(self) -> dict[str, float]:
         return {"role": self.role, "steps": self.num_steps,

@@ -1,9 +1,11 @@
 """What a simulated run produced: per-request timelines (what a client would have seen),
 the bench metrics, worker statistics, trace events, and the record a real study run gives.
 
-A client sees a prefill's first token ``rpc_s + client_s`` after the step that sampled
-it and each decode token ``rpc_s + client_s`` after its decode step; a decode leg's tokens
-are the contiguous steps of its worker from its first one (``SimDecode.step_times``).
+A client sees a prefill's first token ``delivery.first_token_s + client_s`` after the
+step that sampled it and each decode token when the control plane delivers its step's
+events (sim/delivery.py: ``token_s`` after the step, coalesced with later steps while the
+path is busy) plus ``client_s``; a decode leg's tokens are the contiguous steps of its
+worker from its first one (``SimDecode.step_times``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,24 @@ class SimResult:
         self.rejected = sim.router.rejected
         by_id = {f.req.request_id: f for f in sim.router.finished}
         self.flights: list[Flight] = [by_id[r.request_id] for r in requests]
-        self._shift = sim.rpc_s + sim.client_s
         self._client_s = sim.client_s
-        self._steps = {w.worker_id: np.frombuffer(w.step_times, dtype=float)
-                       for w in sim.decode}
+        self._stream_interval = sim.plan.router.stream_interval
+        self._delivery = d = sim.delivery
+        steps = {w.worker_id: np.frombuffer(w.step_times, dtype=float) for w in sim.decode}
+        # per worker: when each step's tokens reach the client (one path per worker, or one
+        # for the whole router), or the step ends themselves (one path per stream:
+        # delivered per leg below)
+        if d.scope == "router" and steps:
+            ends = np.concatenate(list(steps.values()))
+            order = np.argsort(ends, kind="stable")
+            got = np.empty_like(ends)
+            got[order] = d.arrivals(ends[order])
+            cuts = np.cumsum([len(t) for t in steps.values()])[:-1]
+            steps = dict(zip(steps, np.split(got, cuts), strict=True))
+        elif d.scope == "worker":
+            steps = {w: d.arrivals(t) for w, t in steps.items()}
+        self._per_step = d.scope != "request"
+        self._steps = {w: t + sim.client_s for w, t in steps.items()}
         self.worker_stats = {w.worker_id: w.stats() for w in sim.prefill + sim.decode}
         for link in sim.links:
             self.worker_stats[link.src.worker_id].setdefault("links", {})[link.dst.worker_id] = {
@@ -63,10 +79,20 @@ class SimResult:
         for item in f.tokens:
             if isinstance(item, tuple):
                 w, first, count = item
-                parts.append(self._steps[w.worker_id][first:first + count] + self._shift)
+                t = self._steps[w.worker_id][first:first + count]
+                parts.append(t if self._per_step else self._delivery.arrivals(t))
             else:
                 parts.append(np.array([item + self._client_s]))
-        return np.concatenate(parts) if parts else np.empty(0)
+        if not parts:
+            return np.empty(0)
+        # decode tokens that overtook the first token wait for it at the router
+        # (cluster/router_events.py holds them), then follow in order
+        t = np.maximum.accumulate(np.concatenate(parts))
+        k = self._stream_interval
+        if k > 1 and len(t) > 2:  # after the first, tokens go out k at a time (and the last)
+            j = np.arange(1, len(t))
+            t[1:] = t[np.minimum(-(-j // k) * k, len(t) - 1)]
+        return t
 
     def _phases(self, f: Flight) -> dict[str, float | None]:
         if f.error or not f.finish_reason:

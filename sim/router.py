@@ -5,10 +5,14 @@ registered policy over outstanding prefill tokens (cluster/routing_policies.py);
 starts a new leg that recomputes prompt + tokens so far); request deadlines; the
 adaptive-chunk pressure loop.
 
-Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``),
-router <-> client is ``client_s``; the router's own CPU time is not (its event loop is
-assumed never to be the bottleneck); worker death and restarts are not. KV-wait
-keepalives are sent as cluster/router_events.py sends them.
+Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``;
+a measured calibration takes it from the real service's idle dispatch, which includes
+the router's CPU per message at idle), router <-> client is ``client_s``; tokens reach
+the router by the control plane's delivery model (sim/delivery.py: first-token latency,
+per-step delivery, coalescing while the path is busy), applied in sim/prefill.py and
+sim/results.py. The router's CPU as a shared server (queueing under load) is not
+modelled; worker death and restarts are not. KV-wait keepalives are sent as
+cluster/router_events.py sends them.
 """
 
 from __future__ import annotations

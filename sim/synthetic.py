@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sim.calibration import FORMAT, SYNTHETIC_LABEL, Calibration
+from sim.delivery import Delivery
 
 TINY_SHAPE: dict[str, Any] = {  # engine/tiny_model.py PRESETS["tiny"] with its tokenizer
     "name": "tiny-shape", "architecture": "LlamaForCausalLM", "vocab_size": 2048,
@@ -27,12 +28,14 @@ def synthetic_calibration(
     batches: Sequence[int] = (1, 64), decode_contexts: Sequence[int] = (1, 4096),
     sample_s: float = 0.0, kv_copy_s_per_token: float = 0.0, step_overhead_s: float = 0.0,
     link_latency_s: float = 0.0, link_bytes_per_s: float = 1e12, rpc_s: float = 0.0,
-    client_s: float = 0.0, idle_wait_s: float = 0.002,
+    client_s: float = 0.0, idle_wait_s: float = 0.002, delivery: Delivery | None = None,
     model: Mapping[str, Any] = TINY_SHAPE, dtype: str = "float32",
     links: Sequence[str] = ("inproc", "tcp"), context_stat: str = "mean",
 ) -> Calibration:
     """``prefill(C, P)`` and ``decode(B, L)`` in seconds, sampled on the given grids (the
-    model interpolates between grid points, so linear functions are reproduced exactly)."""
+    model interpolates between grid points, so linear functions are reproduced exactly).
+    ``delivery`` defaults to tokens reaching the router ``rpc_s`` after their step."""
+    delivery = delivery or Delivery(rpc_s, rpc_s)
     xs = [1, 4096]
     return Calibration({
         "format": FORMAT, "kind": "synthetic", "created_unix_s": time.time(),
@@ -51,6 +54,7 @@ def synthetic_calibration(
                       for r in ("prefill", "decode")},
         "links": {name: {"latency_s": link_latency_s, "bytes_per_s": link_bytes_per_s}
                   for name in links},
-        "control": {"rpc_s": rpc_s, "client_s": client_s, "idle_wait_s": idle_wait_s},
+        "control": {"rpc_s": rpc_s, "client_s": client_s, "idle_wait_s": idle_wait_s,
+                    "delivery": delivery.to_dict()},
         "sources": {"all": "synthetic: given by hand"},
     }, source="synthetic")

@@ -69,12 +69,18 @@ class SimWorker:
         period = self.sim.idle_wait_s if self.has_work else IDLE_NAP_S
         now = self.loop.now
         k = math.ceil((now - self._nap_origin) / period - 1e-9)
-        t = self._nap_origin + max(k, 0) * period
+        t = max(self._nap_origin + max(k, 0) * period, now)  # (rounding of k * period)
         if self._tick_at is not None and self._tick_at <= t:
             return  # an earlier tick is already due
         self._tick_version += 1
         self._tick_at = t
         self.loop.at(t, self._tick, self._tick_version)
+
+    def wake(self) -> None:
+        """A doorbell: I/O that ends the nap at once (decode_worker/worker.py wakes its loop
+        when KV arrives); during a step it waits for the step's end, as commands do."""
+        if not self.stepping:
+            self._run_step()
 
     def _tick(self, version: int) -> None:
         if version != self._tick_version or self.stepping:

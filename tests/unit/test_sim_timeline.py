@@ -4,6 +4,8 @@ prefill -> link -> decode worker's nap tick -> decode steps -> router -> client)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.workload import WorkloadRequest
@@ -40,20 +42,19 @@ def test_one_request_times_equal_the_arithmetic_of_its_path(stepping: str) -> No
     prefill_end = 3 * RPC_S + PREFILL_S
     first = prefill_end + RPC_S
     # the KV write holds the link 0.5 ms latency + 1 ms of bytes: in at 14.5 ms; the
-    # decode worker naps (legs waiting on KV) in 2 ms ticks from 1 ms: takes it at 15 ms
-    arrived = prefill_end + LINK_LAT_S + 0.001
-    tick = RPC_S + IDLE_S * -(-(arrived - RPC_S) // IDLE_S)
-    assert tick == pytest.approx(0.015)
+    # decode worker naps (legs waiting on KV) but its KV doorbell wakes it: takes it then
+    tick = prefill_end + LINK_LAT_S + 0.001
+    assert tick == pytest.approx(0.0145)
     decode_tokens = [tick + k * DECODE_S + RPC_S for k in (1, 2, 3)]
     assert rec.success and rec.finish_reason == "length"
     assert rec.token_times == pytest.approx((first, *decode_tokens), abs=1e-12)
     assert rec.ttft == pytest.approx(0.014, abs=1e-12)
-    assert rec.itls == pytest.approx([0.007, 0.005, 0.005], abs=1e-12)
-    assert rec.tpot == pytest.approx((0.031 - 0.014) / 3, abs=1e-12)
+    assert rec.itls == pytest.approx([0.0065, 0.005, 0.005], abs=1e-12)
+    assert rec.tpot == pytest.approx((0.0305 - 0.014) / 3, abs=1e-12)
     # server phases as the engines time them: no queue, 10 ms prefill, the sends done
     # (the ack 0.5 ms after the take) at the prefill worker's next nap tick, decode 15 ms
     ack = tick + LINK_LAT_S
-    done_tick = prefill_end + IDLE_S * -(-(ack - prefill_end) // IDLE_S)
+    done_tick = prefill_end + IDLE_S * math.ceil((ack - prefill_end) / IDLE_S - 1e-9)
     assert rec.queue_s == pytest.approx(0.0, abs=1e-12)
     assert rec.prefill_s == pytest.approx(PREFILL_S, abs=1e-12)
     assert rec.transfer_s == pytest.approx(done_tick - prefill_end, abs=1e-12)
@@ -73,13 +74,12 @@ def test_an_emulated_link_holds_the_wire_then_delays_frames_and_acks_by_its_late
     req = WorkloadRequest("r0", 0.0, list(range(1, PROMPT + 1)), max_tokens=3)
     rec = sim.run([req]).records()[0]
     prefill_end = 3 * RPC_S + PREFILL_S
-    arrived = prefill_end + wire_s + latency_s + LINK_LAT_S + 0.001  # 20.5 ms
-    tick = RPC_S + IDLE_S * -(-(arrived - RPC_S) // IDLE_S)
-    assert tick == pytest.approx(0.021)
+    tick = prefill_end + wire_s + latency_s + LINK_LAT_S + 0.001  # 20.5 ms: the doorbell
+    assert tick == pytest.approx(0.0205)
     assert rec.token_times == pytest.approx(
         (prefill_end + RPC_S, tick + DECODE_S + RPC_S, tick + 2 * DECODE_S + RPC_S), abs=1e-12)
     ack = tick + LINK_LAT_S + latency_s
-    done_tick = prefill_end + IDLE_S * -(-(ack - prefill_end) // IDLE_S)
+    done_tick = prefill_end + IDLE_S * math.ceil((ack - prefill_end) / IDLE_S - 1e-9)
     assert rec.transfer_s == pytest.approx(done_tick - prefill_end, abs=1e-12)
     link = sim.links[0]
     assert link.sched.hold_until_final == (policy == "at_end")  # the policy, unchanged

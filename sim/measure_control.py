@@ -1,0 +1,160 @@
+"""The control plane's costs, measured on the real service at idle (`pdserve calibrate
+--control`): a 1P1D service with tracing on serves a few requests one at a time, and the
+worker traces (wall clock) are set against what the client saw:
+
+- dispatch: the client's send -> the first prefill chunk starts. It is three router <->
+  worker messages (decode reservation, its reply, the prefill add), so a third of it is
+  the simulator's per-message latency ``control.rpc_s``;
+- first token: the last prefill chunk's compute ends -> the client has the first token,
+  less what the simulator counts in that step after the compute (sampling, the KV
+  export, the step overhead): ``control.delivery.first_token_s``;
+- KV handoff: the last prefill chunk's compute ends -> the decode worker admits the leg
+  (its KV arrived), less the same post-compute work: reported (``kv_handoff_s_median``)
+  to compare with the link's in-process figure, not used (at idle it is a small
+  difference of two measured figures, within their noise);
+- decode tokens: each decode step's end -> the client has its token;
+  ``control.delivery`` (token_s, gap_s, the stalls) is fitted to the distribution of those
+  delays and of the client's inter-token gaps with the router's delivery mechanism
+  (sim/delivery.py).
+
+Under load the router's CPU is shared by more streams; these idle figures do not grow
+with it (the README's validation says how far that goes).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.calibration import Calibration, CalibrationError
+from sim.costs import TableCosts
+from sim.delivery import fit_delivery
+
+PROMPT, OUTPUT, SPACING_S = 96, 24, 0.3
+
+
+def service_config(model_dir: str, max_model_len: int):
+    """The 1P1D service measured (TCP KV link, one CPU per worker)."""
+    from cluster.config import ServeConfig
+
+    return ServeConfig.from_dict({
+        "model": {"path": model_dir, "device": "cpu", "max_model_len": max_model_len},
+        "pools": {"cpus_per_worker": 1.0, "max_restarts": 0, "prefill_workers": 1,
+                  "decode_workers": 1},
+        "cache": {"kv_cache_memory_gb": 0.25, "enable_prefix_caching": False},
+        "transfer": {"connector": "tcp"}})
+
+
+def delivery_mechanism() -> tuple[str, float | None]:
+    """The router's: workers push one message per step over their control channel and
+    the router applies and detokenizes what queued as one batch (one path for the whole
+    router), or it long-polls each worker (one path per worker, polls that time out)."""
+    from cluster import router_events
+
+    if hasattr(router_events.EventPump, "on_batch"):
+        return "router", None
+    return "worker", float(router_events.POLL_TIMEOUT_S)
+
+
+def _requests(n: int, vocab: int) -> list:
+    from bench.workload import WorkloadRequest
+
+    return [WorkloadRequest(f"ctl-{i}", i * SPACING_S,
+                            [1 + (i * 31 + j * 7) % (vocab - 1) for j in range(PROMPT)], OUTPUT)
+            for i in range(n)]
+
+
+def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``requests`` through the service of ``cfg`` at idle; the control figures."""
+    from bench.studies.service import Service, ensure_ray
+    from engine.loader import load_model_config
+
+    started = ensure_ray(num_cpus=4)
+    try:
+        svc = Service(cfg, trace=True)
+        try:
+            vocab = load_model_config(cfg.model.path).vocab_size
+            svc.run_workload(_requests(2, vocab))  # warm-up: first calls, first steps
+            out = svc.run_workload(_requests(requests, vocab))
+        finally:
+            svc.close()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    by_leg: dict[str, dict[str, list]] = {}
+    for e in out.events:
+        by_leg.setdefault(e.request_id.split("#")[0], {}).setdefault(e.phase, []).append(e)
+    dispatch, first, handoff, streams = [], [], [], []
+    after_compute = (costs.sample_s(1) + costs.kv_export_s(PROMPT)
+                     + costs.step_overhead_s("prefill", 1))
+    for r in out.records:
+        ev = by_leg.get(r.request_id, {})
+        chunks = sorted(ev.get("prefill_chunk", []), key=lambda e: e.start)
+        steps = sorted(ev.get("decode_step", []), key=lambda e: e.end)
+        if not r.success or not chunks or len(steps) != len(r.token_times) - 1:
+            continue
+        t = np.array(r.token_times) + out.wall_offset  # monotonic -> wall clock
+        dispatch.append(chunks[0].start - (r.send_time + out.wall_offset))
+        first.append(t[0] - chunks[-1].end - after_compute)
+        admit = ev.get("decode_admit", [])
+        if admit:
+            handoff.append(min(a.start for a in admit) - chunks[-1].end - after_compute)
+        streams.append((np.array([e.end for e in steps]), t[1:]))
+    if len(streams) < max(2, requests // 2):
+        raise CalibrationError(f"control-plane measurement: only {len(streams)} of {requests} "
+                               "requests had complete traces")
+    scope, timeout = delivery_mechanism()
+    first_s = max(statistics.median(first), 0.0)
+    delivery, err = fit_delivery(streams, first_token_s=first_s, scope=scope,
+                                 poll_timeout_s=timeout,
+                                 offset_s=costs.step_overhead_s("decode", 1))
+    lags = np.concatenate([a - e for e, a in streams])
+    itl = np.concatenate([np.diff(a) for _, a in streams])
+    report = {"requests": len(streams), "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
+              "load_average": list(os.getloadavg()),
+              "dispatch_s_median": statistics.median(dispatch),
+              "first_token_lag_s_median": statistics.median(first),
+              "token_lag_s_median": float(np.median(lags)),
+              "token_lag_s_p99": float(np.percentile(lags, 99)),
+              "client_itl_s_median": float(np.median(itl)),
+              "coalesced_fraction": float(np.mean(itl < 1e-4)),
+              "fit_mean_abs_err_s": err}
+    log(f"  control plane at idle ({len(streams)} requests): dispatch "
+        f"{report['dispatch_s_median'] * 1e3:.2f} ms, first token +{first_s * 1e3:.2f} ms, "
+        f"tokens +{delivery.token_s * 1e3:.2f} ms with {delivery.gap_s * 1e3:.2f} ms between "
+        f"deliveries per {scope}, every {delivery.stall_every or '-'}th held "
+        f"{delivery.stall_s * 1e3:.2f} ms longer (delay p99 {report['token_lag_s_p99'] * 1e3:.2f}"
+        f" ms; fit error {err * 1e3:.2f} ms per quantile)")
+    if handoff:
+        report["kv_handoff_s_median"] = statistics.median(handoff)
+        conn = cfg.transfer.connector
+        log(f"  KV handoff at idle: {report['kv_handoff_s_median'] * 1e3:.2f} ms after the "
+            f"post-compute work (the {conn} link in-process: "
+            f"{costs.link(conn).latency_s * 1e3:.2f} ms + bytes)")
+    return {"rpc_s": statistics.median(dispatch) / 3, "delivery": delivery.to_dict(),
+            "service": report}
+
+
+def add_control(cal_path: str | Path, cfg=None, *, requests: int = 12,
+                log: Callable[[str], None] = print) -> Calibration:
+    """Measure the control plane and write it into the calibration at ``cal_path``."""
+    cal = Calibration.load(cal_path)
+    if cfg is None:
+        cfg = service_config(cal.get("model.path"), int(cal.get("workload.max_model_len")))
+    got = measure_control(cfg, TableCosts(cal), requests=requests, log=log)
+    cal.data["control"].update(got)
+    src = cal.data.setdefault("sources", {})
+    src["control.rpc_s"] = ("measured: a third of the idle dispatch latency on a 1P1D "
+                            "service (send -> first prefill chunk: reserve, reply, add)")
+    src["control.delivery"] = ("measured: idle 1P1D service traces vs client times; token_s "
+                               "and gap_s fitted with sim/delivery.py's mechanism")
+    cal.save(cal_path)
+    return cal

@@ -1,0 +1,68 @@
+"""A cost model whose compute is scaled by measured contention factors, one per role.
+
+On a shared machine the same step costs more while other processes run -- other users,
+and on a small box the service's own workers, router and client. A calibration taken at
+one moment is brought to the conditions of a run by a factor per role: a prefill
+worker's compute (model steps, KV export, its step overhead) and a decode worker's
+(model steps, KV import, sampling, its step overhead); optionally the control plane's
+latencies (``control``: the per-message latency and every delivery figure), which are CPU
+work of the router and the workers' threads under the same contention. Links are left as
+measured. bench/sim_validate.py measures the factors on a separate run of the same
+configuration and load: the real workers' mean step time over the simulator's, and the
+real dispatch latency over the simulated one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from sim.costs import ROLES, CostModel, Limits, LinkCost
+
+
+class ScaledCosts(CostModel):
+    def __init__(self, base: CostModel, factors: Mapping[str, float], why: str):
+        if set(factors) - {"control"} != set(ROLES) or not all(f > 0 for f in factors.values()):
+            raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
+                             f"got {dict(factors)}")
+        self.base, self.factors = base, dict(factors)
+        self.calibration = base.calibration
+        fp, fd = self.factors["prefill"], self.factors["decode"]
+        fc = self.factors.setdefault("control", 1.0)
+        self.label = (f"{base.label}; compute x{fp:.2f} prefill, x{fd:.2f} decode, control "
+                      f"plane x{fc:.2f} ({why})")
+        d = base.delivery
+        self._delivery = replace(d, first_token_s=d.first_token_s * fc, token_s=d.token_s * fc,
+                                 gap_s=d.gap_s * fc)
+
+    @property
+    def rpc_s(self) -> float:
+        return self.base.rpc_s * self.factors["control"]
+
+    def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        return self.base.prefill_s(chunks) * self.factors["prefill"]
+
+    def decode_run_s(self, batch: int, context: int, longest: int,
+                     steps: int) -> Sequence[float]:
+        return (np.asarray(self.base.decode_run_s(batch, context, longest, steps))
+                * self.factors["decode"])
+
+    def sample_s(self, rows: int) -> float:  # both roles sample; decode does it every step
+        return self.base.sample_s(rows) * self.factors["decode"]
+
+    def kv_export_s(self, tokens: int) -> float:
+        return self.base.kv_export_s(tokens) * self.factors["prefill"]
+
+    def kv_import_s(self, tokens: int) -> float:
+        return self.base.kv_import_s(tokens) * self.factors["decode"]
+
+    def step_overhead_s(self, role: str, items: int) -> float:
+        return self.base.step_overhead_s(role, items) * self.factors[role]
+
+    def link(self, name: str) -> LinkCost:
+        return self.base.link(name)
+
+    def check_covers(self, limits: Limits) -> None:
+        self.base.check_covers(limits)

@@ -1,0 +1,63 @@
+"""bench/sim_validate_report.py (the validation's figures): the control-plane terms read
+from traces against the client's times, the contention factors, and the term the table
+names when a row misses."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import sim_validate_report as sv
+from bench.records import RequestRecord
+from bench.studies.service import RunOutput
+from engine.tracing import TraceEvent
+
+MS = 1e-3
+
+
+def _run(dispatch: float, first: float, lag: float, *, offset: float = 0.0) -> RunOutput:
+    """Two requests: sent at 0 and 1 s (client clock), one 2 ms prefill chunk after
+    ``dispatch``, the first token ``first`` after it, three 1 ms decode steps each of
+    whose tokens arrives ``lag`` after the step (trace clock = client clock + offset)."""
+    records, events = [], []
+    for i, send in enumerate((0.0, 1.0)):
+        leg = f"r{i}#ab1#1"
+        c0 = send + offset + dispatch
+        events.append(TraceEvent(leg, "prefill_chunk", "prefill-0", c0, c0 + 2 * MS))
+        t = [c0 + 2 * MS + first]
+        for k in range(3):
+            end = t[0] + (k + 1) * MS
+            events.append(TraceEvent(leg, "decode_step", "decode-0", end - MS, end))
+            t.append(end + lag)
+        records.append(RequestRecord(f"r{i}", 8, send, tuple(x - offset for x in t),
+                                     finish_reason="length", prefill_s=2 * MS, queue_s=0.0,
+                                     transfer_s=MS))
+    stats = {"prefill-0": {"role": "prefill", "steps": 2, "mean_step_s": 2 * MS},
+             "decode-0": {"role": "decode", "steps": 6, "mean_step_s": MS}}
+    return RunOutput(records, events, stats, wall_offset=offset)
+
+
+def test_control_terms_come_from_traces_against_client_times_across_clocks() -> None:
+    terms = sv.control_terms(_run(3 * MS, 0.5 * MS, 0.25 * MS, offset=1000.0))
+    assert terms["dispatch p50"] == pytest.approx(3 * MS, abs=1e-6)
+    assert terms["dispatch p99"] == pytest.approx(3 * MS, abs=1e-6)
+    assert terms["first-token delivery p50"] == pytest.approx(0.5 * MS, abs=1e-6)
+    assert terms["token delivery p50"] == pytest.approx(0.25 * MS, abs=1e-6)
+    assert terms["token delivery p99"] == pytest.approx(0.25 * MS, abs=1e-6)
+
+
+def test_contention_is_the_real_mean_step_or_dispatch_over_the_simulated_one() -> None:
+    real, sim = _run(6 * MS, 0, 0), _run(2 * MS, 0, 0)
+    sim.worker_stats["prefill-0"]["mean_step_s"] = 1 * MS
+    assert sv.contention(real, sim) == pytest.approx(
+        {"prefill": 2.0, "decode": 1.0, "control": 3.0})
+
+
+def test_a_row_that_misses_names_the_term_furthest_off() -> None:
+    real, sim = sv.summarize(_run(9 * MS, 0.5 * MS, 0.25 * MS)), \
+        sv.summarize(_run(3 * MS, 0.5 * MS, 0.25 * MS))
+    line = sv.table([{"config": "c", "load": "low", "real": real, "sim": sim}]).splitlines()[-1]
+    assert "ttft_p50: dispatch p50 9.00 -> 3.00 ms, 100% of the gap" in line
+    assert "ttft_p99: dispatch p99 9.00 -> 3.00 ms, 100% of the gap" in line
+    assert "itl_p50" not in line  # the decode side matches
+    same = sv.table([{"config": "c", "load": "low", "real": real, "sim": real}])
+    assert same.splitlines()[-1].endswith("within 10% |")
