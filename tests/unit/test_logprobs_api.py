@@ -8,8 +8,6 @@ log_softmax to 1e-5; the bounds answered with a 400 / INVALID_ARGUMENT naming th
 from __future__ import annotations
 
 import math
-import shutil
-import time
 
 import grpc
 import httpx
@@ -23,20 +21,15 @@ from cluster.server import BackgroundServer
 from engine import LLM
 from engine.logprobs import TokenLogprobs
 from tests.logprobs_ref import ATOL, check_entry, check_prompt, hf_logits, hf_logprobs
+from tests.openai_door import assert_idle, chat_model_dir
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MAX_LOGPROBS = 8
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 12, 640]
 
 
 @pytest.fixture(scope="module")
 def chat_model(tiny_model, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-chat-lp")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, d / f.name)
-    (d / "chat_template.jinja").write_text(CHATML)
-    return d
+    return chat_model_dir(tiny_model, tmp_path_factory.mktemp("tiny-chat-lp"))
 
 
 def _serve(model_dir, **values):
@@ -56,19 +49,6 @@ def served(chat_model):
         yield srv, backend, client
         client.close()
 
-
-def assert_idle(srv, backend, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        st = srv.run(backend.stats())
-        w = st.workers[0]
-        idle = st.num_inflight == 0 and (w.num_running, w.num_waiting, w.kv_blocks_used) == (
-            0, 0, 0) and not srv.server.state.active
-        if idle or time.monotonic() > end:
-            break
-        time.sleep(0.02)
-    assert idle, st
-    backend.llm.block_manager.check_integrity()
 
 
 def text_of(backend, token_id: int) -> str:

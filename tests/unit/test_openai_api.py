@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import time
 
 import httpx
 import openai
@@ -19,9 +17,8 @@ from cluster.config import ServeConfig
 from cluster.local_backend import LocalBackend
 from cluster.server import BackgroundServer
 from engine import LLM, SamplingParams
+from tests.openai_door import assert_idle, chat_model_dir
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 NO_EOS = {"ignore_eos": True, "return_token_ids": True}
 
@@ -29,11 +26,7 @@ NO_EOS = {"ignore_eos": True, "return_token_ids": True}
 @pytest.fixture(scope="module")
 def chat_model(tiny_model, tmp_path_factory):
     """The tiny model with a ChatML chat template (chat_template.jinja)."""
-    d = tmp_path_factory.mktemp("tiny-chat")
-    for f in tiny_model.iterdir():
-        shutil.copy(f, d / f.name)
-    (d / "chat_template.jinja").write_text(CHATML)
-    return d
+    return chat_model_dir(tiny_model, tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +45,6 @@ def served(chat_model):
         yield srv, backend, client
         client.close()
 
-
-def assert_idle(srv, backend, timeout: float = 30.0) -> None:
-    """Leak check: nothing in flight, no block used, the block manager consistent."""
-    end = time.monotonic() + timeout
-    while True:
-        st = srv.run(backend.stats())
-        w = st.workers[0]
-        idle = st.num_inflight == 0 and (w.num_running, w.num_waiting, w.kv_blocks_used) == (
-            0, 0, 0) and not srv.server.state.active
-        if idle or time.monotonic() > end:
-            break
-        time.sleep(0.02)
-    assert idle, st
-    backend.llm.block_manager.check_integrity()
 
 
 @pytest.mark.parametrize("prompt", ["Simple is better than complex.", [5, 17, 300, 42, 9]])
