@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,9 @@ from kv_transfer.tcp_auth import client_handshake, handshake_reader
 from kv_transfer.tcp_connector import parse_acks, parse_tcp_endpoint
 from kv_transfer.testing import PagedKV, make_chunks, pump, random_bounds
 from kv_transfer.wire import FrameReader, encode, encode_control
+from tests.kv_peer import check_hung_then_killed, wait_failed
 
 SECRET = b"cluster-secret-for-tests-0123456789"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(**kw) -> TransferConfig:
@@ -33,16 +29,6 @@ def _chunk(rid: str, seq: int, final: bool, tokens: int = 16) -> KVChunk:
     p = torch.randn(2, 2, tokens, 2, 16)
     return KVChunk(rid, seq, seq * tokens, (seq + 1) * tokens, p, is_final=final,
                    first_token=1 if final else None)
-
-
-def _wait_failed(tx, rid: str, limit_s: float) -> tuple[str, float]:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        for r, why in tx.poll().failed:
-            if r == rid:
-                return why, time.monotonic() - t0
-        time.sleep(0.01)
-    raise AssertionError(f"{rid} not reported failed within {limit_s}s")
 
 
 @pytest.mark.parametrize(("src_block", "dst_block"), [(16, 32), (128, 16)])
@@ -75,7 +61,7 @@ def test_sender_with_the_wrong_secret_is_refused_and_gets_no_frame_in():
     tx = make_sender(_cfg(secret=b"not-the-cluster-secret!!"))
     try:
         tx.send(_chunk("r", 0, True), dest=rx.endpoint)
-        why, _ = _wait_failed(tx, "r", 10)
+        why, _ = wait_failed(tx, "r", 10)
         assert "failed authentication" in why
         time.sleep(0.1)
         assert rx.poll().chunks == [] and rx.stats()["frames_received"] == 0
@@ -183,7 +169,7 @@ def test_receiver_closed_mid_stream_fails_the_request_within_the_timeout():
                 rx.release(c)
             time.sleep(0.01)
         rx.close()
-        why, dt = _wait_failed(tx, "r", 10)
+        why, dt = wait_failed(tx, "r", 10)
         assert dt <= cfg.failure_timeout_s + 0.5, why
         # the request may fail first on the receiver's "discarded" acks of in-flight frames;
         # the EOF that fails the link follows within the timeout
@@ -196,55 +182,6 @@ def test_receiver_closed_mid_stream_fails_the_request_within_the_timeout():
         rx.close()
 
 
-_CHILD = """
-import sys, time
-from kv_transfer import TransferConfig, make_receiver
-cfg = TransferConfig(connector="tcp", secret=bytes.fromhex(sys.argv[1]), failure_timeout_s=1.0)
-rx = make_receiver(cfg)
-print(rx.endpoint, flush=True)
-while True:
-    for c in rx.poll().chunks:
-        rx.release(c)
-    time.sleep(0.002)
-"""
-
-
-def _stream_until_acked(tx, rid: str, endpoint: str) -> None:
-    for i in range(400):  # ~6.5 MB at 40 MB/s: still streaming when a signal lands
-        tx.send(_chunk(rid, i, i == 399, tokens=32), dest=endpoint)
-    acked = tx.stats()["links"].get(endpoint, {}).get("bytes_acked", 0)
-    while tx.stats()["links"].get(endpoint, {}).get("bytes_acked", 0) == acked:
-        time.sleep(0.01)
-
-
 def test_receiver_process_hung_then_killed_mid_stream_is_detected_within_the_timeout():
-    """One receiver process (starting one costs seconds): SIGSTOP it mid-stream (a hung
-    peer: only missing heartbeats or a blocked send reveal it), resume it and check the
-    sender reconnects, then SIGKILL it mid-stream (a dead peer: the kernel resets)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, SECRET.hex()], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, text=True)
-    cfg = _cfg(send_policy="paced", rate_bytes_per_s=40e6, burst_bytes=1 << 20)
-    tx = make_sender(cfg)
-    try:
-        endpoint = child.stdout.readline().strip()
-        assert endpoint.startswith("tcp://"), "receiver process did not start"
-        _stream_until_acked(tx, "hung", endpoint)
-        os.kill(child.pid, signal.SIGSTOP)
-        why, dt = _wait_failed(tx, "hung", 15)
-        assert dt <= cfg.failure_timeout_s + 1.0, (why, dt)
-        os.kill(child.pid, signal.SIGCONT)
-        tx.send(_chunk("after", 0, True), dest=endpoint)  # a new link to the same receiver
-        deadline = time.monotonic() + 15
-        while "after" not in tx.poll().finished:
-            assert time.monotonic() < deadline, "no reconnect after the receiver resumed"
-            time.sleep(0.01)
-        _stream_until_acked(tx, "killed", endpoint)
-        os.kill(child.pid, signal.SIGKILL)
-        why, dt = _wait_failed(tx, "killed", 15)
-        assert dt <= cfg.failure_timeout_s + 1.0, (why, dt)
-        assert tx.stats()["links"][endpoint]["connects"] == 2
-    finally:
-        tx.close()
-        child.kill()
-        child.wait(timeout=10)
+    check_hung_then_killed(_cfg(send_policy="paced", rate_bytes_per_s=40e6,
+                                burst_bytes=1 << 20), _chunk)

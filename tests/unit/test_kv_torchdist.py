@@ -3,20 +3,14 @@ cancelled on the receiver, and a peer that breaks the message format."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.distributed import TCPStore
 
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
 from kv_transfer.torchdist_link import DATA_TAG, LINKS_KEY, Channel, link_prefix, new_group, seconds
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.kv_peer import check_hung_then_killed, wait_failed
 
 
 def _cfg(**kw) -> TransferConfig:
@@ -29,66 +23,9 @@ def _chunk(rid: str, seq: int, final: bool, tokens: int = 32) -> KVChunk:
                    is_final=final, first_token=1 if final else None)
 
 
-def _wait_failed(tx, rid: str, limit_s: float) -> tuple[str, float]:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        for r, why in tx.poll().failed:
-            if r == rid:
-                return why, time.monotonic() - t0
-        time.sleep(0.01)
-    raise AssertionError(f"{rid} not reported failed within {limit_s}s")
-
-
-_CHILD = """
-import time
-from kv_transfer import TransferConfig, make_receiver
-rx = make_receiver(TransferConfig(connector="torchdist", failure_timeout_s=1.0))
-print(rx.endpoint, flush=True)
-while True:
-    for c in rx.poll().chunks:
-        rx.release(c)
-    time.sleep(0.002)
-"""
-
-
-def _stream_until_acked(tx, rid: str, endpoint: str) -> None:
-    for i in range(400):  # paced: still streaming when the signal lands
-        tx.send(_chunk(rid, i, i == 399), dest=endpoint)
-    deadline = time.monotonic() + 30
-    while tx.stats()["links"].get(endpoint, {}).get("bytes_acked", 0) == 0:
-        assert time.monotonic() < deadline, "nothing acked"
-        time.sleep(0.01)
-
-
 def test_receiver_process_hung_then_killed_mid_stream_is_detected_within_the_timeout():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, text=True)
-    cfg = _cfg(send_policy="paced", rate_bytes_per_s=4e6, burst_bytes=256 << 10)
-    tx = make_sender(cfg)
-    try:
-        endpoint = child.stdout.readline().strip()
-        assert endpoint.startswith("torchdist://"), "receiver process did not start"
-        _stream_until_acked(tx, "hung", endpoint)
-        os.kill(child.pid, signal.SIGSTOP)  # hung: only missing heartbeats reveal it
-        why, dt = _wait_failed(tx, "hung", 15)
-        assert dt <= cfg.failure_timeout_s + 1.0, (why, dt)
-        os.kill(child.pid, signal.SIGCONT)
-        tx.send(_chunk("after", 0, True), dest=endpoint)  # a new link (group) to it
-        deadline = time.monotonic() + 15
-        while "after" not in tx.poll().finished:
-            assert time.monotonic() < deadline, "no new link after the receiver resumed"
-            time.sleep(0.01)
-        _stream_until_acked(tx, "killed", endpoint)
-        os.kill(child.pid, signal.SIGKILL)  # dead: the connection resets
-        why, dt = _wait_failed(tx, "killed", 15)
-        assert dt <= cfg.failure_timeout_s + 1.0, (why, dt)
-        assert tx.stats()["links"][endpoint]["connects"] == 2
-        assert tx.stats()["inflight_bytes"] == 0 and tx.stats()["queued_bytes"] == 0
-    finally:
-        tx.close()
-        child.kill()
-        child.wait(timeout=10)
+    check_hung_then_killed(_cfg(send_policy="paced", rate_bytes_per_s=4e6,
+                                burst_bytes=256 << 10), _chunk)
 
 
 def test_a_transfer_cancelled_by_the_receiver_fails_on_the_sender_and_frees_everything():
@@ -102,7 +39,7 @@ def test_a_transfer_cancelled_by_the_receiver_fails_on_the_sender_and_frees_ever
             got += rx.poll().chunks
             time.sleep(0.005)
         rx.abort("r")  # e.g. the client went away: what the decode worker does
-        why, _ = _wait_failed(tx, "r", 10)
+        why, _ = wait_failed(tx, "r", 10)
         assert "discarded" in why and "aborted by receiver" in why
         for c in got:
             rx.release(c)  # late releases of an aborted request are harmless
