@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import ray
@@ -32,13 +31,16 @@ class DecodeWorker(WorkerBase):
         threading.Thread(target=self._doorbell, name="kv-doorbell", daemon=True).start()
 
     def _doorbell(self) -> None:
-        """Wake the loop from its nap when KV arrives (a leg waiting on its KV starts on
-        arrival, not at the next nap's end)."""
+        """Wake the loop when KV arrives (a leg waiting on its KV starts on arrival, not at
+        the next nap's end). A wake during a step ends the next nap at once, so one wake
+        per arrival is enough; waiting for news, not for an empty inbox, keeps this thread
+        asleep while a step runs with chunks in the inbox."""
+        seen = 0
         while not self.loop.stopped:
-            if self.receiver.wait(0.1):
-                if self.loop.napping:
-                    self.loop.wake()
-                time.sleep(0.0005)  # the loop takes the inbox at its next step
+            arrivals = self.receiver.wait_for_arrival(seen, 0.1)
+            if arrivals != seen:
+                seen = arrivals
+                self.loop.wake()
 
     def channel_commands(self) -> dict:
         e = self.engine

@@ -219,6 +219,13 @@ class KVReceiver(ABC):
         time.sleep(timeout_s)
         return True
 
+    def wait_for_arrival(self, seen: int, timeout_s: float) -> int:
+        """Block until something arrived after arrival number `seen` (or `timeout_s`);
+        returns the arrival count. Unlike ``wait`` it does not return at once while the
+        owner has not polled yet, so a doorbell thread can wait for news without spinning.
+        Without an arrival count: ``wait``, every positive answer counted as news."""
+        return seen + 1 if self.wait(timeout_s) else seen
+
     @abstractmethod
     def release(self, chunk: KVChunk) -> None:
         """The owner has copied ``chunk``; return its credit to the sender. Idempotent."""

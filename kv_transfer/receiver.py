@@ -109,6 +109,7 @@ class InboxReceiver(KVReceiver):
         self.cfg = cfg
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # notified when the inbox grows
+        self._arrivals = 0  # times it was notified (wait_for_arrival)
         self._inbox: deque[KVChunk] = deque()
         self._events = ReceiveEvents()
         self._requests: dict[str, _RxRequest] = {}
@@ -137,6 +138,12 @@ class InboxReceiver(KVReceiver):
             if not (self._inbox or self._events.failed or self._events.completed):
                 self._arrived.wait(timeout_s)
             return bool(self._inbox or self._events.failed or self._events.completed)
+
+    def wait_for_arrival(self, seen: int, timeout_s: float) -> int:
+        with self._lock:
+            if self._arrivals == seen:
+                self._arrived.wait(timeout_s)
+            return self._arrivals
 
     def release(self, chunk: KVChunk) -> None:
         with self._lock:
@@ -276,6 +283,7 @@ class InboxReceiver(KVReceiver):
                         h.is_final, h.first_token, h.tenant, h.layer_start,
                         h.head_start, h.num_kv_heads)
         self._inbox.append(chunk)
+        self._arrivals += 1
         self._arrived.notify_all()
         self._unreleased.setdefault(h.request_id, {})[
             (h.seq_no, h.layer_start, h.token_start, h.head_start)] = (
@@ -316,6 +324,7 @@ class InboxReceiver(KVReceiver):
         if report is not None:
             self._events.failed.append((rid, report))
             self._counters["requests_failed"] += 1
+            self._arrivals += 1
             self._arrived.notify_all()
         if status is None:
             return []

@@ -194,3 +194,21 @@ def test_idle_owner_can_block_in_wait_until_a_chunk_arrives(connector):
     finally:
         tx.close()
         rx.close()
+
+
+def test_wait_for_arrival_waits_for_news_not_for_an_empty_inbox(connector):
+    """The decode worker's doorbell: a chunk the owner has not polled yet does not make
+    `wait_for_arrival` return at once again (no spin), a new one does."""
+    cfg = _cfg(connector)
+    rx, tx = make_receiver(cfg), make_sender(cfg)
+    try:
+        tx.send(_one("r", 0, False), dest=rx.endpoint)
+        seen = rx.wait_for_arrival(0, 10.0)
+        assert seen == 1
+        assert rx.wait_for_arrival(seen, 0.05) == seen  # unpolled, nothing new: it waited
+        tx.send(_one("r", 1, True), dest=rx.endpoint)
+        assert rx.wait_for_arrival(seen, 10.0) == seen + 1
+        assert [c.seq_no for c in rx.poll().chunks] == [0, 1]
+    finally:
+        tx.close()
+        rx.close()
