@@ -71,8 +71,10 @@ def service(ray_session, tiny_model):
         "model": {"path": str(tiny_model), "device": "cpu"},
         # half a CPU each: modules before this one may still hold CPUs of the session's Ray
         "pools": {"cpus_per_worker": 0.5},
-        # a small decode cache: long prompts make requests wait for admission
-        "cache": {"num_blocks": 320},
+        # a small decode cache (a long prompt takes over half of it): long prompts make
+        # requests wait for admission, so cancels find requests queued even when the
+        # per-step control channel reserves in well under the probe's 2 ms poll
+        "cache": {"num_blocks": 128},
         "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256},
         "transfer": {"connector": "tcp"},
         # a killed worker is back in ~15-30 s here: queued requests wait for it
