@@ -107,12 +107,13 @@ class ThreadedSender(KVSender):
         if rid in self._dead:
             return  # failed or aborted: already reported, late chunks are dropped
         st = self._streams.get(key)
-        seqs = seen.setdefault(key, set(st[2]) if st is not None else set())
+        seqs = seen.setdefault(key, set())  # this batch's; st[2]: those queued before it
         if (st is not None and st[1]) or key in finals:
             raise ValueError(f"request {rid!r}: chunk seq {c.seq_no} after its final chunk")
-        if c.seq_no in seqs:
+        if c.seq_no in seqs or (st is not None and c.seq_no in st[2]):
             raise ValueError(f"request {rid!r}: seq_no {c.seq_no} sent twice to {dest!r}")
-        if st is None and any(s[1] for (r, _), s in self._streams.items() if r == rid):
+        req = self._requests.get(rid)
+        if st is None and req is not None and any(self._streams[(rid, d)][1] for d in req.dests):
             raise ValueError(f"request {rid!r}: a new receiver {dest!r} after a final chunk "
                              "was queued (send every receiver's chunks in one send_many)")
         seqs.add(c.seq_no)
