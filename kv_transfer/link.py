@@ -16,26 +16,57 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Protocol
 
-from kv_transfer.base import FrameRecord
+from kv_transfer.base import FrameRecord, KVChunk
+from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, Piece, split_chunk
 from kv_transfer.link_scheduler import LinkScheduler
 from kv_transfer.send_queue import QueuedFrame
-from kv_transfer.stats import LinkStats
+from kv_transfer.stats import LinkStats, RequestStats
 from kv_transfer.transport import LinkTransport
 
-if TYPE_CHECKING:
-    from kv_transfer.sender import Handover, ThreadedSender
-
 _EXPORT_PENDING: list[QueuedFrame] = []  # by identity: "wait for an export first"
+
+
+@dataclass(slots=True)
+class Handover:
+    """A chunk ``send`` handed to a link, not yet in its scheduler (a plain record: the
+    caller runs no code of this module)."""
+
+    chunk: KVChunk
+    enqueue_t: float
+    stream: list  # the sender's (rid, dest) stream state it belongs to
+    resolved: bool  # its payload holds the KV (no ``ready``, or waited for)
+    error: str | None = None
+    dropped: bool = False  # aborted or failed before admission: never read
+
+
+class LinkOwner(Protocol):
+    """What a link shares with its sender (``sender.ThreadedSender``): the one lock, the
+    request and stream state it updates, and the ways to fail a link or a request."""
+
+    cfg: TransferConfig
+    _lock: threading.Lock
+    _closed: bool
+    _shares: dict[str, float]
+    _requests: dict[str, RequestStats]
+    _streams: dict[tuple[str, str], list]
+    _records: deque[FrameRecord]
+    _tx: Iterator[int]
+
+    def _clock(self) -> float: ...
+    def _on_acks(self, link: SenderLink, acks: list[Ack]) -> None: ...
+    def _fail_link(self, link: SenderLink, reason: str) -> None: ...
+    def _fail_request_locked(self, rid: str, reason: str) -> None: ...
 
 
 class SenderLink:
     """Per-destination state; also the ``LinkEvents`` a transport reports to."""
 
-    def __init__(self, sender: ThreadedSender, dest: str, stats: LinkStats) -> None:
+    def __init__(self, sender: LinkOwner, dest: str, stats: LinkStats) -> None:
         self.sender = sender
         self.dest = dest
         self.stats = stats

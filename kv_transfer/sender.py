@@ -25,27 +25,13 @@ from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.emulated_link import EmulatedLink
 from kv_transfer.frames import Ack, AckStatus
-from kv_transfer.link import SenderLink
+from kv_transfer.link import Handover, SenderLink
 from kv_transfer.pacing import Clock, monotonic_clock
 from kv_transfer.stats import LinkStats, RequestStats
 from kv_transfer.transport import LinkEvents, LinkTransport
 
 _MAX_RECORDS = 100_000  # frame records kept between polls (oldest dropped first)
 _MAX_DEAD = 65_536  # failed/aborted request ids remembered to drop their late chunks
-
-
-class Handover:
-    """A chunk ``send`` handed to a link, not yet in its scheduler (``SenderLink``)."""
-
-    __slots__ = ("chunk", "enqueue_t", "stream", "resolved", "error", "dropped")
-
-    def __init__(self, chunk: KVChunk, enqueue_t: float, stream: list) -> None:
-        self.chunk = chunk
-        self.enqueue_t = enqueue_t
-        self.stream = stream  # the sender's (rid, dest) stream state it belongs to
-        self.resolved = chunk.ready is None  # its payload holds the KV
-        self.error: str | None = None
-        self.dropped = False  # aborted or failed before admission: never read
 
 
 TransportFactory = Callable[[str, LinkEvents], LinkTransport]
@@ -132,7 +118,7 @@ class ThreadedSender(KVSender):
             req.dests.append(dest)
         st[2].add(chunk.seq_no)
         link = self._links.get(dest) or self._open_link(dest)
-        link.inbox.append(Handover(chunk, now, st))
+        link.inbox.append(Handover(chunk, now, st, chunk.ready is None))
         req.bytes_queued += chunk.nbytes
         st[0] += 1  # one frame per chunk until the link splits it (SenderLink.admit_locked)
         st[1] = chunk.is_final
