@@ -149,11 +149,15 @@ class ThreadedSender(KVSender):
             for dest, ls in self._link_stats.items():
                 link = self._links.get(dest)
                 if link is not None:
-                    link.admit_locked()  # what was sent counts as queued or held
+                    link.admit_locked()  # what was sent counts as queued or held ...
                 links[dest] = ls.snapshot(link.sched if link else None)
+                # ... except chunks whose export (KVChunk.ready) the link still waits for
+                links[dest]["export_wait_bytes"] = (
+                    sum(h.chunk.nbytes for h in link.inbox) if link else 0)
             out: dict[str, Any] = dict(self._totals)
             for k in ("bytes_sent", "frames_sent", "queue_wait_s", "transfer_s",
-                      "inflight_bytes", "queued_bytes", "held_bytes", "failures"):
+                      "inflight_bytes", "queued_bytes", "held_bytes", "export_wait_bytes",
+                      "failures"):
                 out[k] = sum(v[k] for v in links.values())
             out["active_requests"] = len(self._requests)
             out["links"] = links

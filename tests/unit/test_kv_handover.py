@@ -68,6 +68,7 @@ def pair():
 def _settled(tx, rx) -> None:
     s = tx.stats()
     assert s["active_requests"] == s["queued_bytes"] == s["held_bytes"] == 0
+    assert s["export_wait_bytes"] == 0
     assert s["inflight_bytes"] == 0 and rx.stats()["inflight_bytes"] == 0
 
 
@@ -106,6 +107,9 @@ def test_export_completes_on_the_link_thread_in_send_order(pair):
     tx.send(_chunk("r", 1, True, fill=4.0), dest=rx.endpoint)  # queued behind the export
     assert gate.entered.wait(20)  # the caller has not waited: the link thread does
     assert gate.threads == [f"kv-sender->{rx.endpoint}"]
+    s = tx.stats()  # both still wait for seq 0's export, neither is queued yet
+    assert s["export_wait_bytes"] == 2 * _chunk("r", 0, False).nbytes
+    assert s["queued_bytes"] == s["inflight_bytes"] == 0
     assert rx.poll().chunks == []  # seq 1 did not overtake the export of seq 0
     gate.open()
     dst.allocate("r", 8)
