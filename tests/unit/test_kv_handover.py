@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.block_manager import BlockManager
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.request import Request, SamplingParams
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
 from kv_transfer.frames import chunks_for_heads
 from kv_transfer.heads import HeadRange, HeadTransfer
@@ -160,26 +162,65 @@ def test_a_failed_export_fails_its_request_alone(pair):
     _settled(tx, rx)
 
 
-def test_what_travels_is_the_kv_at_submit_time(pair):
-    """The prefill engine's path: export_async of a chunk, send with its readiness, then
-    at once the next chunk's KV into the same (shared) block, and the whole request's
-    blocks freed and reused by another request, all before the link thread runs."""
-    rx, tx, dst = pair
-    kv = KVCache(MODEL, num_blocks=8, block_size=4, dtype=torch.float32)
+def _prefill_state() -> tuple[KVCache, BlockManager, Request]:
+    """A prefill worker's cache of 4 blocks of 4 tokens; request "a" holds 2 of them."""
+    kv = KVCache(MODEL, num_blocks=4, block_size=4, dtype=torch.float32)
     kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(1)))
-    blocks = [5, 2, 7]
-    want = kv.export_tokens(blocks, 0, 6).clone()  # tokens 0..5: block 2 half written
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    a = Request("a", list(range(8)), SamplingParams())
+    assert bm.allocate(a, 8)
+    return kv, bm, a
+
+
+def _reuse_all_blocks(kv: KVCache, bm: BlockManager, freed: list[int]) -> None:
+    """Another request takes every block (so the freed ones too) and writes them."""
+    b = Request("b", list(range(16)), SamplingParams())
+    assert bm.allocate(b, 16) and set(freed) <= set(b.block_ids)
+    kv.data[:, :, b.block_ids] = -1.0
+    bm.free(b)
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def test_what_travels_is_the_kv_at_submit_time_though_its_blocks_are_reused(pair):
+    """The prefill engine's path: export_async of a chunk and send with its readiness;
+    then, before the link thread runs, the next chunk's KV in the same block, the
+    request's end (its blocks freed at once) and another request reusing them."""
+    rx, tx, dst = pair
+    kv, bm, a = _prefill_state()
+    blocks = list(a.block_ids)
+    want = kv.export_tokens(blocks, 0, 6).clone()  # tokens 0..5: the 2nd block half written
     gate = Gate()
     pending = kv.export_async(blocks, 0, 6)
-    tx.send(KVChunk("r", 0, 0, 6, pending.payload, ready=_Both(pending, gate)), dest=rx.endpoint)
-    kv.data[:, :, 2, 2:] = 0.0  # the next chunk's tokens 6..7 in the shared block
-    kv.data[:, :, [5, 2, 7]] = -1.0  # freed, reused and overwritten by another request
-    gate.open()
-    tx.send(KVChunk("r", 1, 6, 6, torch.empty(2, 2, 0, 2, 8), is_final=True, first_token=1),
+    tx.send(KVChunk("a", 0, 0, 6, pending.payload, ready=_Both(pending, gate)), dest=rx.endpoint)
+    kv.data[:, :, blocks[1], 2:] = 0.0  # the next chunk's tokens 6..7, same block
+    tx.send(KVChunk("a", 1, 6, 6, torch.empty(2, 2, 0, 2, 8), is_final=True, first_token=1),
             dest=rx.endpoint)
-    dst.allocate("r", 6)
-    assert pump(tx, rx, dst, ["r"]) == ({}, {})
-    assert torch.equal(dst.export("r", 0, 6), want)
+    bm.free(a)  # what the prefill scheduler's finish does right after the last send
+    _reuse_all_blocks(kv, bm, blocks)
+    gate.open()
+    dst.allocate("a", 6)
+    assert pump(tx, rx, dst, ["a"]) == ({}, {})
+    assert torch.equal(dst.export("a", 0, 6), want)
+    _settled(tx, rx)
+
+
+def test_a_request_aborted_and_freed_before_its_export_completed_sends_nothing(pair):
+    rx, tx, dst = pair
+    kv, bm, a = _prefill_state()
+    blocks = list(a.block_ids)
+    gate = Gate()
+    pending = kv.export_async(blocks, 0, 8)
+    tx.send(KVChunk("a", 0, 0, 8, pending.payload, ready=_Both(pending, gate)), dest=rx.endpoint)
+    tx.abort("a")  # the prefill engine's abort: the sender drops it ...
+    bm.free(a)  # ... and the scheduler frees its blocks, once, at once
+    _reuse_all_blocks(kv, bm, blocks)
+    gate.open()
+    tx.send(_chunk("kept", 0, True), dest=rx.endpoint)
+    dst.allocate("kept", 4)
+    assert pump(tx, rx, dst, ["kept"]) == ({}, {})
+    assert rx.stats()["frames_received"] == 1
+    assert tx.poll().failed == []
     _settled(tx, rx)
 
 
