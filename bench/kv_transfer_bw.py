@@ -1,7 +1,9 @@
 """KV transfer bandwidth: raw loopback socket vs the tcp, torchdist and ray connectors.
 
 Every configuration sends the same bytes three ways, interleaved so machine load hits
-all of them alike, and prints GB/s with ``ratio vs raw``. The receiving side always runs
+all of them alike, and prints GB/s with ``ratio vs raw`` and ``send N us``: the mean time
+the caller spends inside one ``KVSender.send`` (the prefill thread's share of sending;
+framing, scheduling and writing happen on the link thread). The receiving side always runs
 in another process (a spawned child for raw/tcp/torchdist, a Ray actor for ray), as a decode worker
 would. Payloads are exported once (untimed) from a paged cache with the given block size,
 so rows that differ only in block size repeat a measurement (a view of the noise).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -96,21 +99,28 @@ def _run_raw(sock, pipe, pool, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _send_all(tx, dest: str, pool, n: int, chunk: int, tag: str) -> None:
+def _send_all(tx, dest: str, pool, n: int, chunk: int, tag: str) -> float:
+    """Send n chunks; returns the seconds the caller spent inside ``send`` (a prefill
+    worker's share of sending: the rest happens on the link thread)."""
     per_req = 8  # a request streams 8 chunks, like a long prompt prefilled chunk by chunk
+    in_send = 0.0
     for i in range(n):
         rid, seq = f"{tag}-{i // per_req}", i % per_req
         final = seq == per_req - 1 or i == n - 1
-        tx.send(KVChunk(rid, seq, seq * chunk, (seq + 1) * chunk, pool[i % len(pool)],
-                        is_final=final, first_token=1 if final else None), dest=dest)
+        c = KVChunk(rid, seq, seq * chunk, (seq + 1) * chunk, pool[i % len(pool)],
+                    is_final=final, first_token=1 if final else None)
+        t0 = time.perf_counter()
+        tx.send(c, dest=dest)
+        in_send += time.perf_counter() - t0
+    return in_send
 
 
-def _run_tcp(tx, endpoint, pipe, pool, n, chunk, tag) -> float:
+def _run_tcp(tx, endpoint, pipe, pool, n, chunk, tag) -> tuple[float, float]:
     pipe.send(("run", n * pool[0].nbytes))
     t0 = time.perf_counter()
-    _send_all(tx, endpoint, pool, n, chunk, tag)
+    in_send = _send_all(tx, endpoint, pool, n, chunk, tag)
     pipe.recv()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, in_send
 
 
 def _ray_setup(cfg: TransferConfig):
@@ -143,13 +153,19 @@ def _ray_setup(cfg: TransferConfig):
     return ray, sink, make_sender(cfg)
 
 
-def _run_ray(ray, sink, tx, pool, n, chunk, tag) -> float:
+def _run_ray(ray, sink, tx, pool, n, chunk, tag) -> tuple[float, float]:
     done = sink.drain.remote(n * pool[0].nbytes)
     t0 = time.perf_counter()
-    _send_all(tx, "kv-bench-sink", pool, n, chunk, tag)
+    in_send = _send_all(tx, "kv-bench-sink", pool, n, chunk, tag)
     if ray.get(done) < n * pool[0].nbytes:
         raise RuntimeError(f"ray sink timed out; sender events: {tx.poll().failed[:3]}")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, in_send
+
+
+def _keep(best: dict[str, float], send_us: dict[str, float], n: int, total: int, c: str,
+          dt: float, in_send: float) -> None:
+    best[c] = max(best.get(c, 0), total / dt)
+    send_us[c] = min(send_us.get(c, float("inf")), in_send / n * 1e6)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,29 +226,32 @@ def main(argv: list[str] | None = None) -> int:
             pool = _pool(args, block, chunk)
             n = max(3, args.mib * MiB // pool[0].nbytes)
             best: dict[str, float] = {}
+            send_us: dict[str, float] = {}  # best mean time in one send call, microseconds
+            keep = functools.partial(_keep, best, send_us, n, n * pool[0].nbytes)
+
             for r in range(args.repeats):
                 tag = f"b{block}c{chunk}r{r}"
                 if "raw" in conns:
                     best["raw"] = max(best.get("raw", 0), n * pool[0].nbytes / _run_raw(raw_sock, raw_pipe, pool, n))
                 if "tcp" in conns:
-                    dt = _run_tcp(tcp_tx, endpoint, tcp_pipe, pool, n, chunk, tag)
-                    best["tcp"] = max(best.get("tcp", 0), n * pool[0].nbytes / dt)
+                    keep("tcp", *_run_tcp(tcp_tx, endpoint, tcp_pipe, pool, n, chunk, tag))
                 if "torchdist" in conns:
-                    dt = _run_tcp(dist_tx, dist_endpoint, dist_pipe, pool, n, chunk, tag)
-                    best["torchdist"] = max(best.get("torchdist", 0), n * pool[0].nbytes / dt)
+                    keep("torchdist", *_run_tcp(dist_tx, dist_endpoint, dist_pipe, pool, n, chunk, tag))
                 if "ray" in conns:
-                    dt = _run_ray(ray, sink, ray_tx, pool, n, chunk, tag)
-                    best["ray"] = max(best.get("ray", 0), n * pool[0].nbytes / dt)
+                    keep("ray", *_run_ray(ray, sink, ray_tx, pool, n, chunk, tag))
             parts = []
             for c in conns:
                 s = f"{c} {best[c] / 1e9:5.2f} GB/s"
                 if c != "raw" and "raw" in best:
                     s += f" ratio vs raw: {best[c] / best['raw']:.2f}"
+                if c in send_us:
+                    s += f" send {send_us[c]:.0f} us"
                 parts.append(s)
             print(f"block={block:4d} chunk={chunk:5d} tok ({pool[0].nbytes / MiB:5.1f} MiB): "
                   + " | ".join(parts), flush=True)
             results.append({"block": block, "chunk_tokens": chunk, "chunk_bytes": pool[0].nbytes,
-                            **{f"{c}_GBps": best[c] / 1e9 for c in conns}})
+                            **{f"{c}_GBps": best[c] / 1e9 for c in conns},
+                            **{f"{c}_send_us": v for c, v in send_us.items()}})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -4,9 +4,10 @@ A request's KV travels as ``KVChunk``s addressed by GLOBAL token index, so the t
 may page their caches with different block sizes. Senders and receivers are chosen by
 name (``kv_transfer.registry``); every transport honours the same contract:
 
-* ``KVSender.send`` never blocks the caller: a background thread frames, paces and
-  writes. The caller must not mutate ``chunk.payload`` after ``send`` (it is read later,
-  zero-copy, by that thread).
+* ``KVSender.send`` never blocks the caller: it checks the chunk's place in its stream
+  and hands it over; the link's thread completes the export (``KVChunk.ready``), frames,
+  paces and writes. The caller must not mutate ``chunk.payload`` after ``send`` (it is
+  read later, zero-copy, by that thread).
 * ``KVReceiver`` never writes into caller tensors from a foreign thread: the owner polls
   chunks, copies them into its own blocks, then ``release``s them, which returns the
   credit (in-flight bytes) to the sender.
@@ -21,12 +22,19 @@ name (``kv_transfer.registry``); every transport honours the same contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 
 from kv_transfer.heads import HeadRange
+
+
+class PayloadReady(Protocol):
+    """A device-to-host copy in flight (``engine.kv_cache.PendingExport`` is one)."""
+
+    def wait(self) -> object:
+        """Block until the chunk's payload holds the KV; raise if the copy failed."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +49,13 @@ class KVChunk:
     by layer (``layer_start`` > 0) or token range; only the last piece of the final
     chunk has ``is_final`` and ``first_token`` set. Payloads the receiver returns may
     be read-only views (e.g. of Ray's object store): copy, don't write into them.
+
+    ``ready``: set when ``payload`` is the destination of a copy still in flight (a
+    prefill worker's device-to-host export): the sender's link thread calls
+    ``ready.wait()`` before it reads the payload, so the caller's ``send`` does not wait
+    for the copy. The copy must already be ordered before any later write of the blocks
+    it reads (they may be freed and reused at once); a failing ``wait`` fails the request.
+    A sender never reads the payload of a chunk dropped (aborted, failed) before then.
     """
 
     request_id: str
@@ -54,6 +69,7 @@ class KVChunk:
     layer_start: int = 0
     head_start: int = 0
     num_kv_heads: int = 0  # the model's KV heads; 0 = all of them are in the payload
+    ready: PayloadReady | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -86,6 +102,13 @@ class KVChunk:
                 raise ValueError(
                     f"KVChunk heads [{self.head_start}, {self.head_end}) ({p.shape[3]} in the "
                     f"payload) must lie within the model's {self.num_kv_heads} KV heads")
+
+    def resolved(self) -> KVChunk:
+        """This chunk once its payload holds the KV (waits for ``ready``; then drops it)."""
+        if self.ready is None:
+            return self
+        self.ready.wait()
+        return replace(self, ready=None)
 
     @property
     def layer_end(self) -> int:

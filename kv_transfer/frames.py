@@ -116,7 +116,8 @@ def chunks_for_heads(chunk: KVChunk, sends: Sequence[HeadTransfer],
     the decode ranks' endpoints by rank. Feed the result to ``KVSender.send_many``.
 
     A transfer of all the chunk's heads reuses its payload; a narrower one copies its
-    heads out (``[L, 2, T, H, D][..., a:b, :]`` is strided), so only they travel.
+    heads out (``[L, 2, T, H, D][..., a:b, :]`` is strided), so only they travel, after
+    waiting for the chunk's export (``KVChunk.ready``) on the caller's thread.
     """
     have = chunk.heads
     out = []
@@ -131,6 +132,7 @@ def chunks_for_heads(chunk: KVChunk, sends: Sequence[HeadTransfer],
             out.append((chunk, dests[t.decode_rank]))
             continue
         a, b = h.start - have.start, h.end - have.start
+        chunk = chunk.resolved()  # the copy reads the payload: its export must be complete
         out.append((dataclasses.replace(chunk, payload=chunk.payload[:, :, :, a:b].contiguous(),
                                         head_start=h.start, num_kv_heads=h.total),
                     dests[t.decode_rank]))

@@ -1,61 +1,37 @@
 """ThreadedSender: the transport-independent half of every KVSender.
 
-One thread per destination link runs: connect, then loop { ask the LinkScheduler for a
-batch, write it with the transport, record stats }. The caller's ``send`` only splits
-the chunk (views), enqueues and notifies, so it never blocks. Transports report acks and
-failures through the link (``LinkEvents``). One lock guards all sender state; transports
-are always called *outside* it, so a transport's callback can never deadlock with it.
+One thread per destination link (``kv_transfer.link.SenderLink``) runs: connect, then
+loop { complete handed-over exports, frame and queue them, ask the LinkScheduler for a
+batch, write it with the transport, record stats }. The caller's ``send`` only checks
+the chunk's place in its stream, counts it and hands it to the link: no framing, no
+scheduling, no waiting for its export, so it never blocks and costs O(1). Transports
+report acks and failures through the link (``LinkEvents``). One lock guards all sender
+state; transports are always called *outside* it, so a transport's callback can never
+deadlock with it.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from engine.tombstones import RecentIds
 from kv_transfer.base import FrameRecord, KVChunk, KVSender, SendEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.emulated_link import EmulatedLink
-from kv_transfer.frames import Ack, AckStatus, Piece, split_chunk
-from kv_transfer.link_scheduler import LinkScheduler
+from kv_transfer.frames import Ack, AckStatus
+from kv_transfer.link import Handover, SenderLink
 from kv_transfer.pacing import Clock, monotonic_clock
-from kv_transfer.send_queue import QueuedFrame
 from kv_transfer.stats import LinkStats, RequestStats
 from kv_transfer.transport import LinkEvents, LinkTransport
 
 _MAX_RECORDS = 100_000  # frame records kept between polls (oldest dropped first)
 _MAX_DEAD = 65_536  # failed/aborted request ids remembered to drop their late chunks
-
-
-class _Link:
-    """Per-destination state; also the ``LinkEvents`` a transport reports to."""
-
-    def __init__(self, sender: ThreadedSender, dest: str, stats: LinkStats) -> None:
-        self.sender = sender
-        self.dest = dest
-        self.stats = stats
-        self.sched = LinkScheduler(sender.cfg.share_of(sender._shares.get(dest, 1.0)))
-        self.cond = threading.Condition(sender._lock)
-        self.inflight: dict[int, QueuedFrame] = {}  # Piece.tx -> frame awaiting its ack
-        self.failed: str | None = None
-        self.transport: LinkTransport | None = None
-        self.thread: threading.Thread | None = None
-
-    def on_acks(self, acks: list[Ack]) -> None:
-        self.sender._on_acks(self, acks)
-
-    def on_failure(self, reason: str) -> None:
-        self.sender._fail_link(self, reason)
-
-    def busy(self) -> tuple[int, int]:
-        """(frames in flight, active requests): transports poll/heartbeat while busy."""
-        with self.sender._lock:
-            active = sum(1 for r in self.sender._requests.values() if self.dest in r.dests)
-            return len(self.inflight), active
 
 
 TransportFactory = Callable[[str, LinkEvents], LinkTransport]
@@ -67,9 +43,11 @@ class ThreadedSender(KVSender):
         self.cfg = cfg
         self._factory = transport_factory
         self._clock = clock
+        # send's timestamp, without a Python frame for the default clock
+        self._now = time.monotonic if clock is monotonic_clock else clock
         self._name = name
         self._lock = threading.Lock()
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, SenderLink] = {}
         self._link_stats: dict[str, LinkStats] = {}
         self._requests: dict[str, RequestStats] = {}
         # (rid, dest) -> [frames out, final queued, seqs]: one stream per receiver of a request
@@ -87,18 +65,17 @@ class ThreadedSender(KVSender):
         self.send_many([(chunk, dest)])
 
     def send_many(self, items: list[tuple[KVChunk, str]]) -> None:
-        split = [(c, dest, split_chunk(c, self.cfg.max_payload_bytes)) for c, dest in items]
-        now = self._clock()
+        now = self._now()
         with self._lock:
             if self._closed:
                 raise RuntimeError("KVSender is closed")
             seen: dict[tuple[str, str], set[int]] = {}
             finals: set[tuple[str, str]] = set()
-            for c, dest, _ in split:  # check everything before queueing anything
+            for c, dest in items:  # check everything before queueing anything
                 self._check_locked(c, dest, seen, finals)
-            for c, dest, pieces in split:
+            for c, dest in items:
                 if c.request_id not in self._dead:
-                    self._queue_locked(c, dest, pieces, now)
+                    self._queue_locked(c, dest, now)
 
     def set_link_share(self, dest: str, share: float) -> None:
         """Let the link to ``dest`` use ``share`` of the configured budget (pacing rate,
@@ -116,19 +93,21 @@ class ThreadedSender(KVSender):
         if rid in self._dead:
             return  # failed or aborted: already reported, late chunks are dropped
         st = self._streams.get(key)
-        seqs = seen.setdefault(key, set(st[2]) if st is not None else set())
+        seqs = seen.setdefault(key, set())  # this batch's; st[2]: those queued before it
         if (st is not None and st[1]) or key in finals:
             raise ValueError(f"request {rid!r}: chunk seq {c.seq_no} after its final chunk")
-        if c.seq_no in seqs:
+        if c.seq_no in seqs or (st is not None and c.seq_no in st[2]):
             raise ValueError(f"request {rid!r}: seq_no {c.seq_no} sent twice to {dest!r}")
-        if st is None and any(s[1] for (r, _), s in self._streams.items() if r == rid):
+        req = self._requests.get(rid)
+        if st is None and req is not None and any(self._streams[(rid, d)][1] for d in req.dests):
             raise ValueError(f"request {rid!r}: a new receiver {dest!r} after a final chunk "
                              "was queued (send every receiver's chunks in one send_many)")
         seqs.add(c.seq_no)
         if c.is_final:
             finals.add(key)
 
-    def _queue_locked(self, chunk: KVChunk, dest: str, pieces: list[Piece], now: float) -> None:
+    def _queue_locked(self, chunk: KVChunk, dest: str, now: float) -> None:
+        """Count the chunk in its stream and hand it to the link's thread."""
         rid = chunk.request_id
         req = self._requests.get(rid)
         if req is None:
@@ -139,13 +118,9 @@ class ThreadedSender(KVSender):
             req.dests.append(dest)
         st[2].add(chunk.seq_no)
         link = self._links.get(dest) or self._open_link(dest)
-        for i, p in enumerate(pieces):
-            p = replace(p, tx=next(self._tx))
-            qf = QueuedFrame(rid, chunk.tenant, p.nbytes, now, item=p, key=p.key)
-            last = chunk.is_final and i == len(pieces) - 1
-            link.sched.enqueue(qf, completes_request=last)
+        link.inbox.append(Handover(chunk, now, st, chunk.ready is None))
         req.bytes_queued += chunk.nbytes
-        st[0] += len(pieces)
+        st[0] += 1  # one frame per chunk until the link splits it (SenderLink.admit_locked)
         st[1] = chunk.is_final
         link.cond.notify()
 
@@ -164,6 +139,7 @@ class ThreadedSender(KVSender):
                 self._streams.pop((request_id, dest), None)
                 link = self._links.get(dest)
                 if link is not None:
+                    link.drop_locked(request_id)
                     link.sched.abort(request_id)
                     link.cond.notify()
 
@@ -172,10 +148,16 @@ class ThreadedSender(KVSender):
             links = {}
             for dest, ls in self._link_stats.items():
                 link = self._links.get(dest)
+                if link is not None:
+                    link.admit_locked()  # what was sent counts as queued or held ...
                 links[dest] = ls.snapshot(link.sched if link else None)
+                # ... except chunks whose export (KVChunk.ready) the link still waits for
+                links[dest]["export_wait_bytes"] = (
+                    sum(h.chunk.nbytes for h in link.inbox) if link else 0)
             out: dict[str, Any] = dict(self._totals)
             for k in ("bytes_sent", "frames_sent", "queue_wait_s", "transfer_s",
-                      "inflight_bytes", "queued_bytes", "held_bytes", "failures"):
+                      "inflight_bytes", "queued_bytes", "held_bytes", "export_wait_bytes",
+                      "failures"):
                 out[k] = sum(v[k] for v in links.values())
             out["active_requests"] = len(self._requests)
             out["links"] = links
@@ -197,16 +179,17 @@ class ThreadedSender(KVSender):
             if link.thread is not None and link.thread is not threading.current_thread():
                 link.thread.join(timeout=self.cfg.failure_timeout_s + 1.0)
 
-    def wrap_transports(self, wrap: Callable[[LinkTransport, str, _Link], LinkTransport]) -> None:
+    def wrap_transports(self, wrap: Callable[[LinkTransport, str, SenderLink], LinkTransport],
+                        ) -> None:
         """Links opened from now on use ``wrap(transport, dest, link_events)`` instead of
         the bare transport (fault injection in tests: ``kv_transfer.faults``)."""
         inner = self._factory
         self._factory = lambda dest, link: wrap(inner(dest, link), dest, link)
 
     # ---- link machinery ----
-    def _open_link(self, dest: str) -> _Link:
+    def _open_link(self, dest: str) -> SenderLink:
         stats = self._link_stats.setdefault(dest, LinkStats())
-        link = self._links[dest] = _Link(self, dest, stats)
+        link = self._links[dest] = SenderLink(self, dest, stats)
         cfg = self.cfg
         if cfg.link_emulated:  # the real transport reports to the emulated wire's far end
             emu = EmulatedLink(cfg.link_rate_bytes_per_s, cfg.link_latency_s, link,
@@ -214,71 +197,12 @@ class ThreadedSender(KVSender):
             link.transport = emu.wrap(self._factory(dest, emu.events))
         else:
             link.transport = self._factory(dest, link)
-        link.thread = threading.Thread(target=self._run_link, args=(link,),
+        link.thread = threading.Thread(target=link.run,
                                        name=f"{self._name}->{dest}", daemon=True)
         link.thread.start()
         return link
 
-    def _run_link(self, link: _Link) -> None:
-        assert link.transport is not None
-        try:
-            self._link_loop(link, link.transport)
-        finally:
-            link.transport.close()
-            link.transport.release()
-
-    def _link_loop(self, link: _Link, transport: LinkTransport) -> None:
-        try:
-            transport.connect()
-        except Exception as e:  # any failure to reach the peer fails its requests
-            self._fail_link(link, f"cannot reach {link.dest}: {type(e).__name__}: {e}")
-            return
-        with self._lock:
-            link.stats.connects += 1
-        hb = self.cfg.failure_timeout_s / 3
-        last_io = self._clock()
-        while True:
-            with self._lock:
-                while True:
-                    if link.failed is not None or self._closed:
-                        return
-                    now = self._clock()
-                    batch, wait = link.sched.next_batch(now)
-                    if batch:
-                        break
-                    if now - last_io >= hb and any(
-                        link.dest in r.dests for r in self._requests.values()
-                    ):
-                        break  # heartbeat
-                    link.cond.wait(min(wait, hb) if wait is not None else hb)
-                for f in batch:
-                    link.inflight[f.item.tx] = f
-            t0 = self._clock()
-            try:
-                if batch:
-                    transport.transmit([f.item for f in batch])
-                else:
-                    transport.heartbeat()
-            except Exception as e:
-                self._fail_link(link, f"send to {link.dest} failed: {type(e).__name__}: {e}")
-                return
-            t1 = last_io = self._clock()
-            if not batch:
-                continue
-            with self._lock:
-                link.stats.on_write(batch, t0, t1)
-                for f in batch:
-                    p: Piece = f.item
-                    self._records.append(FrameRecord(f.request_id, link.dest, p.chunk.seq_no,
-                                                     p.part, f.nbytes, f.enqueue_t, t0, t1))
-                    req = self._requests.get(f.request_id)
-                    if req is not None:
-                        req.bytes_sent += f.nbytes
-                        req.frames_sent += 1
-                        req.queue_wait_s += t0 - f.enqueue_t
-                        req.transfer_s += t1 - t0
-
-    def _on_acks(self, link: _Link, acks: list[Ack]) -> None:
+    def _on_acks(self, link: SenderLink, acks: list[Ack]) -> None:
         with self._lock:
             for a in acks:
                 if a.status == AckStatus.DUPLICATE:
@@ -315,17 +239,19 @@ class ThreadedSender(KVSender):
             self._streams.pop((rid, dest), None)
             link = self._links.get(dest)
             if link is not None:
+                link.drop_locked(rid)
                 link.sched.abort(rid)
         self._events.failed.append((rid, reason))
         self._totals["requests_failed"] += 1
 
-    def _fail_link(self, link: _Link, reason: str) -> None:
+    def _fail_link(self, link: SenderLink, reason: str) -> None:
         with self._lock:
             if link.failed is not None:
                 return
             link.failed = reason
             if self._links.get(link.dest) is link:
                 del self._links[link.dest]  # the next send() to dest reconnects
+            link.drop_locked()
             link.sched.drain()
             link.inflight.clear()  # no ack can come back on a dead link
             if not self._closed:

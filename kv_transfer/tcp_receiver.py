@@ -18,15 +18,15 @@ import logging
 import socket
 import threading
 
+from kv_transfer.ack_writer import AckWriter
 from kv_transfer.buffers import BufferPool
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack
 from kv_transfer.receiver import InboxReceiver, RxLink
 from kv_transfer.tcp_auth import AuthError, DeadlineSocket, handshake_reader, server_handshake
-from kv_transfer.wire import MAX_HEADER_BYTES, WireError, encode_control
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError
 
 log = logging.getLogger(__name__)
-_ACKS_PER_MESSAGE = 128  # keeps an ack message far below MAX_HEADER_BYTES
 _READ_BUFFER_BYTES = 256 << 10  # an authenticated link's read buffer
 
 
@@ -34,41 +34,15 @@ class _TcpRxLink(RxLink):
     def __init__(self, sock: socket.socket, name: str, heartbeat_s: float) -> None:
         self.name = name
         self._sock = sock
-        self._hb = heartbeat_s
-        self._cond = threading.Condition()
-        self._acks: list[Ack] = []
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, daemon=True, name=f"kv-ack->{name}")
-        self._writer.start()
+        # a failed ack write closes the link, which wakes the reader too
+        self.acks = AckWriter(name, heartbeat_s, sock.sendall, errors=(OSError,),
+                              on_error=self.close).start()
 
     def send_acks(self, acks: list[Ack]) -> None:
-        with self._cond:
-            if not self._closed:
-                self._acks.extend(acks)
-                self._cond.notify()
-
-    def _write_loop(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    if not self._acks and not self._closed:
-                        self._cond.wait(self._hb)
-                    if self._closed:
-                        return
-                    acks, self._acks = self._acks, []
-                if not acks:
-                    self._sock.sendall(encode_control({"k": "hb"}))
-                for i in range(0, len(acks), _ACKS_PER_MESSAGE):
-                    batch = [list(a) for a in acks[i : i + _ACKS_PER_MESSAGE]]
-                    self._sock.sendall(encode_control({"k": "ack", "a": batch}))
-        except OSError as e:  # incl. timeout: a sender not reading acks is a dead sender
-            log.info("kv link %s: ack writer stopped: %s", self.name, e)
-            self.close()
+        self.acks.send(acks)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self.acks.stop(flush=False)  # the connection goes: nothing more is sent
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
         except OSError:
@@ -180,7 +154,7 @@ class TcpReceiver(InboxReceiver):
             reason = "receiver closed" if self._closed else f"{type(e).__name__}: {e}"
         finally:
             link.close()
-            link._writer.join(timeout=5.0)
+            link.acks.join(timeout=5.0)
             conn.close()
             with self._lock:
                 self._links.discard(link)

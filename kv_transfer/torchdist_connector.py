@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from kv_transfer.ack_writer import AckWriter
 from kv_transfer.buffers import BufferPool
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, Piece
@@ -45,7 +46,6 @@ from kv_transfer.wire import header_for as _header_for
 
 log = logging.getLogger(__name__)
 _CONTROL_LIMIT = PREAMBLE.size + MAX_HEADER_BYTES
-_ACKS_PER_MESSAGE = 128
 _ACCEPT_POLL_S = 0.02  # how often the receiver looks for new links
 HB, BYE = encode_control({"k": "hb"}), encode_control({"k": "bye"})
 
@@ -149,49 +149,13 @@ class TorchDistTransport(LinkTransport):
 
 class _DistRxLink(RxLink):
     def __init__(self, chan: Channel, name: str, heartbeat_s: float) -> None:
-        self.name, self.chan, self._hb = name, chan, heartbeat_s
-        self._cond = threading.Condition()
-        self._acks: list[Ack] = []
-        self._bye = False
-        self._quiet = False  # the peer is gone: send nothing more (a gloo send would wait)
-        self._writer = threading.Thread(target=self._write_loop, daemon=True, name=f"kv-ack->{name}")
-        self._writer.start()
+        self.name, self.chan = name, chan
+        # a broken group ends the writer only: the reader sees the same failure
+        self.acks = AckWriter(name, heartbeat_s, lambda msg: chan.send(ACK_TAG, msg),
+                              errors=(RuntimeError,), farewell=BYE).start()
 
     def send_acks(self, acks: list[Ack]) -> None:
-        with self._cond:
-            if not self._bye:
-                self._acks.extend(acks)
-                self._cond.notify()
-
-    def _write_loop(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    if not self._acks and not self._bye and not self._quiet:
-                        self._cond.wait(self._hb)
-                    if self._quiet:
-                        return
-                    acks, self._acks, bye = self._acks, [], self._bye
-                for i in range(0, len(acks), _ACKS_PER_MESSAGE):
-                    batch = [list(a) for a in acks[i : i + _ACKS_PER_MESSAGE]]
-                    self.chan.send(ACK_TAG, encode_control({"k": "ack", "a": batch}))
-                if bye:
-                    return self.chan.send(ACK_TAG, BYE)
-                if not acks:
-                    self.chan.send(ACK_TAG, HB)
-        except RuntimeError as e:  # a closed or broken group: the reader sees it too
-            log.info("kv link %s: ack writer stopped: %s", self.name, e)
-
-    def say_bye(self) -> None:
-        """Flush the acks, then tell the sender we are done (it answers "bye")."""
-        with self._cond:
-            self._bye = True
-            self._cond.notify()
-
-    def go_quiet(self) -> None:
-        with self._cond:
-            self._quiet = True
-            self._cond.notify()
+        self.acks.send(acks)
 
 
 class TorchDistReceiver(InboxReceiver):
@@ -264,11 +228,8 @@ class TorchDistReceiver(InboxReceiver):
         log.info("kv receiver %s: link %s closed: %s", self.endpoint, link.name, reason)
         # answer a bye (the sender's ack reader waits for it); after a failure send
         # nothing: a send to a peer that will not receive blocks for the whole timeout
-        if bye:
-            link.say_bye()
-        else:
-            link.go_quiet()
-        link._writer.join(timeout=cfg.failure_timeout_s + 1.0)
+        link.acks.stop(flush=bye)
+        link.acks.join(timeout=cfg.failure_timeout_s + 1.0)
         chan.abort()
 
     def stats(self) -> dict:
@@ -282,7 +243,7 @@ class TorchDistReceiver(InboxReceiver):
         with self._lock:
             links, threads = list(self._links), list(self._threads)
         for link in links:
-            link.say_bye()  # the sender answers "bye": each link thread ends at once
+            link.acks.stop(flush=True)  # our "bye": the sender answers it, each link ends
         self._acceptor.join(timeout=2.0)
         for t in threads:
             t.join(timeout=self.cfg.failure_timeout_s + 1.0)
