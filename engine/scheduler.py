@@ -126,7 +126,7 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         used = 0
         for r in list(self.running):
-            if r.status != RequestStatus.RUNNING or r not in self.running:
+            if r.status != RequestStatus.RUNNING:  # (a victim earlier in this loop: PREEMPTED)
                 continue
             while not self.bm.allocate(r, r.num_cached_tokens + 1):
                 victim = self.running[-1]
