@@ -57,7 +57,8 @@ class DecodeEngine:
     def reserve(self, task: DecodeTask) -> bool:
         if self.faults is not None and self.faults.refuse_admission(task.leg_id):
             return False  # as if full: the router tries another worker, then waits
-        if self.aborted_early.claim(task.leg_id):
+        t, leg = self.aborted_early, task.leg_id
+        if (leg in t.buried or leg in t.ended_ids) and t.claim(leg):
             return False  # its abort overtook it: the router has already left
         ok = self.scheduler.reserve(task)
         if ok:
@@ -115,21 +116,25 @@ class DecodeEngine:
         t0, wall0 = time.monotonic(), time.time()
         sampled = execute_and_sample(self.runner, items)
         now, wall = time.monotonic(), time.time()
-        for s in sampled:  # one event per request, all sent as one message per step
+        # one event per request, all sent as one message per step; locals: this loop runs
+        # once per generated token
+        max_len, worker, running = self.max_len, self.worker_id, RequestStatus.RUNNING
+        for s in sampled:
             r, tok = s.request, s.token_id
             r.num_cached_tokens += 1
             r.append_token(tok)
-            if not r.is_finished and r.num_tokens >= self.max_len:
+            if r.status == running and len(r.prompt_token_ids) + len(r.output_token_ids) \
+                    >= max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
-            timing = NO_TIMING
-            if r.is_finished:
+            timing, finish = NO_TIMING, None
+            if r.status != running:  # finished (append_token or the length cap)
+                finish = r.finish_reason
                 self.scheduler.finish(r)
                 self.aborted_early.ended(r.request_id)
                 timing = LegTiming(decode_s=now - self.started.pop(r.request_id, now))
-            events.append(WorkerEvent(
-                EventKind.TOKENS, r.request_id, self.worker_id, (tok,),
-                finish_reason=r.finish_reason, wall_time=wall, timing=timing,
-                logprobs=None if s.logprobs is None else (s.logprobs,)))
+            events.append(WorkerEvent(EventKind.TOKENS, r.request_id, worker, (tok,), finish, "",
+                                      wall, timing,
+                                      None if s.logprobs is None else (s.logprobs,)))
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:
@@ -170,7 +175,8 @@ class DecodeEngine:
                     continue
                 self.scheduler.start(rid)
                 self.started[rid] = time.monotonic()
-                self.tracer.record(rid, "decode_admit", worker=self.worker_id)
+                if self.tracer.enabled:
+                    self.tracer.record(rid, "decode_admit", worker=self.worker_id)
         return events
 
     def _write(self, chunk: KVChunk) -> str | None:

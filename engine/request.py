@@ -86,7 +86,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` / `remove` on the schedulers' lists cost no field compares
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -19,7 +19,7 @@ from engine.model_runner import SeqChunk
 from engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledItem:
     request: Request
     start: int  # global index of the first token fed
@@ -32,6 +32,9 @@ class ScheduledItem:
 
     def to_chunk(self) -> SeqChunk:
         r = self.request
+        if not self.is_prefill:  # a decode: one token, past the prompt (once per token)
+            return SeqChunk(r.request_id, (r.output_token_ids[self.start - len(
+                r.prompt_token_ids)],), self.start, tuple(r.block_ids), True)
         end, n = self.start + self.num_tokens, len(r.prompt_token_ids)
         # slice prompt and outputs apart: no copy of the whole token list per step
         tokens = r.prompt_token_ids[self.start : end] if end <= n else (
@@ -123,7 +126,7 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> int:
         used = 0
         for r in list(self.running):
-            if r.status != RequestStatus.RUNNING or r not in self.running:
+            if r.status != RequestStatus.RUNNING:  # (a victim earlier in this loop: PREEMPTED)
                 continue
             while not self.bm.allocate(r, r.num_cached_tokens + 1):
                 victim = self.running[-1]

@@ -20,65 +20,64 @@ the orphan would only hold resources until its KV wait times out.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
 
-class RecentIds(Generic[T]):
-    """Ids seen recently, oldest first, each with an optional note (any value); bounded."""
+class RecentIds(OrderedDict[str, T]):
+    """Ids seen recently, oldest first, each with an optional note (any value); bounded.
+
+    An OrderedDict itself, so `id in recent`, `len` and `note` are the dict's own (C)
+    methods: the KV links and the workers test ids against these sets on every frame
+    and every request."""
 
     def __init__(self, capacity: int):
+        super().__init__()
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._ids: OrderedDict[str, T] = OrderedDict()  # oldest first
 
     def add(self, id_: str, note: T = "") -> None:  # type: ignore[assignment]
         """Remember `id_` (as the newest), forgetting the oldest beyond capacity."""
-        self._ids[id_] = note
-        self._ids.move_to_end(id_)
-        while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        self[id_] = note
+        self.move_to_end(id_)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
 
-    def pop(self, id_: str) -> bool:
+    def pop(self, id_: str) -> bool:  # type: ignore[override]
         """Forget `id_`; True if it was remembered."""
-        return self._ids.pop(id_, None) is not None
+        return super().pop(id_, None) is not None
 
-    def note(self, id_: str) -> T | None:
-        """The note of a remembered id; None when it is not remembered."""
-        return self._ids.get(id_)
-
-    def __contains__(self, id_: object) -> bool:
-        return id_ in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
+    # the note of a remembered id; None when it is not remembered
+    note = OrderedDict.get
 
 
 class Tombstones:
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._buried = RecentIds(capacity)  # aborted before they arrived
-        self._ended = RecentIds(capacity)  # ended here recently
+        self.buried: RecentIds[str] = RecentIds(capacity)  # aborted before they arrived
+        self.ended_ids: RecentIds[str] = RecentIds(capacity)  # ended here recently
 
     def ended(self, request_id: str) -> None:
         """`request_id` ended on this worker (any status): a later abort of it is late."""
-        self._ended.add(request_id)
+        self.ended_ids.add(request_id)
 
     def bury(self, request_id: str) -> bool:
         """An abort for an id this worker does not hold. Leaves a tombstone (True) unless
         the id ended here recently: then the abort is late and the id stays free."""
-        if request_id in self._ended:
+        if request_id in self.ended_ids:
             return False  # late (possibly repeated) abort: the id stays ended, not buried
-        self._buried.add(request_id)
+        self.buried.add(request_id)
         return True
 
     def claim(self, request_id: str) -> bool:
         """An add/reserve arrives: True (and forgets it) when its abort overtook it.
-        Otherwise the id starts a new request here, so it no longer counts as ended."""
-        self._ended.pop(request_id)
-        return self._buried.pop(request_id)
+        Otherwise the id starts a new request here, so it no longer counts as ended.
+        A no-op for an id in neither set: callers test `in buried` / `in ended_ids`
+        first (two dict lookups) and call this only for a known id."""
+        self.ended_ids.pop(request_id)
+        return self.buried.pop(request_id)
 
     def __len__(self) -> int:
-        return len(self._buried)
+        return len(self.buried)

@@ -22,6 +22,7 @@ from kv_transfer.base import KVChunk, KVSender
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent
 from runtime.stats import PrefillStats
+from runtime.tp_links import SEP
 
 
 @dataclass
@@ -50,7 +51,11 @@ class PrefillEngine:
         self.bm = BlockManager(num_blocks, config.cache.block_size,
                                config.cache.enable_prefix_caching)
         self.scheduler = PrefillScheduler(sched_config, self.bm)
-        self.sender = sender
+        self.sender = sender  # poll, abort, stats; and sends to a one-rank decode worker
+        # sends to a decode worker of several ranks (its endpoint lists theirs, joined with
+        # SEP) go through this one (runtime.tp_links.HeadSender: chunks cut by KV heads);
+        # None: `sender` takes every send (one-rank decode pools, or a TP prefill group)
+        self.rank_sender: KVSender | None = None
         self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
         self.jobs: dict[str, _Job] = {}  # by leg id
         self.num_steps = 0
@@ -62,11 +67,16 @@ class PrefillEngine:
     # ---- commands (called on the worker's loop thread) ----------------------------------
     def add(self, task: PrefillTask) -> None:
         """Queue a prompt; bad input raises ValueError and queues nothing."""
-        validate_prompt(task.prompt_token_ids, self.config.model.vocab_size,
-                        self.config.scheduler.max_model_len)
+        ids, vocab, max_len = (task.prompt_token_ids, self.config.model.vocab_size,
+                               self.config.scheduler.max_model_len)
+        # a front door has validated it; a worker still refuses what would break its step
+        # (the C-level test passes for every valid prompt; the message comes from the check)
+        if not (0 < len(ids) < max_len and min(ids) >= 0 and max(ids) < vocab):
+            validate_prompt(ids, vocab, max_len)
         if task.leg_id in self.jobs:
             raise ValueError(f"leg {task.leg_id!r} is already active")
-        if self.aborted_early.claim(task.leg_id):
+        t, leg = self.aborted_early, task.leg_id
+        if (leg in t.buried or leg in t.ended_ids) and t.claim(leg):
             return  # its abort overtook it: the router has already ended this leg
         req = Request(task.leg_id, list(task.prompt_token_ids), task.sampling,
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
@@ -173,7 +183,8 @@ class PrefillEngine:
         chunk = KVChunk(job.task.leg_id, job.seq_no, start, end, payload, is_final=final,
                         first_token=first_token, tenant=job.task.tenant)
         job.seq_no += 1
-        self.sender.send(chunk, dest=job.task.decode_endpoint)
+        dest, ranks = job.task.decode_endpoint, self.rank_sender
+        (ranks if ranks is not None and SEP in dest else self.sender).send(chunk, dest=dest)
 
     def _poll_sender(self) -> list[WorkerEvent]:
         ev = self.sender.poll()
@@ -189,7 +200,7 @@ class PrefillEngine:
                 self.scheduler.abort(leg_id)
                 out.append(WorkerEvent(EventKind.FAILED, leg_id, self.worker_id,
                                        message=f"KV transfer failed: {reason}"))
-        for rec in ev.records:
+        for rec in ev.records if self.tracer.enabled else ():
             self.tracer.record(request_id=rec.request_id, phase="kv_send",
                                worker=f"link:{self.worker_id}->{rec.dest}",
                                start=time.time() - (time.monotonic() - rec.start_t),

@@ -68,11 +68,12 @@ FAIRNESS_POLICIES.register("priority", _priority, help="lowest request priority 
 
 
 def order(
-    policy: str, reqs: list[PrefillState], now: float, aging_s: float,
+    policy: str | FairnessKey, reqs: list[PrefillState], now: float, aging_s: float,
     served: Mapping[str, float],
 ) -> list[PrefillState]:
-    """Service order for this step: starving requests first (oldest first), then the policy."""
-    key = FAIRNESS_POLICIES.get(policy)
+    """Service order for this step: starving requests first (oldest first), then the
+    policy (a name, or its key as the scheduler resolves it once)."""
+    key = FAIRNESS_POLICIES.get(policy) if isinstance(policy, str) else policy
 
     def waited(r: PrefillState) -> float:
         return now - (r.last_served if r.last_served is not None else r.arrival)

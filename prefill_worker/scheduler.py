@@ -77,6 +77,7 @@ class PrefillScheduler:
         self.clock = clock
         self.chunk_policy = make_chunk_policy(config.chunk_policy, config.max_prefill_chunk,
                                               config.min_chunk)
+        self._fairness_key = FAIRNESS_POLICIES.get(config.fairness_policy)  # once, not per step
         self.waiting: deque[tuple[Request, PrefillState]] = deque()
         self.active: dict[str, tuple[Request, PrefillState]] = {}
         self._queued: set[str] = set()  # ids in `waiting`
@@ -158,7 +159,7 @@ class PrefillScheduler:
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledItem] = []
         states = [s for _, s in self.active.values()]
-        for s in order(self.config.fairness_policy, states, now, self.config.aging_s, self.served):
+        for s in order(self._fairness_key, states, now, self.config.aging_s, self.served):
             if budget <= 0:
                 break
             r, _ = self.active[s.request_id]

@@ -4,8 +4,8 @@
     entry = [kind, leg_id, token_ids, finish_reason | None, message, timing | None,
              wall_time, extras | None]
 
-`kind` and `finish_reason` are the enums' string values; `timing` the five LegTiming
-fields in order (None when all are zero); `load` the WorkerLoad fields in order.
+`kind` and `finish_reason` are the enums' string values (str enums: msgpack writes them);
+`timing` the five LegTiming fields in order (None when all are zero); `load` the WorkerLoad fields in order.
 `extras` is a map of optional per-token data a request asked for (e.g. log-probabilities),
 None for the plain token entries of the hot path: each name in EXTRAS is a WorkerEvent
 attribute carried when it is not None, with its (to plain data, from plain data)
@@ -15,7 +15,8 @@ conversion, so a new optional field costs one entry here (as the log-probs below
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple, fields
+from dataclasses import fields
+from operator import attrgetter
 from typing import Any
 
 import msgpack
@@ -45,23 +46,39 @@ EXTRAS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
 KIND_OF = {k.value: k for k in EventKind}
 FINISH_OF = {f.value: f for f in FinishReason}
 _LOAD_FIELDS = len(fields(WorkerLoad))
+# C-level field getters (no Python frame per event): LegTiming's and WorkerLoad's fields
+# as tuples, and the extras' values in EXTRAS order (rebuilt when EXTRAS changes)
+_timing_tuple = attrgetter(*(f.name for f in fields(LegTiming)))
+_load_tuple = attrgetter(*(f.name for f in fields(WorkerLoad)))
+_extras_getter: list = [(), None]  # [names, getter of their values as a tuple]
+
+
+def _extras_of() -> tuple[tuple[str, ...], Callable[[WorkerEvent], tuple]]:
+    names = tuple(EXTRAS)
+    if names != _extras_getter[0]:
+        get = attrgetter(*names) if names else (lambda ev: ())
+        _extras_getter[:] = names, (lambda ev: (get(ev),)) if len(names) == 1 else get
+    return _extras_getter[0], _extras_getter[1]
 
 
 def encode_batch(worker_id: str, events: list[WorkerEvent], load: WorkerLoad | None) -> bytes:
+    """One step's message. Runs once per event of every step (per generated token): the
+    enums go as they are (str subclasses: msgpack writes their values), and an event
+    without extras or timing costs one tuple."""
     entries = []
+    names, extras_of = _extras_of()
+    append, no_extras = entries.append, (None,) * len(names)
     for ev in events:
+        values = extras_of(ev)
         extras = None
-        for name, (to_wire, _) in EXTRAS.items():
-            value = getattr(ev, name, None)
-            if value is not None:
-                extras = extras or {}
-                extras[name] = to_wire(value)
+        if values != no_extras:
+            extras = {name: EXTRAS[name][0](v)
+                      for name, v in zip(names, values, strict=True) if v is not None}
         t = ev.timing
-        entries.append((
-            ev.kind.value, ev.leg_id, ev.token_ids,
-            None if ev.finish_reason is None else ev.finish_reason.value, ev.message,
-            None if t is NO_TIMING or t == NO_TIMING else astuple(t), ev.wall_time, extras))
-    return msgpack.packb((worker_id, None if load is None else astuple(load), entries))
+        append((ev.kind, ev.leg_id, ev.token_ids, ev.finish_reason, ev.message,
+                None if t is NO_TIMING or t == NO_TIMING else _timing_tuple(t), ev.wall_time,
+                extras))
+    return msgpack.packb((worker_id, None if load is None else _load_tuple(load), entries))
 
 
 def decode_batch(body: bytes) -> tuple[str, WorkerLoad | None, list[list[Any]]]:

@@ -113,6 +113,22 @@ def test_prefill_rejects_a_prompt_that_can_never_fit_its_pool(tiny_model):
     _prefill_leak_check(eng)
 
 
+
+@pytest.mark.parametrize("prompt, message", [
+    ((), "prompt is empty"),
+    ((1, -1, 2), "prompt token id -1 is outside the vocabulary"),
+    ((1, 10**6), "prompt token id 1000000 is outside the vocabulary"),
+    (tuple(range(1, 1025)), "max_model_len is 1024"),
+])
+def test_prefill_refuses_a_bad_prompt_that_reaches_it_without_a_front_door(
+        tiny_model, prompt, message):
+    """The front door validates; a task sent to the worker directly is still refused,
+    with the problem named, and leaves nothing behind."""
+    eng, _ = _prefill(tiny_model)
+    with pytest.raises(ValueError, match=message):
+        eng.add(PrefillTask("bad", prompt, greedy(2), "scripted://decode"))
+    _prefill_leak_check(eng)
+
 # ---- decode worker -------------------------------------------------------------------
 def _decode(tiny_model, num_blocks=16):
     rx = ScriptedReceiver()
