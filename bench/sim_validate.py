@@ -119,7 +119,39 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="sim_validate_out", help="calibration, JSON, table")
     p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run's "
                    "sim_validate.json and exit")
+    p.add_argument("--ablate", action="store_true", help="with --reprint: simulate its rows "
+                   "again with each under-load term on and off (the same real runs, factors "
+                   "and calibration) and print the counts of each")
     return p.parse_args(argv)
+
+
+def ablate(data: dict, model: str, n: int, seed: int) -> None:
+    """The rows of an earlier run simulated again with the idle or the loaded delivery and
+    with or without the fitted link factor: which under-load term moves which figure."""
+    from engine.loader import load_model_config
+    from sim.adapters import resolve_model_dir
+    from sim.calibration import Calibration
+    from sim.cluster import simulate_config
+    from sim.cost_loader import load_costs
+    from sim.delivery import Delivery
+    from sim.options import SimOptions
+    from sim.scaled import ScaledCosts
+
+    costs = load_costs(Calibration.load(data["calibration"]))
+    model_dir = str(resolve_model_dir(model))
+    vocab, base = load_model_config(model_dir).vocab_size, base_config(model_dir)
+    for refit, link in ((False, False), (False, True), (True, False), (True, True)):
+        rows = []
+        for r in data["rows"]:
+            reqs = workload(n, LOADS[r["load"].split()[0]], vocab, seed)
+            f = {**r["factors"], **({} if link else {"link": 1.0})}
+            d = Delivery(**r["delivery_fit"]) if refit and r.get("delivery_fit") else None
+            sim = simulate_config(config_for(base, CONFIGS[r["config"]]), reqs,
+                                  ScaledCosts(costs, f, "ablation", delivery=d),
+                                  SimOptions(trace=True))
+            rows.append({**r, "sim": summarize(sim)})
+        print(f"-- delivery {'refitted under load' if refit else 'idle'}, KV link "
+              f"{'fitted to the handoff' if link else 'idle'}:\n{counts(rows)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.reprint).read_text())
         print(f"cost model: {data['label']}\n{data.get('header', '')}\n{table(data['rows'])}\n"
               f"{counts(data['rows'])}")
+        if args.ablate:
+            ablate(data, args.model, args.num_requests, args.seed)
         return 0
     logging.basicConfig(level=logging.WARNING)
     from bench.studies.service import ServicePool, ensure_ray
