@@ -10,6 +10,10 @@ machine is shared: CPU time is the steadier figure), the events per second, the 
 build the workload and to compute the metrics, and the run's headline metrics.
 ``--compare-exact S`` also simulates the first S seconds with the decode scheduler run
 at every step (the baseline fast stepping replaces) and prints both speeds and the ratio.
+``--policy-share`` profiles the run (cProfile) and prints how its time splits between
+pdserve's real policy code (engine/, prefill_worker/, decode_worker/, kv_transfer/,
+cluster/; a builtin's time goes to its caller's side) and the simulator's own code: the
+speed-up the run could reach if the simulator's own code cost nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +40,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cache.enable_prefix_caching (the BlockManager hashes every block)")
     p.add_argument("--compare-exact", type=float, default=0.0, metavar="S",
                    help="also run S seconds with exact decode stepping, print the ratio")
+    p.add_argument("--policy-share", action="store_true",
+                   help="profile the run: the share of its time in the real policy code")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+POLICY_DIRS = ("engine/", "prefill_worker/", "decode_worker/", "kv_transfer/", "cluster/")
+
+
+def policy_share(stats, root: str) -> dict[str, float]:
+    """Seconds of a ``pstats.Stats`` by side: the real policy code, the simulator, other."""
+    def side(path: str) -> str:
+        rel = path[len(root):] if path.startswith(root) else path
+        return ("policy" if rel.startswith(POLICY_DIRS) else
+                "simulator" if rel.startswith("sim/") else "other")
+
+    out = {"policy": 0.0, "simulator": 0.0, "other": 0.0}
+    for (path, _, _), (_, _, own, _, callers) in stats.stats.items():
+        if path == "~":  # a builtin: its time goes to the side of whoever called it
+            for (cpath, _, _), (_, _, t, _) in callers.items():
+                out[side(cpath)] += t
+        else:
+            out[side(path)] += own
+    return out
 
 
 def simulate(args: argparse.Namespace, duration: float, stepping: str) -> dict:
@@ -63,9 +89,27 @@ def simulate(args: argparse.Namespace, duration: float, stepping: str) -> dict:
                                             decode_stepping=stepping))
     gc.collect()
     gc.freeze()  # the workload is long-lived: keep the collector off it
+    profiler = None
+    if getattr(args, "policy_share", False):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     c0, w0 = time.process_time(), time.perf_counter()
     result = sim.run(requests)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    if profiler is not None:
+        import os
+        import pstats
+
+        profiler.disable()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        share = policy_share(pstats.Stats(profiler), root)
+        total = sum(share.values())
+        print("profiled: " + ", ".join(f"{k} {v / total:.0%} ({v * 1e6 / len(requests):.0f} "
+                                       "us per request, profiled)" for k, v in share.items())
+              + f"; if the simulator's own code cost nothing: x"
+              f"{total / (total - share['simulator']):.2f} faster")
     t1 = time.perf_counter()
     m = result.metrics(exact=False)
     metrics_s = time.perf_counter() - t1

@@ -92,7 +92,7 @@ class SimDecode(SimWorker):
     def command(self, fn, *args) -> None:
         # a reservation or a keepalive changes no running leg: it runs at the next step
         # boundary and the run goes on after it when no decision can change (_boundary)
-        if fn == self.reserve or fn == self.keepalive:
+        if getattr(fn, "__func__", None) in _SOFT:
             if self._soft_command(fn, args):
                 return
         else:
@@ -119,7 +119,10 @@ class SimDecode(SimWorker):
 
     # ---- KV-wait expiry -----------------------------------------------------------
     def _arm_expiry(self) -> None:
-        """One timer at the oldest pending leg's deadline (deadlines only move later)."""
+        """One timer at the oldest pending leg's deadline (deadlines only move later, and a
+        leg reserved later has a later one), so while any leg is pending either the timer
+        is armed no later than the first deadline or an expiry is due: a step before the
+        timer's time can skip the scan."""
         if self._expiry_at is not None or not self.sched.pending:
             return
         timeout = self.sched.config.kv_wait_timeout_s
@@ -241,7 +244,9 @@ class SimDecode(SimWorker):
     def start_step(self) -> tuple[float, bool] | None:
         now = self._t0 = self.loop.now
         import_s = self._take_kv(now) if self.inbox else 0.0
-        self._expire(now)
+        at = self._expiry_at  # nothing can expire before the armed check (see _arm_expiry)
+        if self._expiry_due or (at is not None and now >= at):
+            self._expire(now)
         items, preempted = self.sched.schedule()
         for r in preempted:  # reported with the step's events, at its end
             self._out.append(self._leg_out(r.request_id, r, finished=False))
@@ -283,7 +288,8 @@ class SimDecode(SimWorker):
     def _run_length(self, items: list[ScheduledItem]) -> int:
         """Steps that can go as one after this one: none finishes a leg before the last,
         and their blocks fit what nobody was promised (so no preemption can happen)."""
-        k, max_len = MAX_RUN, self.max_len
+        k, max_len, bs = MAX_RUN, self.max_len, self.bm.block_size
+        held = []
         for it in items:
             r = it.request
             out = len(r.output_token_ids)
@@ -291,13 +297,18 @@ class SimDecode(SimWorker):
                        max_len - len(r.prompt_token_ids) - out)
             if left < k:
                 k = max(1, left)
+            held.append((r.num_cached_tokens, len(r.block_ids)))
         if k <= 1:
             return 1
-        free, bs = self.sched.promised_free_blocks(), self.bm.block_size
-        held = [(it.request.num_cached_tokens, len(it.request.block_ids)) for it in items]
+        free = self.sched.promised_free_blocks()
 
         def need(steps: int) -> int:  # BlockManager.blocks_needed over the items
-            return sum(max(0, -(-(c + steps) // bs) - nb) for c, nb in held)
+            n = 0
+            for c, nb in held:
+                m = -(-(c + steps) // bs) - nb
+                if m > 0:
+                    n += m
+            return n
 
         if need(k) <= free:
             return k
@@ -375,3 +386,6 @@ class SimDecode(SimWorker):
                 "busy_s": self.busy_s, "kv_bytes_sent": 0.0,
                 "mean_batch": (sum(self.step_batch) / len(self.step_batch)
                                if self.step_batch else None)}
+
+
+_SOFT = (SimDecode.reserve, SimDecode.keepalive)  # commands that need not end a run

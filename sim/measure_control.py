@@ -33,7 +33,7 @@ import numpy as np
 
 from sim.calibration import Calibration, CalibrationError
 from sim.costs import TableCosts
-from sim.delivery import fit_delivery
+from sim.delivery import Delivery, fit_delivery
 
 PROMPT, OUTPUT, SPACING_S = 96, 24, 0.3
 
@@ -89,33 +89,15 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
             import ray
 
             ray.shutdown()
-    by_leg: dict[str, dict[str, list]] = {}
-    for e in out.events:
-        by_leg.setdefault(e.request_id.split("#")[0], {}).setdefault(e.phase, []).append(e)
-    dispatch, first, handoff, streams = [], [], [], []
     after_compute = (costs.sample_s(1) + costs.kv_export_s(PROMPT)
                      + costs.step_overhead_s("prefill", 1))
-    for r in out.records:
-        ev = by_leg.get(r.request_id, {})
-        chunks = sorted(ev.get("prefill_chunk", []), key=lambda e: e.start)
-        steps = sorted(ev.get("decode_step", []), key=lambda e: e.end)
-        if not r.success or not chunks or len(steps) != len(r.token_times) - 1:
-            continue
-        t = np.array(r.token_times) + out.wall_offset  # monotonic -> wall clock
-        dispatch.append(chunks[0].start - (r.send_time + out.wall_offset))
-        first.append(t[0] - chunks[-1].end - after_compute)
-        admit = ev.get("decode_admit", [])
-        if admit:
-            handoff.append(min(a.start for a in admit) - chunks[-1].end - after_compute)
-        streams.append((np.array([e.end for e in steps]), t[1:]))
+    dispatch, first, handoff, streams = samples(out, lambda r: after_compute)
     if len(streams) < max(2, requests // 2):
         raise CalibrationError(f"control-plane measurement: only {len(streams)} of {requests} "
                                "requests had complete traces")
-    scope, timeout = delivery_mechanism()
-    first_s = max(statistics.median(first), 0.0)
-    delivery, err = fit_delivery(streams, first_token_s=first_s, scope=scope,
-                                 poll_timeout_s=timeout,
-                                 offset_s=costs.step_overhead_s("decode", 1))
+    delivery, err = fit_streams(first, streams, costs)
+    first_s = delivery.first_token_s
+    scope = delivery.scope
     lags = np.concatenate([a - e for e, a in streams])
     itl = np.concatenate([np.diff(a) for _, a in streams])
     report = {"requests": len(streams), "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
@@ -141,6 +123,43 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
             f"{costs.link(conn).latency_s * 1e3:.2f} ms + bytes)")
     return {"rpc_s": statistics.median(dispatch) / 3, "delivery": delivery.to_dict(),
             "service": report}
+
+
+def samples(out, after_compute: Callable[[Any], float]
+            ) -> tuple[list[float], list[float], list[float], list]:
+    """From a traced run (bench/studies/service.py RunOutput), per request with complete
+    traces and one decode leg: the dispatch, the first token's delay after its last chunk's
+    compute (less ``after_compute(record)``: the work the simulator counts in that step
+    after the compute), the KV handoff the same way, and (decode step ends, client arrival
+    times) of its decode tokens, all on the wall clock."""
+    by_leg: dict[str, dict[str, list]] = {}
+    for e in out.events:
+        by_leg.setdefault(e.request_id.split("#")[0], {}).setdefault(e.phase, []).append(e)
+    dispatch, first, handoff, streams = [], [], [], []
+    for r in out.records:
+        ev = by_leg.get(r.request_id, {})
+        chunks = sorted(ev.get("prefill_chunk", []), key=lambda e: e.start)
+        steps = sorted(ev.get("decode_step", []), key=lambda e: e.end)
+        if not r.success or not chunks or len(steps) != len(r.token_times) - 1:
+            continue
+        t = np.array(r.token_times) + out.wall_offset  # monotonic -> wall clock
+        post = after_compute(r)
+        dispatch.append(chunks[0].start - (r.send_time + out.wall_offset))
+        first.append(t[0] - chunks[-1].end - post)
+        admit = ev.get("decode_admit", [])
+        if admit:
+            handoff.append(min(a.start for a in admit) - chunks[-1].end - post)
+        if len(steps):
+            streams.append((np.array([e.end for e in steps]), t[1:]))
+    return dispatch, first, handoff, streams
+
+
+def fit_streams(first: list[float], streams: list, costs) -> tuple[Delivery, float]:
+    """The delivery model (sim/delivery.py, the router's mechanism) fitted to measured
+    first-token delays and decode token streams; with its fit error."""
+    scope, timeout = delivery_mechanism()
+    return fit_delivery(streams, first_token_s=max(statistics.median(first), 0.0), scope=scope,
+                        poll_timeout_s=timeout, offset_s=costs.step_overhead_s("decode", 1))
 
 
 def add_control(cal_path: str | Path, cfg=None, *, requests: int = 12,

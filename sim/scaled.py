@@ -6,10 +6,13 @@ one moment is brought to the conditions of a run by a factor per role: a prefill
 worker's compute (model steps, KV export, its step overhead) and a decode worker's
 (model steps, KV import, sampling, its step overhead); optionally the control plane's
 latencies (``control``: the per-message latency and every delivery figure), which are CPU
-work of the router and the workers' threads under the same contention. Links are left as
-measured. bench/sim_validate.py measures the factors on a separate run of the same
-configuration and load: the real workers' mean step time over the simulator's, and the
-real dispatch latency over the simulated one.
+work of the router and the workers' threads under the same contention; optionally the KV
+links (``link``: latency and seconds per byte of a write, the connector's threads under the
+same contention). ``delivery`` replaces the idle delivery figures by ones fitted under load
+(then ``control`` scales only the per-message latency). bench/sim_validate.py measures all
+of them on a separate run of the same configuration and load: the real workers' mean step
+time over the simulator's, the real dispatch latency over the simulated one, the real KV
+handoff over the simulated one, and the delivery fitted to that run's token streams.
 """
 
 from __future__ import annotations
@@ -20,22 +23,27 @@ from dataclasses import replace
 import numpy as np
 
 from sim.costs import ROLES, CostModel, Limits, LinkCost
+from sim.delivery import Delivery
 
 
 class ScaledCosts(CostModel):
-    def __init__(self, base: CostModel, factors: Mapping[str, float], why: str):
-        if set(factors) - {"control"} != set(ROLES) or not all(f > 0 for f in factors.values()):
+    def __init__(self, base: CostModel, factors: Mapping[str, float], why: str,
+                 delivery: Delivery | None = None):
+        if set(factors) - {"control", "link"} != set(ROLES) or \
+                not all(f > 0 for f in factors.values()):
             raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
                              f"got {dict(factors)}")
         self.base, self.factors = base, dict(factors)
         self.calibration = base.calibration
         fp, fd = self.factors["prefill"], self.factors["decode"]
         fc = self.factors.setdefault("control", 1.0)
+        fl = self.factors.setdefault("link", 1.0)
         self.label = (f"{base.label}; compute x{fp:.2f} prefill, x{fd:.2f} decode, control "
-                      f"plane x{fc:.2f} ({why})")
+                      f"plane x{fc:.2f}, KV link x{fl:.2f}"
+                      f"{', delivery fitted under load' if delivery else ''} ({why})")
         d = base.delivery
-        self._delivery = replace(d, first_token_s=d.first_token_s * fc, token_s=d.token_s * fc,
-                                 gap_s=d.gap_s * fc)
+        self._delivery = delivery or replace(
+            d, first_token_s=d.first_token_s * fc, token_s=d.token_s * fc, gap_s=d.gap_s * fc)
 
     @property
     def rpc_s(self) -> float:
@@ -62,7 +70,8 @@ class ScaledCosts(CostModel):
         return self.base.step_overhead_s(role, items) * self.factors[role]
 
     def link(self, name: str) -> LinkCost:
-        return self.base.link(name)
+        c, f = self.base.link(name), self.factors["link"]
+        return LinkCost(c.name, c.latency_s * f, c.bytes_per_s / f)
 
     def check_covers(self, limits: Limits) -> None:
         self.base.check_covers(limits)

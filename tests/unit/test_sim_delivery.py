@@ -114,7 +114,8 @@ def test_a_calibration_without_its_delivery_model_is_an_error_naming_it() -> Non
         _ = TableCosts(Calibration(data, "cal.json")).delivery
 
 
-def test_contention_factors_scale_compute_per_role_and_the_control_plane_not_links() -> None:
+def test_contention_factors_scale_compute_per_role_and_the_control_plane_links_on_request(
+        ) -> None:
     base = load_costs(synthetic_calibration(
         prefill=lambda c, p: 0.01, decode=lambda b, L: 0.002, sample_s=1e-4,
         step_overhead_s=2e-4, link_latency_s=5e-4, rpc_s=1e-3))
@@ -126,13 +127,30 @@ def test_contention_factors_scale_compute_per_role_and_the_control_plane_not_lin
     assert s.step_overhead_s("decode", 1) == pytest.approx(4e-4)
     assert s.link("inproc") == base.link("inproc")
     assert s.rpc_s == base.rpc_s and s.delivery == base.delivery
-    assert "x1.50 prefill, x2.00 decode, control plane x1.00 (probe)" in s.label
+    assert "x1.50 prefill, x2.00 decode, control plane x1.00, KV link x1.00 (probe)" in s.label
     c = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0, "control": 3.0}, "probe")
     assert c.rpc_s == pytest.approx(3e-3)
     assert c.delivery.token_s == pytest.approx(3 * base.delivery.token_s)
     assert c.prefill_s([(64, 0)]) == pytest.approx(0.01)
     with pytest.raises(ValueError, match="contention factors"):
         ScaledCosts(base, {"prefill": 1.0}, "probe")
+    with pytest.raises(ValueError, match="contention factors"):
+        ScaledCosts(base, {"prefill": 1.0, "decode": 1.0, "link": 0.0}, "probe")
+
+
+def test_a_link_factor_slows_every_write_and_a_delivery_under_load_replaces_the_idle_one(
+        ) -> None:
+    base = load_costs(synthetic_calibration(
+        prefill=lambda c, p: 0.01, decode=lambda b, L: 0.002, link_latency_s=5e-4,
+        rpc_s=1e-3))
+    loaded = Delivery(0.004, 0.002, gap_s=0.001, scope="router", stall_s=0.01, stall_every=8)
+    s = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0, "control": 2.0, "link": 3.0},
+                    "probe", delivery=loaded)
+    idle = base.link("inproc")
+    assert s.link("inproc").write_s(1 << 20) == pytest.approx(3 * idle.write_s(1 << 20))
+    assert s.delivery == loaded  # fitted under load: not scaled again
+    assert s.rpc_s == pytest.approx(2e-3)
+    assert "KV link x3.00, delivery fitted under load (probe)" in s.label
 
 
 def test_stream_interval_releases_decode_tokens_k_at_a_time_after_the_first() -> None:

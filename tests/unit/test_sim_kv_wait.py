@@ -13,6 +13,7 @@ from sim.adapters import RouterConfig, ServeConfig
 from sim.analytic import analytic_calibration
 from sim.cluster import Simulation
 from sim.cost_loader import load_costs
+from sim.decode import SimDecode
 from sim.options import SimOptions
 
 KEEPALIVE_S = RouterConfig().kv_keepalive_s
@@ -52,3 +53,23 @@ def test_keepalives_keep_a_queued_reservation_alive(timeout_factor):
     # the queue was longer than the timeout: only the keepalives kept the legs
     last = max(r.ttft for r in result.records())
     assert timeout_factor > 10 or last > KEEPALIVE_S * timeout_factor
+
+
+class _ScanEveryStep(SimDecode):
+    """DecodeEngine._expire as the real step runs it: a scan of the pending legs at every
+    step, with no armed check to skip it."""
+
+    def start_step(self):
+        self._expiry_due = True
+        return super().start_step()
+
+
+def test_skipping_the_scan_before_the_armed_check_changes_nothing(monkeypatch):
+    timeout = KEEPALIVE_S / 5
+    _, skipped = queued_run(timeout)
+    monkeypatch.setattr("sim.cluster.SimDecode", _ScanEveryStep)
+    sim, scanned = queued_run(timeout)
+    assert isinstance(sim.decode[0], _ScanEveryStep)
+    assert sum(f.failures for f in scanned.flights) > 0
+    assert scanned.records() == skipped.records()
+    assert [f.failures for f in scanned.flights] == [f.failures for f in skipped.flights]

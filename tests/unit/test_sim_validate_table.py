@@ -61,3 +61,40 @@ def test_a_row_that_misses_names_the_term_furthest_off() -> None:
     assert "itl_p50" not in line  # the decode side matches
     same = sv.table([{"config": "c", "load": "low", "real": real, "sim": real}])
     assert same.splitlines()[-1].endswith("within 10% |")
+
+
+def _with_admits(out: RunOutput, handoff: float) -> RunOutput:
+    """Each request's decode leg admitted ``handoff`` after its last chunk's compute."""
+    chunks = [e for e in out.events if e.phase == "prefill_chunk"]
+    out.events.extend(TraceEvent(c.request_id, "decode_admit", "decode-0", c.end + handoff,
+                                 c.end + handoff) for c in chunks)
+    return out
+
+
+def test_the_link_factor_makes_the_simulated_mean_kv_handoff_the_real_one() -> None:
+    real = _with_admits(_run(3 * MS, 0.5 * MS, 0.25 * MS, offset=50.0), 7 * MS)
+    assert sv.handoff_mean(real) == pytest.approx(7 * MS, abs=1e-6)
+    # a simulated handoff of 1 ms of post-compute work plus a link write of f x 0.5 ms
+    probe = (lambda f: _with_admits(_run(3 * MS, 0, 0), (1 + 0.5 * f) * MS))  # noqa: E731
+    assert sv.fit_link_factor(sv.handoff_mean(real), probe) == pytest.approx(12.0, rel=1e-3)
+    # faster than the idle link, off the range, nothing measured: the bounds, or as calibrated
+    assert sv.fit_link_factor(0.5 * MS, probe) == 0.25
+    assert sv.fit_link_factor(1.0, probe) == 256.0
+    assert sv.fit_link_factor(sv.handoff_mean(_run(3 * MS, 0, 0)), probe) == 1.0
+
+
+def test_the_real_side_is_the_median_of_its_repeats_with_their_range_shown() -> None:
+    runs = [sv.summarize(_run(d * MS, 0.5 * MS, 0.25 * MS)) for d in (3, 9, 4)]
+    med = sv.median_summary(runs)
+    assert med["ttft_p50"] == pytest.approx(runs[2]["ttft_p50"])  # dispatch 4 ms: the middle
+    assert med["terms"]["dispatch p50"] == pytest.approx(4 * MS, abs=1e-6)
+    lo, hi = med["spread"]["ttft_p50"]
+    assert (lo, hi) == (pytest.approx(runs[0]["ttft_p50"]), pytest.approx(runs[1]["ttft_p50"]))
+    # the simulator at run 1's figures: 10%+ off the median, yet within the real range
+    row = {"config": "c", "load": "low", "real": med, "sim": runs[0]}
+    line = sv.table([row]).splitlines()[-1]
+    assert f"[{lo * 1e3:.1f}-{hi * 1e3:.1f}]" in line and "ttft_p50: dispatch p50" in line
+    assert sv.within_spread(row, "ttft_p50") and sv.within_spread(row, "itl_p50")
+    text = sv.counts([row])
+    assert text.startswith("0 of 1 rows within 10%") and "ttft_p50 0/1" in text
+    assert "itl_p50 1/1" in text
