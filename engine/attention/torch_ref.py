@@ -126,9 +126,9 @@ def paged_decode_attention(
     v = v_cache.index_select(0, idx).view(num_seqs, width, num_kv_heads, head_dim)
     k, v = k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2)
     qh = q.reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, kvh, g, d]
-    out = F.scaled_dot_product_attention(
-        qh.float(), k.float(), v.float(), attn_mask=mask, scale=scale
-    )  # [S, kvh, g, d]
+    if q.dtype != torch.float32:  # computed in fp32
+        qh, k, v = qh.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [S, kvh, g, d]
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -161,8 +161,10 @@ def write_kv(
     idx, n = _per_step("write", (slot_mapping,), lambda: _write_plan(slot_mapping))
     if n < k.shape[0]:
         k, v = k[:n], v[:n]
-    flat_k.index_copy_(0, idx, k.to(k_cache.dtype))
-    flat_v.index_copy_(0, idx, v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    flat_k.index_copy_(0, idx, k)
+    flat_v.index_copy_(0, idx, v)
 
 
 def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -92,22 +92,21 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,  # [T, head_dim], first half negated (LlamaForCausalLM.rope)
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim], first half negated (LlamaForCausalLM.rope)
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.qkv_weight is not None:
             qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [T, (H+2KVH)*D]
             qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             if self.qk_norm:
                 qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-            qk = _rope(qk, c, s)  # q and k heads at once
+            qk = _rope(qk, cos, sin)  # q and k heads at once
             q, k = qk[:, :h], qk[:, h:]
         else:
             q = self.q_proj(x).view(t, h, d)
@@ -115,7 +114,7 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, kvh, d)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = _rope(q, c, s), _rope(k, c, s)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if torch.compiler.is_compiling():  # one opaque op; caches and metadata from context
             out = paged_attention(q, k, v, self.layer, self.scale)
         else:
@@ -244,11 +243,13 @@ class LlamaForCausalLM(nn.Module):
         return t
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim]` of `positions` `[T]` (one step's, for every layer
+        and head), the sin's first half negated for `_rope`."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
         scaling = self.cfg.rope_attention_scaling
         sin = emb.sin() * scaling
-        sin[:, : sin.shape[-1] // 2].neg_()  # signed for _rope's roll
+        sin[..., : sin.shape[-1] // 2].neg_()
         return (emb.cos() * scaling).to(dtype), sin.to(dtype)
 
     def forward(
