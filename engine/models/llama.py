@@ -101,9 +101,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [T, (H+2KVH)*D]
-            qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
-            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(
+                t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
+            qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
             if self.qk_norm:
                 qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
             qk = _rope(qk, cos, sin)  # q and k heads at once
