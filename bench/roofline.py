@@ -2,7 +2,10 @@
 
 - Decode at batch 1 must read every weight once: it cannot beat
   `weight bytes / bandwidth`, with bandwidth measured by a large memcpy (STREAM convention:
-  bytes read + bytes written per second).
+  bytes read + bytes written per second). A decode step only reads, and on a machine
+  whose cores each sustain a bounded number of outstanding reads (2 cores here), a pure
+  read stream runs slower than memcpy's read + write count: the read-only rate (a sum over
+  a large tensor, `read_bandwidth`) gives the floor a GEMV could reach, printed beside it.
 - A prefill chunk must do its FLOPs: `2 x linear params` per token, the causal attention
   (QK^T and PV over the keys each query sees) and the logits of its one sampled row; it
   cannot beat `FLOPs / GEMM rate`, with the rate that of fp32 GEMMs measured here (the
@@ -42,6 +45,20 @@ def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best
+
+
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Best-of-`repeats` rate of reading `nbytes` once (a sum), in bytes/s."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    src.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
 
 
 def gemm_rate(shapes: list[tuple[int, int, int]], repeats: int = 5) -> float:
@@ -118,12 +135,13 @@ def roofs(llm, times: StepTimes) -> dict:
     """Both roofs for this engine's model, measured now, and the step times against them."""
     cfg = llm.config.model
     wbytes = weight_bytes(llm.runner.model)
-    bw = memcpy_bandwidth()
+    bw, read = memcpy_bandwidth(), read_bandwidth()
     flops = prefill_flops(cfg, times.chunk)
     rate = gemm_rate([(1024, 1024, 1024),
                       (times.chunk, cfg.hidden_size, 2 * cfg.intermediate_size)])
     decode_roof, prefill_roof = wbytes / bw, flops / rate
-    return {"weight_bytes": wbytes, "memcpy_bytes_per_s": bw,
+    return {"weight_bytes": wbytes, "memcpy_bytes_per_s": bw, "read_bytes_per_s": read,
+            "decode_read_floor_s": wbytes / read,
             "decode_b1_step_s": times.decode_b1_s, "decode_roof_s": decode_roof,
             "decode_fraction_of_roof": decode_roof / times.decode_b1_s,
             "prefill_chunk_tokens": times.chunk, "prefill_flops": flops,
@@ -138,7 +156,9 @@ def lines(r: dict) -> list[str]:
         f"{1e3 * r['decode_roof_s']:.1f} ms ({r['weight_bytes'] / 1e9:.2f} GB of weights at "
         f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s memcpy) -> "
         f"{100 * r['decode_fraction_of_roof']:.0f}% of the bandwidth roof "
-        f"({1 / r['decode_fraction_of_roof']:.2f}x)",
+        f"({1 / r['decode_fraction_of_roof']:.2f}x); read-only floor "
+        f"{1e3 * r['decode_read_floor_s']:.1f} ms at {r['read_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({r['decode_b1_step_s'] / r['decode_read_floor_s']:.2f}x)",
         f"prefill chunk of {r['prefill_chunk_tokens']} tokens: "
         f"{1e3 * r['prefill_chunk_s']:.1f} ms; roof {1e3 * r['prefill_roof_s']:.1f} ms "
         f"({r['prefill_flops'] / 1e9:.1f} GFLOP at {r['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 # compiled and eager steps interleaved, CPU ms): batch 1 42.7 -> 40.4, batch 4 42.5 -> 40.9,
 # batch 16 76.9 -> 73.7, a 512-token chunk 1367 -> 1331 (3-5%: the GEMMs dominate), for
 # 20-70 s more start-up with a warm inductor cache and minutes cold. It does not pay there.
+# Rechecked with every GEMV on the packed weights (SmolLM2, two threads, steps of both
+# engines interleaved in one process, load ~2.4): batch 1 33.9 -> 31.3 ms, for a 65 s cold
+# start; at batch 16 no gain was measurable (the attention op and GEMMs are the same calls).
 # CUDA: decode steps as CUDA graphs (launch overhead is what bounds a small decode step).
 AUTO_MODE = {"cpu": "none", "cuda": "decode"}
 PADDED_DECODE = {"cuda"}  # devices whose decode steps pad to buckets (CUDA graphs need it)

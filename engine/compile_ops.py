@@ -9,7 +9,8 @@ forward context does). The graph's inputs are then only token ids and positions,
 graph serves every batch shape of the same token count, and on CUDA a captured graph
 reads the metadata from the runner's persistent step buffer at fixed offsets.
 
-The eager forward calls `attend` directly with the same arguments the op looks up.
+The eager forward calls `attend` (engine/attention/base.py) directly with the same
+arguments the op looks up, and never enters this module.
 """
 
 from __future__ import annotations
@@ -22,35 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.base import attend
+
 if TYPE_CHECKING:
     from engine.attention.base import AttentionMetadata
-
-
-def attend(
-    meta: AttentionMetadata,
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, KVH, D]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Write this step's K/V, then attend: the leading `num_decode_tokens` rows are
-    single-token decodes, the rest prefill chunks. Returns `[T, H, D]`."""
-    be = meta.backend
-    be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    t, n = q.shape[0], meta.num_decode_tokens
-    if n == t:
-        return be.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                         meta.decode_seq_lens, scale)
-    pre = be.paged_prefill_attention(
-        q[n:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-        meta.prefill_seq_lens, scale)
-    if n == 0:
-        return pre
-    dec = be.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                    meta.decode_seq_lens, scale)
-    return torch.cat((dec, pre))
 
 
 @dataclass

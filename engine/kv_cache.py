@@ -76,7 +76,7 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        self.bind = ThreadBinder(self.device)
+        self.bind = ThreadBinder(self.device)  # called on CUDA paths only
         self.bind()
         kvh, d = model.num_kv_heads, model.head_dim
         self.data = torch.zeros((model.num_layers, 2, num_blocks, block_size, kvh, d),
@@ -107,10 +107,11 @@ class KVCache:
     # ---- export (prefill side) -----------------------------------------------------------
     def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:
         """Start copying the KV of tokens [start, end) to a CPU tensor `[L, 2, T, KVH, D]`."""
+        if not self._cuda:
+            return PendingExport(self._slots.index_select(2, self._slot_index(
+                block_ids, start, end)))
         self.bind()
         idx = self._slot_index(block_ids, start, end)
-        if not self._cuda:
-            return PendingExport(self._slots.index_select(2, idx))
         shape = (self.num_layers, 2, end - start) + tuple(self._slots.shape[3:])
         host = pinned_empty(shape, self.dtype)
         side = self._stream
@@ -148,11 +149,12 @@ class KVCache:
                     f"{h0 + self.kv_head_start + data.shape[3]}) are not among this cache's "
                     f"[{self.kv_head_start}, {self.kv_head_start + dst.shape[3]})")
             dst = dst[:, :, :, h0:h0 + data.shape[3]]  # a view: index_copy_ writes through
+        if not self._cuda:
+            dst.index_copy_(2, self._slot_index(block_ids, start, start + num_tokens),
+                            data.to(self.dtype))
+            return
         self.bind()
         idx = self._slot_index(block_ids, start, start + num_tokens)
-        if not self._cuda:
-            dst.index_copy_(2, idx, data.to(self.dtype))
-            return
         staging = pinned_empty(data.shape, self.dtype).copy_(data)  # host memcpy (+ cast)
         side = self._stream
         side.wait_stream(torch.cuda.current_stream(self.device))  # blocks freed by queued steps

@@ -35,6 +35,10 @@ __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
 
 
+def _no_binding() -> None:
+    """A CPU runner's `bind`: no thread has a device to bind."""
+
+
 @dataclass(frozen=True)
 class SeqChunk:
     """`token_ids` occupy global positions [start, start + len) of sequence `request_id`."""
@@ -117,7 +121,8 @@ class ModelRunner:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.bind = ThreadBinder(device)
+        # a CPU step binds nothing: the per-thread CUDA binding is looked up only on CUDA
+        self.bind = ThreadBinder(device) if device.type == "cuda" else _no_binding
         self.bind()
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.cache.block_size
@@ -144,6 +149,7 @@ class ModelRunner:
                           self.dtype, self.device, kv_head_start=self.shard.kv_heads[0])
         self._buf = _StepBuffer(self.device)
         self.compiled: CompiledStep | None = None  # eager until built below
+        self._compiling = False
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warmup()
         # a TP forward runs eager unless compiling is asked for by name: its all-reduces
@@ -160,6 +166,8 @@ class ModelRunner:
             self._graph_buf = _StepBuffer(self.device, (6 + self._graph_width) * rows + 64)
         self.compiled = compiled
         compiled.warmup(self._run_padding)
+        # compile "none" (or a failed start-up): steps never consult engine.compile
+        self._compiling = compiled.mode != "none"
 
     @staticmethod
     def _table(buf: _StepBuffer, tables: list[tuple[int, ...]], width: int | None = None
@@ -208,7 +216,7 @@ class ModelRunner:
                 full_rows.extend(range(len(ids) - len(c.token_ids), len(ids)))
                 full_ids.append((c.request_id, len(c.token_ids)))
         compiled = self.compiled
-        fn = compiled.forward_for(decode_only=not prefills) if compiled else None
+        fn = compiled.forward_for(decode_only=not prefills) if self._compiling else None
         buf, width = self._buf, None
         dtables = [c.block_ids for c in decodes]
         if fn is not None and compiled.padded and not prefills:
@@ -272,16 +280,16 @@ class ModelRunner:
             prefill_seq_lens=view("plens"),
         )
         model = self.model
-        with step_context(meta, self.kv.k, self.kv.v, model.packed):
-            hidden = None
-            if fn is not None:
+        hidden = None
+        if fn is not None:  # the compiled ops read the caches and weights from the context
+            with step_context(meta, self.kv.k, self.kv.v, model.packed):
                 try:
                     hidden = self.compiled.run(fn, view("ids"), view("pos"))
                 except Exception as e:  # noqa: BLE001 - a compiled step that fails: go eager
                     self.compiled.disable(e)
-            if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
-                hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
-            return model.compute_logits(hidden.index_select(0, view("rows")))
+        if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
+            hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
+        return model.compute_logits(hidden.index_select(0, view("rows")))
 
     def _run_padding(self, decode_only: bool, rows: int) -> None:
         """One compiled step of `rows` padding tokens (slot -1: no KV is written; they read

@@ -41,3 +41,30 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
     prefill_query_start_loc: torch.Tensor  # [P + 1] int32, relative to the prefill part
     prefill_seq_lens: torch.Tensor  # [P] int32
+
+
+def attend(
+    meta: AttentionMetadata,
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V, then attend: the leading `num_decode_tokens` rows are
+    single-token decodes, the rest prefill chunks. Returns `[T, H, D]`."""
+    be = meta.backend
+    be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    t, n = q.shape[0], meta.num_decode_tokens
+    if n == t:
+        return be.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_seq_lens, scale)
+    pre = be.paged_prefill_attention(
+        q[n:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+        meta.prefill_seq_lens, scale)
+    if n == 0:
+        return pre
+    dec = be.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                    meta.decode_seq_lens, scale)
+    return torch.cat((dec, pre))

@@ -1,4 +1,4 @@
-"""Projection GEMMs on oneDNN-packed weights, for CPU fp32 steps of two or more rows.
+"""Projection GEMMs on oneDNN-packed weights, for CPU fp32 steps of any row count.
 
 Measured on the development machine (AMD EPYC, AVX-512, MKL and oneDNN of torch 2.13, one
 thread, SmolLM2's 30 layers of projections, weights streamed from memory):
@@ -8,17 +8,23 @@ thread, SmolLM2's 30 layers of projections, weights streamed from memory):
     oneDNN (ms) 31.6  37.6  26.5  44.6   137  1012   (W packed once, hint 16 rows)
 
 MKL repacks the weight on every call of a small-M GEMM; a weight packed once by oneDNN
-streams at about the speed of one GEMV for up to ~8 rows. So a single row keeps MKL's
-GEMV on the unpacked weight (its best case), and 2..3 rows are padded to 4 (cheaper than
-their own oneDNN kernels). The packed copies cost one more copy of the projection weights
-in memory; they are read instead of the originals, so bytes per step do not grow.
+streams at about the speed of one GEMV for up to ~8 rows, and 2..3 rows are padded to 4
+(cheaper than their own oneDNN kernels). With two threads (the deployment's setting) the
+single row is faster on the packed weight too: SmolLM2's batch-1 projections and logits
+take 23.8-26.2 ms packed against 30.1-32.2 ms on MKL's GEMV (interleaved medians, 0.54 GB
+of weights: 20-27 GB/s against 12-26 GB/s), so every row count reads the packed copy. The
+copies cost one more copy of the projection weights in memory; they are read instead of
+the originals, so bytes per step do not grow.
 
 Packed tensors are opaque to `torch.compile`: a compiled forward calls the op
 `pdserve::packed_linear`, which takes the packed weight by key from the step context
-(engine/compile_ops.py), as attention takes the KV caches.
+(engine/compile_ops.py), as attention takes the KV caches. The eager forward reads the
+packed tensor straight from its `Packed` handle.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +32,16 @@ import torch.nn.functional as F
 from engine.compile_ops import current_context
 
 PACK_HINT = 16  # rows oneDNN chooses its blocked layout for (best over 1..512, above)
-MIN_ROWS = 4
+MIN_ROWS = 4  # 2..3 rows are padded to this
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A projection's packed copy: `weight` for the eager forward, `key` (its index in
+    the model's list) for a compiled one, whose graph names weights by position."""
+
+    key: int
+    weight: torch.Tensor
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,25 +57,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
-    """`x @ W.T + bias` for x `[M, K]` (M >= 2) on the packed W."""
+    """`x @ W.T + bias` for x `[M, K]` on the packed W."""
     m = x.shape[0]
-    if m < MIN_ROWS:
+    if 1 < m < MIN_ROWS:
         x = torch.cat((x, x.new_zeros(MIN_ROWS - m, x.shape[1])))
-    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return out[:m] if m < MIN_ROWS else out
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:m]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            key: int | None) -> torch.Tensor:
-    """`x @ weight.T + bias`; with a packed copy (`key`), rows >= 2 run on it."""
-    if key is None or x.shape[0] == 1:
+            packed: Packed | None) -> torch.Tensor:
+    """`x @ weight.T + bias`, on the packed copy where there is one."""
+    if packed is None:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
-        return packed_linear(x, bias, key, weight.shape[0])
-    ctx = current_context()
-    if ctx is None or ctx.packed is None:  # a forward outside ModelRunner's step
-        return F.linear(x, weight, bias)
-    return packed_mm(x, ctx.packed[key], bias)
+        return packed_linear(x, bias, packed.key, weight.shape[0])
+    return packed_mm(x, packed.weight, bias)
 
 
 @torch.library.custom_op("pdserve::packed_linear", mutates_args=())

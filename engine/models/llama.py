@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionMetadata
-from engine.compile_ops import attend, paged_attention
+from engine.attention.base import AttentionMetadata, attend
+from engine.compile_ops import paged_attention
 from engine.config import ModelConfig
-from engine.models.linear import pack, project
+from engine.models.linear import Packed, pack, project
 
 
 class RMSNorm(nn.Module):
@@ -53,9 +53,11 @@ def _fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
     return fused
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin`, bit for bit, in four ops:
+    rotate_half(x) = [-x2, x1], and [-x2, x1] * [s1, s2] == roll(x) * [-s1, s2] = [x2, x1] *
+    [-s1, s2] (a sign flip is exact), with the signed sin made once per step."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -75,8 +77,8 @@ class Attention(nn.Module):
         # set by fuse(); the q/k/v weights view it. Buffers, so that `.to()` moves them.
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
-        self.qkv_key: int | None = None  # packed copies (models/linear.py), set by pack()
-        self.o_key: int | None = None
+        self.qkv_packed: Packed | None = None  # packed copies (models/linear.py), by pack()
+        self.o_packed: Packed | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -90,22 +92,21 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim], first half negated (LlamaForCausalLM.rope)
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.qkv_weight is not None:
-            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_key)  # [T, (H+2KVH)*D]
-            qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
-            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(
+                t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
+            qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
             if self.qk_norm:
                 qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-            qk = qk * c + _rotate_half(qk) * s  # rope on q and k heads at once
+            qk = _rope(qk, cos, sin)  # q and k heads at once
             q, k = qk[:, :h], qk[:, h:]
         else:
             q = self.q_proj(x).view(t, h, d)
@@ -113,15 +114,14 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, kvh, d)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q = q * c + _rotate_half(q) * s
-            k = k * c + _rotate_half(k) * s
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if torch.compiler.is_compiling():  # one opaque op; caches and metadata from context
             out = paged_attention(q, k, v, self.layer, self.scale)
         else:
             out = attend(meta, q, k, v, k_cache, v_cache, self.scale)
         o = self.o_proj
         return project(out.reshape(t, self.num_heads * self.head_dim), o.weight, o.bias,
-                       self.o_key)
+                       self.o_packed)
 
 
 class MLP(nn.Module):
@@ -132,8 +132,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
         self.register_buffer("gate_up_bias", None, persistent=False)
-        self.gate_up_key: int | None = None
-        self.down_key: int | None = None
+        self.gate_up_packed: Packed | None = None
+        self.down_packed: Packed | None = None
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -146,9 +146,9 @@ class MLP(nn.Module):
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = project(x, self.gate_up_weight, self.gate_up_bias,
-                           self.gate_up_key).chunk(2, dim=-1)
+                           self.gate_up_packed).chunk(2, dim=-1)
         d = self.down_proj
-        return project(F.silu(gate) * up, d.weight, d.bias, self.down_key)
+        return project(F.silu(gate) * up, d.weight, d.bias, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         # error, radians of angle by position 4k). fp32 copies per device, made on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.packed: list[torch.Tensor] | None = None  # by key; see pack()
-        self.lm_head_key: int | None = None
+        self.lm_head_packed: Packed | None = None
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Install checkpoint tensors as the parameters themselves (`assign=True`: no copy
@@ -218,20 +218,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def pack(self) -> None:
-        """oneDNN-packed copies of every projection weight (after `fuse`; CPU fp32): GEMMs
-        of 2+ rows read them (models/linear.py). Modules keep the copies' keys only, so a
-        compiled graph names weights by position, not by object."""
+        """oneDNN-packed copies of every projection weight (after `fuse`; CPU fp32): every
+        GEMM and GEMV reads them (models/linear.py). `self.packed` lists them by key, the
+        names a compiled graph's ops use."""
         self.packed = []
 
-        def add(weight: torch.Tensor) -> int:
+        def add(weight: torch.Tensor) -> Packed:
             self.packed.append(pack(weight))
-            return len(self.packed) - 1
+            return Packed(len(self.packed) - 1, self.packed[-1])
 
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
-            a.qkv_key, a.o_key = add(a.qkv_weight), add(a.o_proj.weight)
-            m.gate_up_key, m.down_key = add(m.gate_up_weight), add(m.down_proj.weight)
-        self.lm_head_key = add(self.lm_head.weight)
+            a.qkv_packed, a.o_packed = add(a.qkv_weight), add(a.o_proj.weight)
+            m.gate_up_packed, m.down_packed = add(m.gate_up_weight), add(m.down_proj.weight)
+        self.lm_head_packed = add(self.lm_head.weight)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """`[head_dim / 2]` fp32 rotary inverse frequencies on `device`, whatever the
@@ -243,10 +243,14 @@ class LlamaForCausalLM(nn.Module):
         return t
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[T, 1, head_dim]` of `positions` `[T]` (one step's, for every layer
+        and head), the sin's first half negated for `_rope`."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
         scaling = self.cfg.rope_attention_scaling
-        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+        sin = emb.sin() * scaling
+        sin[..., : sin.shape[-1] // 2].neg_()
+        return (emb.cos() * scaling).to(dtype), sin.to(dtype)
 
     def forward(
         self,
@@ -267,4 +271,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return project(self.model.norm(hidden), self.lm_head.weight, None,
-                       self.lm_head_key).float()
+                       self.lm_head_packed).float()
