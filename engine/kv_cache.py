@@ -119,9 +119,13 @@ class KVCache:
         with torch.cuda.stream(side):
             idx.record_stream(side)
             staged = self._slots.index_select(2, idx)  # one gather over every layer
+            # later main-stream writes (these blocks freed and reused) wait for the gather
+            gathered = torch.cuda.Event()
+            gathered.record(side)
             host.copy_(staged, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
+        torch.cuda.current_stream(self.device).wait_event(gathered)
         return PendingExport(host, event)
 
     def export_tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:

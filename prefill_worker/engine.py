@@ -179,9 +179,12 @@ class PrefillEngine:
 
     def _send(self, job: _Job, start: int, end: int, final: bool,
               first_token: int | None = None) -> None:
-        payload = self.runner.kv.export_tokens(job.request.block_ids, start, end)
-        chunk = KVChunk(job.task.leg_id, job.seq_no, start, end, payload, is_final=final,
-                        first_token=first_token, tenant=job.task.tenant)
+        # the copy is ordered before any later write of these blocks; the link thread
+        # waits for it, so this thread goes on to the next chunk at once
+        pending = self.runner.kv.export_async(job.request.block_ids, start, end)
+        chunk = KVChunk(job.task.leg_id, job.seq_no, start, end, pending.payload,
+                        is_final=final, first_token=first_token, tenant=job.task.tenant,
+                        ready=None if pending.event is None else pending)
         job.seq_no += 1
         dest, ranks = job.task.decode_endpoint, self.rank_sender
         (ranks if ranks is not None and SEP in dest else self.sender).send(chunk, dest=dest)
@@ -232,6 +235,6 @@ class PrefillEngine:
             kv_send_queue_s=float(kv.get("queue_wait_s", 0.0)),
             kv_transfer_s=float(kv.get("transfer_s", 0.0)),
             kv_inflight_bytes=float(kv.get("inflight_bytes", 0)),
-            kv_queued_bytes=float(kv.get("queued_bytes", 0)),
+            kv_queued_bytes=float(kv.get("queued_bytes", 0) + kv.get("export_wait_bytes", 0)),
             kv_send_failures=float(kv.get("failures", 0)),
         )
