@@ -43,24 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def copy_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 5) -> float:
-    """Device-to-device copy: (read + write) bytes/s, best of `repeats`."""
-    import torch
-
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    del src, dst
-    return 2 * nbytes / best
-
-
 def _chunks(batch: int, context: int, block_size: int, first_block: int):
     from engine.model_runner import SeqChunk
 
@@ -99,6 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         print(f"gpu_decode_step: {NO_CUDA}", file=sys.stderr)
         return {"skipped": NO_CUDA}
+    from bench.cuda_timing import copy_bandwidth_gbps
     from bench.roofline import resolve_model, weight_bytes
     from engine import LLM
     from engine.kv_cache import KVCache
@@ -107,10 +90,9 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(args.model_dir)
     bs = 16
     blocks = max(batches) * -(-(args.context + 1) // bs) + 2
-    device = torch.device("cuda", 0)
     doc: dict = {"model_dir": str(model_dir), "dtype": args.dtype, "context": args.context,
                  "gpu": torch.cuda.get_device_name(0), "batches": batches, "engines": {}}
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth_gbps(2.0) * 1e9  # read + write bytes/s
     spec = next((v for k, v in HBM_SPEC.items() if k in doc["gpu"]), None)
     doc.update(copy_bytes_per_s=bw, hbm_spec_bytes_per_s=spec)
     results = {}
