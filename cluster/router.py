@@ -217,11 +217,11 @@ class Router:
         spec = flight.spec
         flight.leg += 1
         leg_id = f"{spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg}"
-        prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
-        sampling = replace(spec.sampling,
-                           max_tokens=spec.sampling.max_tokens - len(flight.generated))
-        if flight.generated:  # the prompt's log-probs came with the first token already
-            sampling = replace(sampling, prompt_logprobs=None)
+        prompt, sampling = tuple(spec.prompt_token_ids), spec.sampling
+        if flight.generated:  # a later leg recomputes the tokens so far; the prompt's
+            prompt += tuple(flight.generated)  # log-probs came with the first token
+            sampling = replace(sampling, max_tokens=sampling.max_tokens - len(flight.generated),
+                               prompt_logprobs=None)
         flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
         flight.prefill_done = False
         flight.leg_first_seen = False
@@ -230,6 +230,8 @@ class Router:
         return leg_id, prompt, sampling
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
+        if len(self.prefill) == 1 and self.prefill[0].alive:
+            return self.prefill[0]  # a pool of one needs no placement policy
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
