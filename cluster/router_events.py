@@ -42,6 +42,9 @@ class EventPump:
         self.channel_secret = channel_secret
         self._tasks: list[asyncio.Task] = []
         self.stopping = False
+        self._interval = router.config.stream_interval  # (the config is frozen)
+        self._every_token = self._interval == 1
+        self._gaps = router.config.adaptive_chunks
         self.liveness = Liveness(self)
         self.upkeep = Upkeep(router)
         self._detok: DetokenizerThread | None = None
@@ -200,13 +203,17 @@ class EventPump:
               finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None) -> None:
         flight.generated.extend(token_ids)
         now = time.monotonic()
-        if (kind == EventKind.TOKENS and flight.last_token_at is not None
-                and self.router.config.adaptive_chunks):  # read (and trimmed) only then
+        if (self._gaps and kind == EventKind.TOKENS
+                and flight.last_token_at is not None):  # read (and trimmed) only then
             self.upkeep.gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
         if self.router.metrics and flight.generated and kind == EventKind.TOKENS:
             self.router.metrics.observe_token(flight)
         finished = finish_reason is not None
+        if (not finished and self._every_token and flight.streamed and logprobs is None
+                and prompt_logprobs is None and not flight.unsent):  # the common token
+            out.append((flight, token_ids, False, None, None, None, None))
+            return
         usage = None
         if finished:
             self.router.release(flight)
@@ -224,7 +231,7 @@ class EventPump:
         if prompt_logprobs is not None:
             flight.unsent_prompt_logprobs = prompt_logprobs
         if (finished or not flight.streamed
-                or len(flight.unsent) >= self.router.config.stream_interval):
+                or len(flight.unsent) >= self._interval):
             flight.streamed = True
             out.append((flight, flight.unsent, finished,
                         finish_reason.value if finished else None, usage,
