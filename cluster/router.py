@@ -23,7 +23,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
 from cluster.delta_stream import DeltaStream
@@ -214,18 +213,8 @@ class Router:
             await self.dispatch(flight)
 
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
-        spec = flight.spec
-        flight.leg += 1
-        leg_id = f"{spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg}"
-        prompt, sampling = tuple(spec.prompt_token_ids), spec.sampling
-        if flight.generated:  # a later leg recomputes the tokens so far; the prompt's
-            prompt += tuple(flight.generated)  # log-probs came with the first token
-            sampling = replace(sampling, max_tokens=sampling.max_tokens - len(flight.generated),
-                               prompt_logprobs=None)
-        flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
-        flight.prefill_done = False
-        flight.leg_first_seen = False
-        flight.held_tokens = []
+        leg_id = f"{flight.spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg + 1}"
+        prompt, sampling = flight.start_leg(leg_id)
         self.legs[leg_id] = flight
         return leg_id, prompt, sampling
 
