@@ -101,7 +101,9 @@ class DecodeAdmission:
 
     def check_fits(self, prompt_len: int) -> None:
         """A prompt no decode worker's whole KV cache can hold is refused at once."""
-        caps = [w.capacity_tokens for w in self.router.decode if w.role == "decode"]
+        # (WorkerHandle.capacity_tokens, read per request: a 0 block_size is "unknown")
+        caps = [w.num_blocks * w.block_size if w.block_size else None
+                for w in self.router.decode if w.role == "decode"]
         if caps and None not in caps and prompt_len + 1 > max(caps):
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"prompt of {prompt_len} tokens cannot fit any decode worker's "
@@ -135,7 +137,9 @@ class DecodeAdmission:
     async def _reserve(self, flight: Flight, task: DecodeTask,
                        grace_end: float) -> WorkerHandle | None:
         """One round over the live decode workers (least KV usage first)."""
-        alive = sorted((w for w in self.router.decode if w.alive), key=lambda w: w.kv_usage)
+        alive = [w for w in self.router.decode if w.alive]
+        if len(alive) > 1:
+            alive.sort(key=lambda w: w.kv_usage)
         if not alive or not any(w.alive for w in self.router.prefill):
             if time.monotonic() > grace_end:  # no restart came back in time
                 pool = "decode" if not alive else "prefill"

@@ -79,6 +79,11 @@ class DeltaStream:
                 await self._waiter
             finally:
                 self._waiter = None
+        if self._last is None and self._lps is None and self._prompt_lps is None and self._ids:
+            ids, texts = self._ids, self._texts  # the common delta: tokens and their text
+            self._ids, self._texts = [], None
+            text = None if texts is None else texts[0] if len(texts) == 1 else "".join(texts)
+            return TokenDelta(self.request_id, tuple(ids), False, None, None, text)
         if self._ids or self._last is not None:
             last = self._last
             text = "".join(self._texts) if self._texts is not None else None

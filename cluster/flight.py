@@ -13,6 +13,7 @@ from cluster.delta_stream import DeltaStream
 from cluster.pool import WorkerHandle
 from cluster.routing_policies import PrefillPlacement, default_placement, make_placement
 from cluster.types import GenerateSpec, RouterError, Usage
+from engine.request import SamplingParams
 from runtime.messages import EventKind, LegTiming
 
 
@@ -93,6 +94,23 @@ class Flight:
     unsent_prompt_logprobs: Any = None  # the prompt's, until the first token goes out
     streamed: bool = False  # its first token went out
     detok: Any = None  # its IncrementalDetokenizer (the detokenizer thread's alone)
+
+    def start_leg(self, leg_id: str) -> tuple[tuple[int, ...], SamplingParams]:
+        """Make `leg_id` its current leg; the leg's prompt and sampling: a later leg
+        recomputes the tokens so far, whose number max_tokens counts, and the prompt's
+        log-probs went out with the first token already."""
+        spec = self.spec
+        self.leg += 1
+        prompt, sampling = tuple(spec.prompt_token_ids), spec.sampling
+        if self.generated:
+            prompt += tuple(self.generated)
+            sampling = replace(sampling, max_tokens=sampling.max_tokens - len(self.generated),
+                               prompt_logprobs=None)
+        self.leg_id, self.leg_prompt_len = leg_id, len(prompt)
+        self.prefill_done = False
+        self.leg_first_seen = False
+        self.held_tokens = []
+        return prompt, sampling
 
     def add_timing(self, kind: EventKind, t: LegTiming) -> None:
         """A worker's phase times: the first token sets queue, prefill and cache figures

@@ -17,20 +17,18 @@ tenant is the `X-PDServe-Tenant` header, else the body's `user`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cluster.auth import BearerToken
@@ -44,6 +42,7 @@ from cluster.openai_protocol import (
 )
 from cluster.openai_responses import DONE, Shaper, error_response, sse
 from cluster.openai_run import OpenAIRun, Piece
+from cluster.openai_stream import ClientGone, EventStream, unless_gone
 from cluster.servicer import ServingState
 from cluster.types import GenerateSpec, RouterAPI
 from engine.chat import render_chat
@@ -61,10 +60,6 @@ class FrontDoorOptions:
     token: str | None = None  # server.auth_token_file's token
     request_timeout_s: float = 600.0
     max_prompt_tokens: int | None = None
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
 
 
 class OpenAIFrontDoor:
@@ -146,14 +141,14 @@ class OpenAIFrontDoor:
         handed_over = False
         try:
             if not req.stream:
-                text, last = await _unless_gone(request, _collect(pieces))
+                text, last = await unless_gone(request, _collect(pieces))
                 return JSONResponse(shaper.body(text, run.token_ids, last.finish_reason,
                                                 last.stop_reason, run.usage,
                                                 tuple(run.logprobs), run.prompt_logprobs),
                                     headers=headers)
-            first = await _unless_gone(request, anext(pieces))
+            first = await unless_gone(request, anext(pieces))
             handed_over = True
-            return _EventStream(self._events(run, shaper, pieces, first, req), run.close,
+            return EventStream(self._events(run, shaper, pieces, first, req), run.close,
                                 headers)
         except OpenAIError as e:
             return self._error(e, headers)
@@ -264,46 +259,6 @@ async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, Piece]:
         if piece.finish_reason is not None:
             return "".join(texts), piece
     raise OpenAIError(500, "the backend ended the stream early")
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, work: Awaitable):
-    """`await work`, unless the client disconnects first (then ClientGone, work cancelled)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-class _EventStream(StreamingResponse):
-    """SSE response that runs `on_close` however the stream ends (finished, or the
-    client gone: Starlette then cancels the body iterator, which is closed here)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close, headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={**headers, "Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()
-            await self._on_close()
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

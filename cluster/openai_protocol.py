@@ -3,7 +3,7 @@ mapping of a validated body onto the gRPC `GenerateRequest`.
 
 Pydantic checks only the JSON shape (types, unknown fields, the wire's integer widths);
 every value check shared with gRPC (ranges, prompt length, vocabulary) is
-`cluster.convert.spec_from_request`, run on the `GenerateRequest` built here, so both
+`cluster.intake.spec_from_request`, run on the `GenerateRequest` built here, so both
 front doors accept and reject exactly the same requests. What is OpenAI-only (n, stop
 strings, the model name, the fields not supported yet) is checked here. Every error is an
 `OpenAIError` naming the field (`param`) as the client spelled it.

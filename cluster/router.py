@@ -23,7 +23,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from cluster.admission import DecodeAdmission
 from cluster.delta_stream import DeltaStream
@@ -214,22 +213,14 @@ class Router:
             await self.dispatch(flight)
 
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
-        spec = flight.spec
-        flight.leg += 1
-        leg_id = f"{spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg}"
-        prompt = tuple(spec.prompt_token_ids) + tuple(flight.generated)
-        sampling = replace(spec.sampling,
-                           max_tokens=spec.sampling.max_tokens - len(flight.generated))
-        if flight.generated:  # the prompt's log-probs came with the first token already
-            sampling = replace(sampling, prompt_logprobs=None)
-        flight.leg_id, flight.leg_prompt_len = leg_id, len(prompt)
-        flight.prefill_done = False
-        flight.leg_first_seen = False
-        flight.held_tokens = []
+        leg_id = f"{flight.spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg + 1}"
+        prompt, sampling = flight.start_leg(leg_id)
         self.legs[leg_id] = flight
         return leg_id, prompt, sampling
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
+        if len(self.prefill) == 1 and self.prefill[0].alive:
+            return self.prefill[0]  # a pool of one needs no placement policy
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")

@@ -1,5 +1,5 @@
-"""EventPump: receives every worker's events, applies them to the router's flights, and
-watches liveness (a dead actor's legs are re-dispatched; a restarted one is re-adopted).
+"""EventPump: receives every worker's events and applies them to the router's flights
+(cluster/worker_liveness.py watches the workers themselves).
 
 A worker with a control channel (`WorkerHandle.channel`, runtime/channel.py) sends one
 message per step with every leg's events and its load; `on_batch` applies it on the
@@ -25,13 +25,12 @@ from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
 from cluster.router_upkeep import Upkeep
 from cluster.types import ErrorCode, RouterError, TokenDelta
-from cluster.worker_channel import ChannelActor, WorkerChannel
+from cluster.worker_liveness import Liveness
 from runtime.batch_codec import FINISH_OF, entry_event
 from runtime.messages import EventKind, LegTiming, WorkerEvent
 
 log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 0.05
-REVIVE_INTERVAL_S = 0.5
 
 
 # [(flight, token_ids, finished, finish_reason, usage, logprobs, prompt_logprobs)] of a batch
@@ -42,7 +41,11 @@ class EventPump:
         self.router = router
         self.channel_secret = channel_secret
         self._tasks: list[asyncio.Task] = []
-        self._stopping = False
+        self.stopping = False
+        self._interval = router.config.stream_interval  # (the config is frozen)
+        self._every_token = self._interval == 1
+        self._gaps = router.config.adaptive_chunks
+        self.liveness = Liveness(self)
         self.upkeep = Upkeep(router)
         self._detok: DetokenizerThread | None = None
         self.decode_pressure = self.upkeep.decode_pressure
@@ -77,17 +80,18 @@ class EventPump:
             self._detok = DetokenizerThread(self.router.tokenizer, asyncio.get_running_loop())
         chans = [w for w in self.router.workers if self.uses_channel(w)]
         for w, err in zip(chans, await asyncio.gather(
-                *(self._connect(w) for w in chans), return_exceptions=True), strict=True):
+                *(self.liveness.connect(w) for w in chans), return_exceptions=True),
+                strict=True):
             if isinstance(err, BaseException):
                 log.warning("channel to %s failed: %s", w.worker_id, err)
                 self.mark_dead(w)
         for w in self.router.workers:
-            pump = self._pump_channel(w) if self.uses_channel(w) else self._pump(w)
+            pump = self.liveness.watch_channel(w) if self.uses_channel(w) else self._pump(w)
             self._tasks.append(asyncio.ensure_future(pump))
         self._tasks += self.upkeep.start()
 
     async def stop(self) -> None:
-        self._stopping = True
+        self.stopping = True
         self.upkeep.stopping = True
         if self._detok is not None:
             self._detok.stop()
@@ -100,63 +104,13 @@ class EventPump:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    # ---- liveness -----------------------------------------------------------------------
     def mark_dead(self, w: WorkerHandle) -> None:
-        if not w.alive:
-            return
-        w.alive = False
-        w.outstanding_tokens = 0
-        if w.link is not None:  # its pump revives it with a fresh channel
-            w.link.close()
-        log.warning("worker %s is dead; re-dispatching %d legs", w.worker_id, len(w.legs))
-        for leg_id in list(w.legs):
-            flight = self.router.legs.get(leg_id)
-            w.legs.discard(leg_id)
-            if flight is not None and not flight.done and flight.leg_id == leg_id:
-                self.redispatch(flight, f"worker {w.worker_id} died", failed=True)
-
-    async def _revive(self, w: WorkerHandle) -> None:
-        """Wait until Ray restarts the actor (max_restarts), then adopt it again."""
-        while not self._stopping:
-            try:
-                info = await asyncio.wait_for(w.actor.ready.remote(), timeout=30)
-                w.refresh(info)
-                if self.uses_channel(w):
-                    await self._connect(w)
-            except Exception:
-                await asyncio.sleep(REVIVE_INTERVAL_S)
-                continue
-            w.restarts += 1
-            w.stats = None
-            w.alive = True
-            log.warning("worker %s is back (restart %d)", w.worker_id, w.restarts)
-            self.router.wake_admission()
-            return
-
-    async def _connect(self, w: WorkerHandle) -> None:
-        name = f"router-{getattr(self.router, 'tag', '')}"
-        ch = await WorkerChannel.connect(w.worker_id, w.channel, self.channel_secret, name,
-                                         lambda _wid, load, entries: self.on_batch(w, load,
-                                                                                   entries))
-        w.link = ch
-        if not hasattr(w.actor, "ray_actor"):  # (a test may have wrapped it since)
-            w.actor = ChannelActor(w.actor, w)
-
-    async def _pump_channel(self, w: WorkerHandle) -> None:
-        """Watch `w`'s channel: its loss marks `w` dead; once back it is re-adopted."""
-        while not self._stopping:
-            if not w.alive:
-                await self._revive(w)
-                continue
-            why = await asyncio.shield(w.link.lost)
-            if not self._stopping and w.alive:
-                log.warning("channel to %s lost: %s", w.worker_id, why)
-                self.mark_dead(w)
+        self.liveness.mark_dead(w)
 
     async def _pump(self, w: WorkerHandle) -> None:
-        while not self._stopping:
+        while not self.stopping:
             if not w.alive:
-                await self._revive(w)
+                await self.liveness.revive(w)
                 continue
             try:
                 events = await w.actor.poll.remote(POLL_TIMEOUT_S)
@@ -249,13 +203,17 @@ class EventPump:
               finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None) -> None:
         flight.generated.extend(token_ids)
         now = time.monotonic()
-        if (kind == EventKind.TOKENS and flight.last_token_at is not None
-                and self.router.config.adaptive_chunks):  # read (and trimmed) only then
+        if (self._gaps and kind == EventKind.TOKENS
+                and flight.last_token_at is not None):  # read (and trimmed) only then
             self.upkeep.gaps.append((now, now - flight.last_token_at))
         flight.last_token_at = now
         if self.router.metrics and flight.generated and kind == EventKind.TOKENS:
             self.router.metrics.observe_token(flight)
         finished = finish_reason is not None
+        if (not finished and self._every_token and flight.streamed and logprobs is None
+                and prompt_logprobs is None and not flight.unsent):  # the common token
+            out.append((flight, token_ids, False, None, None, None, None))
+            return
         usage = None
         if finished:
             self.router.release(flight)
@@ -273,7 +231,7 @@ class EventPump:
         if prompt_logprobs is not None:
             flight.unsent_prompt_logprobs = prompt_logprobs
         if (finished or not flight.streamed
-                or len(flight.unsent) >= self.router.config.stream_interval):
+                or len(flight.unsent) >= self._interval):
             flight.streamed = True
             out.append((flight, flight.unsent, finished,
                         finish_reason.value if finished else None, usage,

@@ -94,25 +94,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                       call)
         status: tuple[grpc.StatusCode, str] | None = None  # the error to end with
         stream = None
-        detok = IncrementalDetokenizer(self.router.detokenize)
+        detok = None  # a backend that does not detokenize (LocalBackend) gets one
         try:
             stream = self.router.generate(spec)
             async for delta in stream:
                 if call.expired:
                     break
                 finished = delta.finished
+                text = delta.text
+                if text is None:
+                    if detok is None:
+                        detok = IncrementalDetokenizer(self.router.detokenize)
+                    text = detok.push(delta.token_ids, final=finished)
+                if not finished and delta.logprobs is None and delta.prompt_logprobs is None:
+                    yield pb.GenerateResponse(request_id=rid, token_ids=delta.token_ids,
+                                              text=text)  # the common message
+                    continue
                 if finished:
                     call.ended = True
                     self.state.release(call)  # free before the client sees the end
-                text = delta.text
-                if text is None:  # a backend that does not detokenize (LocalBackend)
-                    text = detok.push(delta.token_ids, final=finished)
-                yield pb.GenerateResponse(
-                    request_id=rid, token_ids=delta.token_ids, text=text,
-                    finish_reason=FINISH_TO_PROTO[delta.finish_reason if finished else None],
-                    usage=usage_to_proto(delta.usage) if finished and delta.usage else None,
-                    logprobs=logprobs_to_proto(delta.logprobs or ()),
-                    prompt_logprobs=prompt_logprobs_to_proto(delta.prompt_logprobs or (None,)))
+                yield _response(rid, delta, text)
                 if finished:
                     return
             if not call.expired:
@@ -124,7 +125,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if e.code == ErrorCode.CANCELLED and call.aborted and not call.expired:
                 # Abort RPC / drain: end like a backend that reports finish_reason "abort".
                 self.state.release(call)
-                yield pb.GenerateResponse(request_id=rid, text=detok.push((), final=True),
+                text = detok.push((), final=True) if detok is not None else ""
+                yield pb.GenerateResponse(request_id=rid, text=text,
                                           finish_reason=pb.FINISH_REASON_ABORT)
                 return
             status = self._expired_status(call)
@@ -236,6 +238,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return pb.ModelInfo(vocab_size=self.router.vocab_size,
                             max_model_len=self.router.max_model_len)
+
+
+def _response(rid: str, delta, text: str) -> pb.GenerateResponse:
+    """A message with a finish, usage or log-probs."""
+    finished = delta.finished
+    return pb.GenerateResponse(
+        request_id=rid, token_ids=delta.token_ids, text=text,
+        finish_reason=FINISH_TO_PROTO[delta.finish_reason if finished else None],
+        usage=usage_to_proto(delta.usage) if finished and delta.usage else None,
+        logprobs=logprobs_to_proto(delta.logprobs) if delta.logprobs else None,
+        prompt_logprobs=prompt_logprobs_to_proto(delta.prompt_logprobs)
+        if delta.prompt_logprobs else None)
 
 
 async def _aclose(stream) -> None:

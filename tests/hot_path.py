@@ -7,7 +7,11 @@ The router, a PrefillWorker and a DecodeWorker (the actor classes themselves, th
 WorkerLoop threads, the tcp connector) run here; each actor call goes to a thread, as
 Ray's threaded actors do. Every Python call of every thread is recorded from the moment
 Generate is called until its first response is yielded, after one warm-up request (so
-imports and first-use setup are not counted). Run: `python -m tests.hot_path`.
+imports and first-use setup are not counted), once that request's leftovers are done;
+a worker loop stops counting once its step that yields the first token has handed its
+events off (its next steps race the router for that token and are not on the path), so
+the count is the same on every run. Run: `python -m tests.hot_path [--by-package | --why]` (`--why`: the
+first call into each file, its thread and caller).
 """
 
 from __future__ import annotations
@@ -56,7 +60,16 @@ def _beside(thread: str) -> bool:
     return thread.startswith(("worker-loop:decode", "kv-", "prefill-0->"))
 
 
-def _files(model_dir: str) -> list[str]:
+def _yields_first_token(frame, result) -> bool:
+    """Is `frame` a prefill engine's step returning the first token's event?"""
+    if frame.f_code.co_name != "step" or not isinstance(result, list):
+        return False
+    from runtime.messages import EventKind
+
+    return any(getattr(ev, "kind", None) == EventKind.FIRST_TOKEN for ev in result)
+
+
+def _files(model_dir: str) -> dict[str, str]:
     from cluster.config import ServeConfig
     from cluster.placement import plan_pools
     from cluster.pool import WorkerHandle
@@ -68,15 +81,29 @@ def _files(model_dir: str) -> list[str]:
     from prefill_worker.worker import PrefillWorker
     from proto.pdserve.v1 import pdserve_pb2 as pb
 
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     recording = threading.Event()
+    handing: set[str] = set()  # worker loops whose step yielded the first token
+    done: set[str] = set()  # ... and that handed it off (back to taking commands)
 
     def profile(frame, event, arg):
+        if not recording.is_set():
+            return
+        name = threading.current_thread().name
+        if event == "return" and _yields_first_token(frame, arg):
+            handing.add(name)
+            return
+        if name in handing and frame.f_code.co_name == "_drain_commands":
+            done.add(name)  # its next steps race the router for the token: not the path
         # off the path: the decode loop's steps and the KV links run beside it (the first
         # token waits for neither)
-        if event == "call" and recording.is_set() and not _beside(
-                threading.current_thread().name):
-            seen.add(frame.f_code.co_filename)
+        if (event == "call" and not _beside(name) and name not in done
+                and frame.f_code.co_filename not in seen):
+            back = frame.f_back
+            seen[frame.f_code.co_filename] = (
+                f"{frame.f_code.co_name} on {name}, called from "
+                f"{back.f_code.co_filename.rsplit('/', 2)[-2:]}:{back.f_code.co_name}"
+                if back else f"{frame.f_code.co_name} on {name}")
 
     # every thread from here on (the worker loops, the actor-call pool) is profiled
     threading.setprofile(profile)
@@ -110,8 +137,15 @@ def _files(model_dir: str) -> list[str]:
         async for _ in stream:
             pass
 
+    async def quiet() -> None:
+        """Wait until the prefill worker holds no leg: the warm-up's KV send is done and
+        polled, so none of its leftovers (send records) lands in the measured window."""
+        while workers[0].engine.jobs or router.flights:
+            await asyncio.sleep(0.01)
+
     async def run() -> None:
         await first_token("warm-up", record=False)
+        await quiet()
         await first_token("measured", record=True)
         await router.shutdown(5)
 
@@ -122,17 +156,26 @@ def _files(model_dir: str) -> list[str]:
         threading.setprofile(None)
         for w in workers:
             w.shutdown()
-    ours = {str(Path(f).resolve().relative_to(ROOT)) for f in seen
+    ours = {str(Path(f).resolve().relative_to(ROOT)): why for f, why in seen.items()
             if Path(f).resolve().is_relative_to(ROOT)}
-    return sorted(f for f in ours if f.split("/")[0] in PACKAGES)
+    return {f: ours[f] for f in sorted(ours) if f.split("/")[0] in PACKAGES}
 
 
 def main() -> None:
     from engine.tiny_model import ensure_model
 
+    args = sys.argv[1:]
     files = _files(str(ensure_model("tiny", "llama")))
-    for f in files:
-        print(f)
+    if "--by-package" in args:
+        by_pkg: dict[str, list[str]] = {}
+        for f in files:
+            pkg, _, rest = f.partition("/")
+            by_pkg.setdefault(pkg, []).append(rest.removesuffix(".py"))
+        for pkg, names in by_pkg.items():
+            print(f"{pkg}: {' '.join(names)} ({len(names)})")
+    else:
+        for f, why in files.items():
+            print(f"{f}  <- {why}" if "--why" in args else f)
     print(f"{len(files)} files from cluster/servicer.py to the first streamed token "
           f"({len({f.split('/')[0] for f in files})} packages)")
 
