@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.execute import ScheduledItem
 from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledItem
 from runtime.messages import DecodeTask
 
 

@@ -15,32 +15,9 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.execute import ScheduledItem
 from engine.model_runner import SeqChunk
 from engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledItem:
-    request: Request
-    start: int  # global index of the first token fed
-    num_tokens: int
-    is_prefill: bool
-
-    @property
-    def completes_prefill(self) -> bool:
-        return self.is_prefill and self.start + self.num_tokens == self.request.prefill_len
-
-    def to_chunk(self) -> SeqChunk:
-        r = self.request
-        if not self.is_prefill:  # a decode: one token, past the prompt (once per token)
-            return SeqChunk(r.request_id, (r.output_token_ids[self.start - len(
-                r.prompt_token_ids)],), self.start, tuple(r.block_ids), True)
-        end, n = self.start + self.num_tokens, len(r.prompt_token_ids)
-        # slice prompt and outputs apart: no copy of the whole token list per step
-        tokens = r.prompt_token_ids[self.start : end] if end <= n else (
-            r.prompt_token_ids[self.start :] + r.output_token_ids[max(0, self.start - n) : end - n])
-        return SeqChunk(r.request_id, tuple(tokens), self.start, tuple(r.block_ids),
-                        sample=not self.is_prefill or self.completes_prefill)
 
 
 @dataclass

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 from engine.block_manager import BlockManager
+from engine.execute import ScheduledItem
 from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledItem
 from prefill_worker.policies import (
     CHUNK_POLICIES,
     FAIRNESS_POLICIES,

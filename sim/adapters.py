@@ -37,9 +37,9 @@ from cluster.worker_specs import decode_config, engine_config, prefill_config, t
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.execute import ScheduledItem
 from engine.memory import num_kv_blocks
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import ScheduledItem
 from engine.tracing import TraceEvent
 from kv_transfer.config import TransferConfig
 from kv_transfer.link_scheduler import LinkScheduler

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.execute import ScheduledItem
 from engine.request import Request
-from engine.scheduler import ScheduledItem
 
 
 @pytest.mark.parametrize(("start", "num"), [(0, 5), (3, 4), (5, 2), (6, 1), (8, 2), (0, 10)])
