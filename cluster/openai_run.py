@@ -17,11 +17,11 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.detokenize import IncrementalDetokenizer
 from cluster.openai_protocol import OpenAIError
 from cluster.servicer import Call, ServingState
 from cluster.stop_strings import StopStrings
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError, Usage
+from engine.detokenize import IncrementalDetokenizer
 from engine.logprobs import PromptLogprobs, TokenLogprobs
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from cluster.convert import (
     stats_to_proto,
     usage_to_proto,
 )
-from cluster.detokenize import IncrementalDetokenizer
 from cluster.intake import DEFAULT_MAX_PROMPT_BYTES, PromptIntake
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError
+from engine.detokenize import IncrementalDetokenizer
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 

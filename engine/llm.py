@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from engine.block_manager import BlockManager
 from engine.chat import render_chat
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.detokenize import BatchDecoder, IncrementalDetokenizer
 from engine.device import local_device
 from engine.execute import execute_and_sample
 from engine.loader import load_model_config, load_tokenizer
@@ -117,6 +118,7 @@ class LLM:
             )
             self.runner.config = self.config
         self.tokenizer = load_tokenizer(config.model_dir)
+        self._decoder: BatchDecoder | None = None
         self.block_manager = BlockManager(n_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self._ids = itertools.count()
@@ -184,25 +186,31 @@ class LLM:
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[StreamDelta]:
         """Yield new tokens per request as steps produce them (all prompts validated first)."""
+        return self._deltas(prompts, params, with_text=True)
+
+    def _deltas(self, prompts: Sequence[Prompt],
+                params: SamplingParams | Sequence[SamplingParams] | None,
+                with_text: bool) -> Iterator[StreamDelta]:
         plist = self._param_list(prompts, params)
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             validate_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
         reqs = [self.add_request(ids, sp) for ids, sp in zip(encoded, plist, strict=True)]
         index = {r.request_id: i for i, r in enumerate(reqs)}
-        texts = {r.request_id: "" for r in reqs}
         sent = {r.request_id: 0 for r in reqs}
+        # text deltas by incremental detokenization: a short window per push, not the
+        # whole output re-decoded every step; the deltas join to the full decode
+        detoks = {r.request_id: IncrementalDetokenizer() for r in reqs} if with_text else {}
+        decoder = self._batch_decoder() if with_text else None
         try:
             while any(not r.is_finished for r in reqs):
-                for r in self.step():
-                    if r.request_id not in index:
-                        continue
-                    text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
-                    delta = text[len(texts[r.request_id]):] if text.startswith(
-                        texts[r.request_id]) else text
-                    texts[r.request_id] = text
+                touched = [r for r in self.step() if r.request_id in index]
+                news = [r.output_token_ids[sent[r.request_id]:] for r in touched]
+                texts = decoder.push_many([(detoks[r.request_id], new, r.is_finished)
+                                           for r, new in zip(touched, news, strict=True)]
+                                          ) if decoder is not None else [""] * len(touched)
+                for r, new, delta in zip(touched, news, texts, strict=True):
                     done = sent[r.request_id]
-                    new = r.output_token_ids[done:]
                     sent[r.request_id] = len(r.output_token_ids)
                     lps = r.output_logprobs[done:] if r.sampling_params.logprobs is not None \
                         else None
@@ -213,6 +221,11 @@ class LLM:
             for r in reqs:
                 if not r.is_finished:
                     self.abort(r.request_id)
+
+    def _batch_decoder(self) -> BatchDecoder:
+        if self._decoder is None:
+            self._decoder = BatchDecoder(self.tokenizer)
+        return self._decoder
 
     def generate(
         self, prompts: Sequence[Prompt] | Prompt,
@@ -225,7 +238,7 @@ class LLM:
         rids: dict[int, str] = {}
         lps: dict[int, list[TokenLogprobs]] = {}
         prompt_lps: dict[int, PromptLogprobs] = {}
-        for d in self.stream(prompts, params):
+        for d in self._deltas(prompts, params, with_text=False):
             tokens[d.index].extend(d.new_token_ids)
             rids[d.index] = d.request_id
             if d.finish_reason is not None:

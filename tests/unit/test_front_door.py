@@ -12,9 +12,9 @@ import pytest
 
 from cluster.client import PdserveClient
 from cluster.config import ServeConfig
-from cluster.detokenize import IncrementalDetokenizer
 from cluster.server import BackgroundServer
 from cluster.types import ClusterStats, ErrorCode, RouterError, TokenDelta, Usage, WorkerStats
+from engine.detokenize import IncrementalDetokenizer
 
 
 class FakeRouter:

@@ -131,6 +131,25 @@ def test_stream_deltas_add_up_to_generate(llm, reference):
     assert_no_leak(llm)
 
 
+def test_stream_text_deltas_join_to_the_output_text_from_short_windows(llm, monkeypatch):
+    prompts = [GOOD, list(range(40, 47))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    decoded: list[int] = []
+    decoder = llm._batch_decoder()
+    real = decoder.decode_many
+    monkeypatch.setattr(decoder, "decode_many",
+                        lambda seqs: decoded.extend(map(len, seqs)) or real(seqs))
+    texts = {0: "", 1: ""}
+    for d in llm.stream(prompts, params):
+        texts[d.index] += d.text_delta
+    assert texts == {0: outs[0].text, 1: outs[1].text}
+    # mid-stream pushes decode a window of a few tokens; only the final push of each
+    # request decodes its whole output (the output is never re-decoded per step)
+    assert decoded.count(24) == 2 and max(n for n in decoded if n != 24) < 12
+    assert_no_leak(llm)
+
+
 def test_closing_a_stream_early_aborts_its_requests(llm):
     stream = llm.stream([GOOD, list(range(40, 50))],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))

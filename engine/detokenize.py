@@ -1,0 +1,147 @@
+"""Incremental detokenization for streamed text deltas, one request or a whole step at once.
+
+Decoding token by token breaks multi-byte characters and (for SentencePiece-style
+tokenizers) the spaces that depend on the previous token, so each push decodes a short
+window that starts a few tokens back (`prefix_offset`) and emits only the text past the
+window's already-emitted part (`read_offset`), as vLLM does. When the window ends in
+U+FFFD the last token is an incomplete UTF-8 sequence: hold the text back until later
+tokens complete it. The final push reconciles against a decode of the whole output, so
+the deltas always concatenate to `detokenize(all_tokens)`.
+
+A push is two steps, `windows()` (the id sequences to decode) and `accept()` (their
+texts -> the delta), so `BatchDecoder` decodes the windows of every request of a step in
+one pass straight through the Rust backend; cluster/detokenize.py's `DetokenizerThread`
+does that off the front door's event loop; `engine.LLM.stream` uses them in-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns streamed token ids into text deltas; one instance per request."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str] | None = None):
+        self._decode = detokenize
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start (context tokens, already emitted)
+        self._read_offset = 0  # tokens before this are emitted
+        self._emitted: list[str] = []
+        self._final = False
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
+
+    def push(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Add new tokens; returns the text they complete (possibly empty)."""
+        return self.accept([self._decode(w) for w in self.windows(token_ids, final)])
+
+    def windows(self, token_ids: Sequence[int], final: bool = False) -> list[list[int]]:
+        """Add new tokens; the id sequences whose texts `accept` needs next."""
+        self._ids.extend(token_ids)
+        self._final = final
+        if final:
+            return [self._ids]
+        if len(self._ids) == self._read_offset:
+            return []
+        return [self._ids[self._prefix_offset:self._read_offset], self._ids[self._prefix_offset:]]
+
+    def accept(self, texts: list[str]) -> str:
+        """The delta, from the texts of the sequences `windows` returned (in order)."""
+        if self._final:
+            return self._finish(texts[0])
+        if not texts:
+            return ""
+        prefix, window = texts
+        if len(window) <= len(prefix) or window.endswith(REPLACEMENT):
+            return ""  # nothing new yet, or an incomplete character at the end
+        if not window.startswith(prefix):
+            return ""  # the decoder rewrote earlier text; resolved at the final push
+        delta = window[len(prefix):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._emitted.append(delta)
+        return delta
+
+    def _finish(self, full: str) -> str:
+        sent = self.text
+        delta = full[len(sent):] if full.startswith(sent) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._emitted.append(delta)
+        return delta
+
+
+class BatchDecoder:
+    """`decode_many(seqs)` == [tokenizer.decode(s, skip_special_tokens=True) for s in seqs],
+    straight through a fast (Rust) tokenizer's backend when its result is the same
+    (checked on a probe at construction: no Python wrapper per call), else through the
+    tokenizer's own decode."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._clean = None
+        if self._backend is not None and hasattr(self._backend, "decode"):
+            self._clean = self._cleanup_fn()
+            probe = [list(range(3, 40)), [5, 7, 11], []]
+            try:
+                if self._fast(probe) != self._slow(probe):
+                    self._backend = None
+            except Exception:  # e.g. a probe id outside a tiny vocabulary
+                self._backend = None
+        else:
+            self._backend = None
+
+    def _cleanup_fn(self) -> Callable[[str], str] | None:
+        tok = self.tokenizer
+        if not getattr(tok, "clean_up_tokenization_spaces", False):
+            return None
+        model = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
+        if type(model).__name__ == "BPE" and not getattr(
+                tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                False):
+            return None
+        return tok.clean_up_tokenization
+
+    def _slow(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        return [self.tokenizer.decode(list(s), skip_special_tokens=True) for s in seqs]
+
+    def _fast(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        # one call per sequence: the windows are a few tokens each, and `decode_batch`
+        # spreads them over a thread pool that costs more than it saves (and more cores)
+        decode = self._backend.decode
+        out = [decode(s, True) for s in seqs]
+        return [self._clean(t) for t in out] if self._clean is not None else out
+
+    def decode_many(self, seqs: Sequence[Sequence[int]]) -> list[str]:
+        if not seqs:
+            return []
+        return self._fast(seqs) if self._backend is not None else self._slow(seqs)
+
+    def push_many(self, items: Sequence[tuple[IncrementalDetokenizer, Sequence[int], bool]]
+                  ) -> list[str]:
+        """Push each (detokenizer, new ids, final) in order, with one batched decode per
+        round (a detokenizer pushed twice, e.g. two queued steps, goes once per round);
+        returns their deltas."""
+        out: list[str] = [""] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            seen: set[int] = set()
+            now, later = [], []
+            for i in pending:  # a detokenizer's later pushes wait for its earlier ones
+                (later if id(items[i][0]) in seen else now).append(i)
+                seen.add(id(items[i][0]))
+            wins = [items[i][0].windows(items[i][1], items[i][2]) for i in now]
+            texts = self.decode_many([w for ws in wins for w in ws])
+            k = 0
+            for i, ws in zip(now, wins, strict=True):
+                out[i] = items[i][0].accept(texts[k:k + len(ws)])
+                k += len(ws)
+            pending = later
+        return out
