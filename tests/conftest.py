@@ -5,12 +5,6 @@ from pathlib import Path
 
 import pytest
 
-# setuptools first, while the import system is clean: inductor's C++ builder imports it
-# on the first compile, and after the integration tests have run in this process its
-# distutils shim no longer finds setuptools._distutils (AssertionError naming the stdlib
-# distutils), which turned every compiled step of a full run into an eager fallback
-import setuptools  # noqa: E402, F401, I001
-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
