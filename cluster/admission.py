@@ -190,8 +190,10 @@ class DecodeAdmission:
         for wt in list(self.queue.waiters):
             if wt.left or wt.granted is not None or wt.error is not None or wt.flight.done:
                 continue  # (an ended request's waiter is leaving: it asks no more)
-            if wt.held is not None and not wt.held.alive:
-                wt.held = None  # died under its tentative grant: it asks again
+            if wt.held is not None and not wt.held.alive:  # died under its tentative
+                assert wt.task is not None  # grant: undo it (if it lives), ask again
+                self.router.abort_on(wt.held, wt.task.leg_id)
+                wt.held = None
             if wt.held is not None and (passed is None or id(wt.held) in passed):
                 wt.granted, wt.held = wt.held, None
                 wt.event.set()
