@@ -188,12 +188,12 @@ class DecodeAdmission:
             free = {id(w) for w in alive if id(w) not in self.busy}
         passed: set[int] | None = None  # workers that refused every earlier waiter
         for wt in list(self.queue.waiters):
-            if wt.left or wt.granted is not None or wt.error is not None or wt.flight.done:
-                continue  # (an ended request's waiter is leaving: it asks no more)
-            if wt.held is not None and not wt.held.alive:  # died under its tentative
-                assert wt.task is not None  # grant: undo it (if it lives), ask again
-                self.router.abort_on(wt.held, wt.task.leg_id)
-                wt.held = None
+            if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
+                    or wt.task is None or wt.flight.leg_id != wt.task.leg_id):
+                continue  # (an ended request's or leg's waiter is leaving: it asks no more)
+            if wt.held is not None and not wt.held.alive:  # died under its tentative grant:
+                self.router.abort_on(wt.held, wt.task.leg_id)  # undone (if it lives);
+                wt.held = None  # it asks again
             if wt.held is not None and (passed is None or id(wt.held) in passed):
                 wt.granted, wt.held = wt.held, None
                 wt.event.set()
