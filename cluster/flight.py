@@ -112,6 +112,13 @@ class Flight:
         self.held_tokens = []
         return prompt, sampling
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Log-probs of the first token come only with the prefill's FIRST_TOKEN, so such
+        a request never streams decode's copy of it (it waits for the prefill's)."""
+        s = self.spec.sampling
+        return s.logprobs is not None or s.prompt_logprobs is not None
+
     def add_timing(self, kind: EventKind, t: LegTiming) -> None:
         """A worker's phase times: the first token sets queue, prefill and cache figures
         (of the leg that streamed it); transfer and decode times add up over legs."""

@@ -167,19 +167,8 @@ class EventPump:
             return
         if ev.kind == EventKind.FIRST_TOKEN:
             flight.add_timing(ev.kind, ev.timing)
-            if flight.first_token_at is None:
-                flight.first_token_at = time.monotonic()
-                if self.router.metrics:
-                    self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
-            flight.leg_first_seen = True
-            self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out,
-                       ev.logprobs, ev.prompt_logprobs)
-            # decode tokens that overtook the first token (they come from another worker's
-            # pump) follow it now, in order
-            held, flight.held_tokens = flight.held_tokens, []
-            for src, later in held:
-                if not flight.done:
-                    self._apply(src, later, out)
+            if not flight.leg_first_seen:  # (else decode's copy of it went out already)
+                self._first(w, flight, ev, out)
         elif ev.kind == EventKind.PREFILL_DONE:
             flight.add_timing(ev.kind, ev.timing)
             p = flight.prefill
@@ -189,7 +178,13 @@ class EventPump:
                 if p is not flight.decode:  # a colocated engine keeps the leg until it ends
                     p.legs.discard(ev.leg_id)
         elif ev.kind == EventKind.TOKENS and not flight.leg_first_seen:
-            flight.held_tokens.append((w, ev))  # the prefill's first token has not arrived
+            if ev.first_token is None or flight.wants_logprobs:
+                flight.held_tokens.append((w, ev))  # until the prefill's first token
+                return
+            # decode's first step carries the first token: the prefill's message is late
+            self._first(w, flight, WorkerEvent(EventKind.FIRST_TOKEN, ev.leg_id, w.worker_id,
+                                               (ev.first_token,)), out)
+            self._apply(w, ev, out)  # the step's own token follows it
         elif ev.kind == EventKind.TOKENS:
             flight.add_timing(ev.kind, ev.timing)
             self._emit(w, flight, ev.kind, ev.token_ids, ev.finish_reason, out, ev.logprobs)
@@ -198,6 +193,23 @@ class EventPump:
             progressed = ev.kind == EventKind.PREEMPTED and flight.leg_first_seen
             self.redispatch(flight, f"{ev.kind} on {ev.worker_id}: {ev.message}",
                             failed=not progressed, ended=(w,))  # w let go of it itself
+
+    def _first(self, w: WorkerHandle, flight: Flight, ev: WorkerEvent, out: Delivery) -> None:
+        """Stream the leg's first token (the prefill's FIRST_TOKEN, or decode's copy of
+        it when that comes first), then the decode tokens held until it came, in order."""
+        if flight.first_token_at is None:
+            flight.first_token_at = time.monotonic()
+            if self.router.metrics:
+                self.router.metrics.observe_ttft(flight.first_token_at - flight.arrival)
+        flight.leg_first_seen = True
+        self._emit(w, flight, EventKind.FIRST_TOKEN, ev.token_ids, ev.finish_reason, out,
+                   ev.logprobs, ev.prompt_logprobs)
+        # decode tokens that overtook the first token (they come from another worker's
+        # pump) follow it now, in order; the copy of it that one of them carries is dropped
+        held, flight.held_tokens = flight.held_tokens, []
+        for src, later in held:
+            if not flight.done:
+                self._apply(src, later, out)
 
     def _emit(self, w: WorkerHandle, flight: Flight, kind: EventKind, token_ids,
               finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None) -> None:

@@ -132,9 +132,13 @@ class DecodeEngine:
                 self.scheduler.finish(r)
                 self.aborted_early.ended(r.request_id)
                 timing = LegTiming(decode_s=now - self.started.pop(r.request_id, now))
+            # the leg's first step also carries its first token (outputs = [first, tok]):
+            # the router streams from this or the prefill's message, whichever comes first
+            outs = r.output_token_ids
             events.append(WorkerEvent(EventKind.TOKENS, r.request_id, worker, (tok,), finish, "",
                                       wall, timing,
-                                      None if s.logprobs is None else (s.logprobs,)))
+                                      None if s.logprobs is None else (s.logprobs,),
+                                      first_token=outs[0] if len(outs) == 2 else None))
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:

@@ -42,6 +42,7 @@ _LOGPROBS = (lambda lps: [_lp_to_wire(t) for t in lps],
              lambda rows: tuple(_lp_from_wire(r) for r in rows))
 EXTRAS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "logprobs": _LOGPROBS, "prompt_logprobs": _LOGPROBS,  # (the prompt's first is None)
+    "first_token": (int, int),  # on decode's first TOKENS entry of a leg only
 }
 KIND_OF = {k.value: k for k in EventKind}
 FINISH_OF = {f.value: f for f in FinishReason}

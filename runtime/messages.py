@@ -83,6 +83,9 @@ class WorkerEvent:
     # prompt's (first entry None), on a leg's FIRST_TOKEN only
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # decode's first TOKENS of a leg: the leg's first token (the prefill's, from the final
+    # KV chunk), sampled before token_ids; the router uses it if the prefill's is late
+    first_token: int | None = None
 
     @property
     def finished(self) -> bool:
