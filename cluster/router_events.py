@@ -20,12 +20,12 @@ import contextlib
 import logging
 import time
 
-from cluster.detokenize import DetokenizerThread
 from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
 from cluster.router_upkeep import Upkeep
 from cluster.types import ErrorCode, RouterError, TokenDelta
 from cluster.worker_liveness import Liveness
+from engine.detokenize import DetokenizerThread
 from runtime.batch_codec import FINISH_OF, entry_event
 from runtime.messages import EventKind, LegTiming, WorkerEvent
 

@@ -71,7 +71,7 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
     # the tokens' text when the router detokenized them (off the front door's event
-    # loop, cluster/detokenize.py); None: the front door detokenizes itself
+    # loop, engine/detokenize.py); None: the front door detokenizes itself
     text: str | None = None
     # SamplingParams.logprobs: one per token of token_ids (engine/logprobs.py)
     logprobs: tuple[TokenLogprobs, ...] | None = None

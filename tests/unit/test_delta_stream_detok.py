@@ -12,9 +12,8 @@ import random
 import pytest
 
 from cluster.delta_stream import DeltaStream
-from cluster.detokenize import DetokenizerThread
 from cluster.types import ErrorCode, RouterError, TokenDelta
-from engine.detokenize import BatchDecoder, IncrementalDetokenizer
+from engine.detokenize import BatchDecoder, DetokenizerThread, IncrementalDetokenizer
 from engine.loader import load_tokenizer
 from engine.logprobs import TokenLogprobs
 
