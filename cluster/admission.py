@@ -116,9 +116,7 @@ class DecodeAdmission:
 
     def check_fits(self, prompt_len: int) -> None:
         """A prompt no decode worker's whole KV cache can hold is refused at once."""
-        # (WorkerHandle.capacity_tokens, read per request: a 0 block_size is "unknown")
-        caps = [w.num_blocks * w.block_size if w.block_size else None
-                for w in self.router.decode if w.role == "decode"]
+        caps = [w.capacity_tokens for w in self.router.decode if w.role == "decode"]
         if caps and None not in caps and prompt_len + 1 > max(caps):
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"prompt of {prompt_len} tokens cannot fit any decode worker's "

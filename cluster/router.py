@@ -219,8 +219,6 @@ class Router:
         return leg_id, prompt, sampling
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> WorkerHandle:
-        if len(self.prefill) == 1 and self.prefill[0].alive:
-            return self.prefill[0]  # a pool of one needs no placement policy
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise RouterError(ErrorCode.UNAVAILABLE, "no prefill worker is alive")
