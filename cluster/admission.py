@@ -178,9 +178,7 @@ class DecodeAdmission:
     def _pump(self) -> None:
         """Walk the queue in order: keep the tentative grants that no earlier waiter can
         use any more, and start a reserve for each idle waiter on a free worker."""
-        alive = [w for w in self.router.decode if w.alive]
-        if len(alive) > 1:
-            alive.sort(key=lambda w: w.kv_usage)
+        alive = sorted((w for w in self.router.decode if w.alive), key=lambda w: w.kv_usage)
         free = set()
         if alive and any(w.alive for w in self.router.prefill):
             free = {id(w) for w in alive if id(w) not in self.busy}
