@@ -71,7 +71,10 @@ class PDPair:
             if all(r in self.finished for r in self.outputs) and not self.prefill.has_work \
                     and not self.decode.has_work:
                 return
+            before = len(self.events)
             self.step()
+            if len(self.events) == before:  # KV or acks are on a link thread: wait, not spin
+                self.receiver.wait(0.01)
         raise AssertionError("P/D pair did not finish")
 
     def leak_check(self) -> None:
