@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from bench import teaching as t
+from bench import teaching_report as tr
 from bench.studies.common import (
     Column,
     StudyContext,
@@ -79,7 +80,7 @@ def run(ctx: StudyContext) -> StudyResult:
     result.update(t.run_colocated(ctx.model_dir, spec))
     result["disagg"] = disagg_run(ctx, spec)
     result["crossover"] = t.crossover(ctx.model_dir, (spec.long_prompt, 1024), spec.chunk)
-    claims, seen = t.claims(result), t.observations(result)
+    claims, seen = tr.claims(result), tr.observations(result)
     configs, rows = {}, []
     for mode in ("whole", "chunked", "disagg"):
         r = result[mode]
@@ -89,7 +90,7 @@ def run(ctx: StudyContext) -> StudyResult:
             r["files"]["zoom"] = zoomed_timeline(ctx, mode, r.pop("events"), r["l_arrival"])
         rows.append({"config": mode, "chunk": r["chunk"], **r["timings"]})
         configs[mode] = {k: v for k, v in r.items() if k not in ("l_arrival", "events")}
-    table = t.side_by_side(result)
+    table = tr.side_by_side(result)
     res = StudyResult(
         NAME, "Teaching example: chunked prefill and a streaming neighbour",
         f"A streaming request S ({spec.stream_prompt}-token prompt) is decoding when a "

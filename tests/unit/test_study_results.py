@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench import teaching as t
+from bench import teaching_report as tr
 from bench.studies.common import (
     Column,
     StudyOptions,
@@ -91,10 +92,10 @@ def test_teaching_timings_and_claims_from_traces() -> None:
     assert (chunked["l_prefill_steps"], chunked["l_steps_shared_with_s"]) == (4, 4)
     res = {"spec": {"long_prompt": 256, "chunk": 64}, "whole": {"timings": whole},
            "chunked": {"timings": chunked}}
-    claims = t.claims(res)
+    claims = tr.claims(res)
     assert all(claims[k] for k in claims if not k.startswith("disagg"))
     assert all(claims[k] is None for k in claims if k.startswith("disagg"))
-    assert "(b) chunked (64)" in t.side_by_side(res)
+    assert "(b) chunked (64)" in tr.side_by_side(res)
 
 
 def test_cli_parsers_and_plugin_registration(capsys) -> None:
