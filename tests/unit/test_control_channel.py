@@ -18,7 +18,15 @@ from cluster.worker_channel import ChannelActor, WorkerChannel, _open
 from engine.request import FinishReason, SamplingParams
 from kv_transfer.tcp_auth import AuthError
 from runtime.batch_codec import decode_batch, encode_batch, entry_event
-from runtime.channel import KIND_CALL, KIND_EVENTS, KIND_REPLY, ChannelServer, frame, read_frame
+from runtime.channel import (
+    DIRECT_MAX_EVENTS,
+    KIND_CALL,
+    KIND_EVENTS,
+    KIND_REPLY,
+    ChannelServer,
+    frame,
+    read_frame,
+)
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent, WorkerLoad
 
 SECRET = b"s" * 32
@@ -226,19 +234,22 @@ def test_a_front_door_that_stops_reading_never_blocks_the_publisher_and_loses_no
         assert srv.legs == 1
         tokens = tuple(range(100_000))  # ~300 KB a message: the socket buffers fill up
         n = 64
+        big = DIRECT_MAX_EVENTS + 1  # step 1 is a big one: it always goes to the writer
         for i in range(n):
-            srv.publish([WorkerEvent(EventKind.FIRST_TOKEN, "leg", "w0", (i, *tokens))])
+            srv.publish([WorkerEvent(EventKind.FIRST_TOKEN, "leg", "w0", (i, *tokens))] *
+                        (big if i == 1 else 1))
         (link,) = srv._links
         assert link._queued > 0  # the peer reads nothing: the writer holds the rest
         kind, _ = read_frame(sock)
         assert kind == KIND_REPLY
         got = []
-        for _ in range(n):
+        for i in range(n):
             kind, body = read_frame(sock)
             assert kind == KIND_EVENTS
             _, _, entries = decode_batch(body)
             got.append(entries[0][2][0])
-            assert len(entries[0][2]) == len(tokens) + 1
+            assert len(entries) == (big if i == 1 else 1)
+            assert all(len(e[2]) == len(tokens) + 1 for e in entries)
         assert got == list(range(n))
     finally:
         sock.close()
