@@ -13,6 +13,7 @@ comes first. The connector is polled only while legs here have KV in flight.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent
 from runtime.stats import PrefillStats
 from runtime.tp_links import SEP
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,7 +99,12 @@ class PrefillEngine:
     def abort(self, leg_id: str) -> bool:
         """End the job here; an abort for an id not held here is either late (it ended
         here already: a no-op) or early (it overtook its add: a tombstone)."""
-        self._hand_off()  # in order (a TP group's ranks pair exports with sends), then drop
+        try:  # in order (a TP group's ranks pair exports with sends), then drop
+            self._hand_off()
+        except Exception:  # a broken connector: the abort goes on, the rest is moot
+            log.exception("handing KV over to the connector failed; dropping %d chunk(s)",
+                          len(self._handoff))
+            self._handoff.clear()
         job = self._end(leg_id)
         if job is None:
             self.aborted_early.bury(leg_id)

@@ -74,3 +74,28 @@ def test_an_abort_before_the_handoff_hands_the_chunk_over_first_and_frees_everyt
     assert pair.prefill.step() == [] and log[-1] == ("abort", "r")  # nothing left to poll
     pair.leak_check()
     pair.close()
+
+
+def test_a_hand_off_that_fails_fails_every_leg_and_frees_them(tiny_model):
+    """The connector breaks with two legs' chunks waiting for their hand-off: the step
+    raises, and failing the legs (what the loop does next) still reports each as FAILED
+    and frees its blocks, though the rest of the hand-off fails too."""
+    pair = PDPair(tiny_model, chunk=64, budget=128)
+    for rid in ("a", "b"):
+        pair.submit(rid, PROMPT, greedy(6))
+    assert [e.kind for e in pair.prefill.step()] == [EventKind.FIRST_TOKEN] * 2
+    pair.sender.close()
+    try:
+        pair.prefill.step()
+        raise AssertionError("a step with a closed connector must fail")
+    except RuntimeError:
+        pass
+    events = pair.prefill.fail_all("engine step failed")
+    assert sorted((e.kind, e.leg_id) for e in events) == [
+        (EventKind.FAILED, "a"), (EventKind.FAILED, "b")]
+    assert pair.prefill.kv_in_flight == 0 and not pair.prefill.jobs
+    assert pair.prefill.bm.num_used_blocks == 0
+    pair.prefill.bm.check_integrity()
+    for rid in ("a", "b"):
+        pair.decode.abort(rid)
+    pair.receiver.close()
