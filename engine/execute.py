@@ -46,7 +46,7 @@ class ScheduledItem:
                         sample=not self.is_prefill or self.completes_prefill)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per sampled row (per token of a decode step)
 class Sampled:
     """One sampled row: its request, the token, and its log-probs if the request asked."""
 

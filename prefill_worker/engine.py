@@ -3,11 +3,19 @@
 Each step runs one batch of prompt chunks, exports every chunk's KV (a token range, so
 the decode side may use another block size) to the connector, samples the first token
 when a prompt completes, and reports events for the router.
+
+The step's events go out first: its chunks are exported in the step, but handed to the
+connector at the start of the next step (which the loop runs at once after a step that
+ran), so the first token's message never waits on KV framing or on waking a link; the
+decode side gets the first token from the router or from the final chunk, whichever
+comes first. The connector is polled only while legs here have KV in flight.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -23,6 +31,8 @@ from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent
 from runtime.stats import PrefillStats
 from runtime.tp_links import SEP
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +71,8 @@ class PrefillEngine:
         self.num_steps = 0
         self.last_step_ran = False
         self.chunk_sizes: dict[int, int] = {}  # chunk size -> chunks run (cumulative)
+        self._handoff: deque[tuple] = deque()  # exported this step, sent at the next one's
+        self._shipping: set[str] = set()  # legs with KV handed to the sender, not yet done
         self.step_seconds = 0.0
         self.aborted_early = Tombstones()
 
@@ -87,6 +99,12 @@ class PrefillEngine:
     def abort(self, leg_id: str) -> bool:
         """End the job here; an abort for an id not held here is either late (it ended
         here already: a no-op) or early (it overtook its add: a tombstone)."""
+        try:  # in order (a TP group's ranks pair exports with sends), then drop
+            self._hand_off()
+        except Exception:  # a broken connector: the abort goes on, the rest is moot
+            log.exception("handing KV over to the connector failed; dropping %d chunk(s)",
+                          len(self._handoff))
+            self._handoff.clear()
         job = self._end(leg_id)
         if job is None:
             self.aborted_early.bury(leg_id)
@@ -108,11 +126,13 @@ class PrefillEngine:
         job = self.jobs.pop(leg_id, None)
         if job is not None:
             self.aborted_early.ended(leg_id)
+        self._shipping.discard(leg_id)
         return job
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[WorkerEvent]:
-        events = self._poll_sender()
+        self._hand_off()
+        events = self._poll_sender() if self._shipping else []
         items = self.scheduler.schedule()
         self.last_step_ran = bool(items)
         if not items:
@@ -164,6 +184,7 @@ class PrefillEngine:
         r.append_token(first_token)
         ended = r.is_finished  # e.g. EOS or max_tokens == 1: the decode side is not needed
         if ended:
+            self._hand_off()  # its prefix chunk, if any, goes (and is dropped) in order
             self.sender.abort(r.request_id)
             self._end(r.request_id)
         else:
@@ -182,12 +203,22 @@ class PrefillEngine:
         # the copy is ordered before any later write of these blocks; the link thread
         # waits for it, so this thread goes on to the next chunk at once
         pending = self.runner.kv.export_async(job.request.block_ids, start, end)
-        chunk = KVChunk(job.task.leg_id, job.seq_no, start, end, pending.payload,
-                        is_final=final, first_token=first_token, tenant=job.task.tenant,
-                        ready=None if pending.event is None else pending)
+        self._handoff.append((job.task, job.seq_no, start, end, final, first_token, pending))
         job.seq_no += 1
-        dest, ranks = job.task.decode_endpoint, self.rank_sender
-        (ranks if ranks is not None and SEP in dest else self.sender).send(chunk, dest=dest)
+
+    def _hand_off(self) -> None:
+        """Give the exported chunks to the connector, in order (also those of a leg being
+        aborted: the sender then drops them, and a TP group's ranks, which pair each
+        export with its send, stay in step)."""
+        while self._handoff:  # one at a time: a send that raises leaves the rest queued
+            task, seq_no, start, end, final, first_token, pending = self._handoff.popleft()
+            chunk = KVChunk(task.leg_id, seq_no, start, end, pending.payload, is_final=final,
+                            first_token=first_token, tenant=task.tenant,
+                            ready=None if pending.event is None else pending)
+            dest, ranks = task.decode_endpoint, self.rank_sender
+            (ranks if ranks is not None and SEP in dest else self.sender).send(chunk, dest=dest)
+            if task.leg_id in self.jobs:
+                self._shipping.add(task.leg_id)
 
     def _poll_sender(self) -> list[WorkerEvent]:
         ev = self.sender.poll()
@@ -210,6 +241,11 @@ class PrefillEngine:
                                end=time.time() - (time.monotonic() - rec.end_t),
                                bytes=rec.nbytes)
         return out
+
+    @property
+    def kv_in_flight(self) -> int:
+        """Legs whose KV is exported or sending (0 once every leg ended: a leak check)."""
+        return len(self._shipping) + len(self._handoff)
 
     @property
     def has_work(self) -> bool:

@@ -1,7 +1,7 @@
 """ChannelServer: a worker's control channel to the front doors (Ray-free).
 
 Each front door (router) opens one TCP connection per worker, authenticated with the
-cluster secret (kv_transfer.tcp_auth, the KV links' handshake), and uses it both ways:
+cluster secret (runtime/channel_listener.py), and uses it both ways:
 
     router -> worker   C  (call id, command, args)   pickled; run on the WorkerLoop in
                                                       arrival order (one FIFO per link)
@@ -9,11 +9,15 @@ cluster secret (kv_transfer.tcp_auth, the KV links' handshake), and uses it both
     worker -> router   E  one step's events           msgpack (runtime/batch_codec.py)
 
 So a decode step costs one message per front door carrying every request's new tokens,
-sent by a writer thread (the loop thread only queues it), and a command costs a write
-and a wake-up instead of a Ray actor call. Events go to the link whose command created
-the leg (`add` / `reserve`); each message also carries the worker's load, and links
-without events get that load at most every LOAD_PERIOD_S (and whenever the worker goes
-idle), so every front door places requests on fresh per-worker load.
+and a command costs a write and a wake-up instead of a Ray actor call. A reply, or a
+step message of at most DIRECT_MAX_EVENTS events, is written by the thread that makes it
+(the loop thread) when the socket takes it whole without blocking and nothing is queued
+before it: an idle step's first token costs no thread hop. Else it queues for the link's
+writer thread: a slow front door never blocks the loop, and a big step's message is
+encoded beside the next step (~0.5 us an event) instead of before it. Events go to the
+link whose command created the leg (`add` / `reserve`); each message also carries the
+worker's load, and links without events get it at most every LOAD_PERIOD_S (and when
+the worker goes idle), so every front door places requests on fresh per-worker load.
 """
 
 from __future__ import annotations
@@ -29,16 +33,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from kv_transfer.tcp_auth import AuthError, DeadlineSocket, handshake_reader, server_handshake
 from runtime.batch_codec import encode_batch
+from runtime.channel_listener import Listener
 from runtime.messages import EventKind, WorkerEvent, WorkerLoad
 
 log = logging.getLogger(__name__)
 HEADER = struct.Struct("!IB")  # body length (kind byte included), kind
 KIND_CALL, KIND_REPLY, KIND_EVENTS = ord("C"), ord("R"), ord("E")
 MAX_FRAME_BYTES = 64 << 20
-HANDSHAKE_TIMEOUT_S = 10.0
 LOAD_PERIOD_S = 0.02
+DIRECT_MAX_EVENTS = 32
 # kinds after which a role holds the leg no more (besides a finishing event)
 LEG_ENDS = {
     "decode": frozenset({EventKind.PREEMPTED, EventKind.FAILED}),
@@ -84,26 +88,56 @@ class _Link:
     def __init__(self, server: ChannelServer, sock: socket.socket, peer: str):
         self.server, self.sock, self.peer = server, sock, peer
         self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self._wlock = threading.Lock()
+        self._queued = 0  # messages handed to the writer and not yet written (under _wlock)
         self.alive = True
         self.subscribed = False  # it spoke first: from now on it gets load messages
         self.last_load: WorkerLoad | None = None
         self.last_sent = 0.0
+
+    def start(self) -> None:
         for target, name in ((self._read, "reader"), (self._write, "writer")):
-            threading.Thread(target=target, name=f"channel-{name}:{peer}", daemon=True).start()
+            threading.Thread(target=target, name=f"channel-{name}:{self.peer}",
+                             daemon=True).start()
 
     def send_events(self, events: list[WorkerEvent], load: WorkerLoad | None) -> None:
         self.last_load, self.last_sent = load, time.monotonic()
-        self.out.put((events, load))
+        self.send((events, load), direct=len(events) <= DIRECT_MAX_EVENTS)
+
+    def send(self, item: bytes | tuple, direct: bool = True) -> None:
+        """Write a frame (or a step's (events, load)) now if `direct`, the socket takes
+        it without blocking and nothing waits before it; else the writer sends it."""
+        with self._wlock:
+            if direct and self._queued == 0 and self.alive:
+                data = self._encode(item)
+                try:
+                    sent = self.sock.send(data, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError as e:
+                    log.info("channel link %s broke on send: %s", self.peer, e)
+                    sent = len(data)  # the reader sees the link end and closes it
+                if sent == len(data):
+                    return
+                item = memoryview(data)[sent:]
+            self._queued += 1
+            self.out.put(item)
+
+    def _encode(self, item: bytes | memoryview | tuple) -> bytes | memoryview:
+        if isinstance(item, tuple):
+            events, load = item
+            return frame(KIND_EVENTS, encode_batch(self.server.worker_id, events, load))
+        return item
 
     def _reply(self, call_id: int, fut_or_value: Any) -> None:
         if not isinstance(fut_or_value, Future):
-            self.out.put(frame(KIND_REPLY, _dump_reply(call_id, True, fut_or_value)))
+            self.send(frame(KIND_REPLY, _dump_reply(call_id, True, fut_or_value)))
             return
 
         def done(f: Future) -> None:
             exc = f.exception()
             body = _dump_reply(call_id, exc is None, exc if exc is not None else f.result())
-            self.out.put(frame(KIND_REPLY, body))
+            self.send(frame(KIND_REPLY, body))
 
         fut_or_value.add_done_callback(done)
 
@@ -121,7 +155,7 @@ class _Link:
                 try:
                     result = self.server.run_command(self, name, args)
                 except Exception as e:  # noqa: BLE001 - the caller gets it
-                    self.out.put(frame(KIND_REPLY, _dump_reply(call_id, False, e)))
+                    self.send(frame(KIND_REPLY, _dump_reply(call_id, False, e)))
                     continue
                 self._reply(call_id, result)
         except (OSError, ConnectionError, pickle.UnpicklingError, ValueError) as e:
@@ -131,16 +165,14 @@ class _Link:
             self.close()
 
     def _write(self) -> None:
-        worker_id = self.server.worker_id
         try:
             while True:
                 item = self.out.get()
                 if item is None:
                     return
-                if isinstance(item, tuple):
-                    events, load = item
-                    item = frame(KIND_EVENTS, encode_batch(worker_id, events, load))
-                self.sock.sendall(item)
+                self.sock.sendall(self._encode(item))
+                with self._wlock:
+                    self._queued -= 1
         except OSError as e:
             if self.alive:
                 log.info("channel link %s broke on send: %s", self.peer, e)
@@ -176,9 +208,7 @@ class ChannelServer:
                  load: Callable[[], WorkerLoad] | None = None,
                  idle: Callable[[], bool] | None = None,
                  unrouted: Callable[[list[WorkerEvent]], None] | None = None):
-        if len(secret) < 16:
-            raise ValueError("the channel needs a cluster secret of at least 16 bytes")
-        self.worker_id, self.role, self.secret = worker_id, role, secret
+        self.worker_id, self.role = worker_id, role
         self.commands = dict(commands)
         self._load, self._idle, self._unrouted = load, idle, unrouted
         self._ends = LEG_ENDS[role]
@@ -186,38 +216,20 @@ class ChannelServer:
         self._origin: dict[str, _Link] = {}  # leg id -> the link that created the leg
         self._lock = threading.Lock()
         self.ever_linked = False
-        self._sock = socket.create_server((host, 0))
-        self.host, self.port = self._sock.getsockname()[:2]
-        self._closed = False
-        threading.Thread(target=self._accept, name=f"channel-accept:{worker_id}",
-                         daemon=True).start()
+        self._listener = Listener(worker_id, secret, host, self._linked)
+        self.host, self.port = self._listener.host, self._listener.port
 
     @property
     def legs(self) -> int:
         """Legs whose events are routed to a link (0 once every leg ended: a leak check)."""
         return len(self._origin)
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
-
-    def _admit(self, sock: socket.socket, addr) -> None:
-        try:
-            dl = DeadlineSocket(sock, HANDSHAKE_TIMEOUT_S)
-            peer = server_handshake(dl, handshake_reader(dl), self.secret)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except (AuthError, OSError, TimeoutError) as e:
-            log.warning("channel: refused %s: %s", addr, e)
-            sock.close()
-            return
+    def _linked(self, sock: socket.socket, peer: str) -> None:
+        link = _Link(self, sock, peer)
         with self._lock:
             self.ever_linked = True
-            self._links.append(_Link(self, sock, f"{peer}@{addr[0]}:{addr[1]}"))
+            self._links.append(link)
+        link.start()  # registered first: the step messages and close() reach it at once
 
     def forget(self, link: _Link) -> None:
         with self._lock:
@@ -283,10 +295,6 @@ class ChannelServer:
                 link.send_events(mine or [], load)
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        self._listener.close()
         for link in list(self._links):
             link.close()

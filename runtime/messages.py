@@ -69,7 +69,7 @@ class LegTiming:
 NO_TIMING = LegTiming()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a decode step makes one per token
 class WorkerEvent:
     kind: EventKind
     leg_id: str

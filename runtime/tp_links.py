@@ -23,6 +23,7 @@ forwards to that rank; a leg is complete once every rank's receiver completed it
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,7 +239,9 @@ class RankLinks:
 
     def __init__(self, sender: HeadSender | None = None, receiver: KVReceiver | None = None):
         self.sender, self.receiver = sender, receiver
-        self.exported: torch.Tensor | None = None  # the last tx_export, for the next tx_send
+        # tx_exports not yet sent, oldest first: rank 0 exports a step's chunks in the step
+        # and sends them, in the same order, at the next step's start
+        self.exported: deque[torch.Tensor] = deque()
         self.arrived: dict[int, KVChunk] = {}  # index -> chunk rank 0 has yet to place
         self.next_index = 0
 
@@ -246,11 +249,10 @@ class RankLinks:
         kv, me = runner.kv, group.rank
 
         def export(msg):
-            self.exported = kv.export_tokens(msg[1], msg[2], msg[3])
+            self.exported.append(kv.export_tokens(msg[1], msg[2], msg[3]))
 
         def send(msg):
-            self.sender.send(KVChunk(payload=self.exported, **msg[1]), dest=msg[2])
-            self.exported = None
+            self.sender.send(KVChunk(payload=self.exported.popleft(), **msg[1]), dest=msg[2])
 
         def tx_poll(msg):
             ev = self.sender.poll()

@@ -82,6 +82,7 @@ class PDPair:
             eng.bm.check_integrity()
             assert eng.bm.num_used_blocks == 0, f"{eng.worker_id} leaked blocks"
         assert not self.prefill.jobs and not self.prefill.scheduler.has_work
+        assert self.prefill.kv_in_flight == 0, "prefill legs still hold KV to send"
         assert not self.decode.scheduler.pending and not self.decode.scheduler.running
 
     def close(self) -> None:

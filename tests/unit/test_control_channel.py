@@ -7,15 +7,26 @@ once every leg ended (the channel's leak check)."""
 from __future__ import annotations
 
 import asyncio
+import pickle
+import threading
+import time
 from concurrent.futures import Future
 
 import pytest
 
-from cluster.worker_channel import ChannelActor, WorkerChannel
+from cluster.worker_channel import ChannelActor, WorkerChannel, _open
 from engine.request import FinishReason, SamplingParams
 from kv_transfer.tcp_auth import AuthError
 from runtime.batch_codec import decode_batch, encode_batch, entry_event
-from runtime.channel import ChannelServer
+from runtime.channel import (
+    DIRECT_MAX_EVENTS,
+    KIND_CALL,
+    KIND_EVENTS,
+    KIND_REPLY,
+    ChannelServer,
+    frame,
+    read_frame,
+)
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent, WorkerLoad
 
 SECRET = b"s" * 32
@@ -180,3 +191,66 @@ def test_optional_per_token_extras_travel_in_their_entry(monkeypatch):
     _, _, entries = decode_batch(encode_batch("w", evs, None))
     assert entries[0][7] == {"scores": [[5, -0.25]]} and entries[1][7] is None
     assert [entry_event("w", e) for e in entries] == evs
+
+
+def test_a_link_is_registered_before_its_threads_serve_it(monkeypatch):
+    """A front door may send commands (and get their replies) as soon as the link's
+    reader runs: the link must be in the server's list by then, or a step message for
+    its legs, and close(), would miss it (a race that lost a test's events under load)."""
+    w = Worker()
+    srv = w.server()
+    links_at_start = []
+    start = threading.Thread.start
+
+    def recording_start(thread):
+        if thread.name.startswith("channel-reader"):
+            links_at_start.append(len(srv._links))
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+
+    async def go():
+        ch = await _connect(srv, [])
+        ch.close()
+
+    asyncio.run(go())
+    srv.close()
+    assert links_at_start == [1]
+
+
+def test_a_front_door_that_stops_reading_never_blocks_the_publisher_and_loses_nothing():
+    """Step messages go out from the publishing thread while the socket takes them; once
+    the peer stops reading they queue for the link's writer (publish returns at once),
+    and when it reads again every message arrives whole and in order."""
+    w = Worker()
+    srv = w.server()
+    sock = _open(f"127.0.0.1:{srv.port}", SECRET, "slow")
+    try:
+        sock.sendall(frame(KIND_CALL, pickle.dumps((0, "add", (_task("leg"),)))))
+        for _ in range(2000):
+            if srv.legs == 1:
+                break
+            time.sleep(0.005)
+        assert srv.legs == 1
+        tokens = tuple(range(100_000))  # ~300 KB a message: the socket buffers fill up
+        n = 64
+        big = DIRECT_MAX_EVENTS + 1  # step 1 is a big one: it always goes to the writer
+        for i in range(n):
+            srv.publish([WorkerEvent(EventKind.FIRST_TOKEN, "leg", "w0", (i, *tokens))] *
+                        (big if i == 1 else 1))
+        (link,) = srv._links
+        assert link._queued > 0  # the peer reads nothing: the writer holds the rest
+        kind, _ = read_frame(sock)
+        assert kind == KIND_REPLY
+        got = []
+        for i in range(n):
+            kind, body = read_frame(sock)
+            assert kind == KIND_EVENTS
+            _, _, entries = decode_batch(body)
+            got.append(entries[0][2][0])
+            assert len(entries) == (big if i == 1 else 1)
+            assert all(len(e[2]) == len(tokens) + 1 for e in entries)
+        assert got == list(range(n))
+    finally:
+        sock.close()
+        srv.close()

@@ -73,3 +73,26 @@ def test_a_cache_imports_a_head_range_in_place_and_refuses_foreign_heads():
     rank = KVCache(m, num_blocks=2, block_size=4, dtype=torch.float32, kv_head_start=2)
     with pytest.raises(ValueError, match=r"KV heads \[0, 2\) are not among this cache's"):
         rank.import_tokens([1], 1, data, head_start=0)
+
+
+def test_a_rank_pairs_each_send_with_its_own_export_when_a_step_exports_several():
+    """Rank 0 exports a step's chunks in the step and sends them at the next step's start
+    (prefill_worker/engine.py), so a rank sees export A, export B, send A, send B: each
+    send must carry its own export's payload, in order."""
+    from types import SimpleNamespace
+
+    from runtime.tp_links import _FIELDS, RankLinks
+
+    exports = {(0, 16): torch.zeros(1, 2, 16, 1, 4), (16, 20): torch.ones(1, 2, 4, 1, 4)}
+    kv = SimpleNamespace(export_tokens=lambda blocks, start, end: exports[(start, end)])
+    rec = RecordingSender()
+    links = RankLinks(sender=rec)
+    h = links.handlers(SimpleNamespace(kv=kv), SimpleNamespace(rank=1))
+    chunks = [KVChunk("leg", 0, 0, 16, exports[(0, 16)]),
+              KVChunk("leg", 1, 16, 20, exports[(16, 20)], is_final=True, first_token=3)]
+    for c in chunks:
+        h["tx_export"](("tx_export", (0, 1), c.token_start, c.token_end))
+    for c in chunks:
+        h["tx_send"](("tx_send", {f: getattr(c, f) for f in _FIELDS}, "tcp://d:1"))
+    assert [(c.token_start, c.payload.sum().item()) for c, _ in rec.sent] == [(0, 0.0), (16, 32.0)]
+    assert not links.exported
