@@ -12,7 +12,8 @@ time), `pdserve serve` with 1 prefill + 1 decode worker in its own process tree 
 sums each process group's CPU over the load window: front door(s), decode worker,
 prefill worker, Ray daemons), load from a client in another process, and a bare
 `grpc.aio` server streaming 24-byte messages to a client process (server CPU per
-message: the floor any gRPC front door pays per streamed message). Each figure line
+message: the floor any gRPC front door pays per streamed message), on the front door's
+event loop (server.event_loop: uvloop where installed) and, for reference, on asyncio's. Each figure line
 carries the 1-minute load average (other work on the machine inflates CPU and latency).
 """
 
@@ -94,10 +95,12 @@ def measure_service(svc: Service, a, streams: int) -> dict:
     return res
 
 
-def measure_floor(a, streams: int, native_dir: Path | None = None) -> dict:
+def measure_floor(a, streams: int, loop: str, native_dir: Path | None = None) -> dict:
+    """A bare grpc.aio server on `loop` (the front door's, for a fair floor)."""
     import psutil
 
-    server = subprocess.Popen(ROLES + ["floor-server"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(ROLES + ["floor-server", "--event-loop", loop],
+                              stdout=subprocess.PIPE, text=True)
     native = None
     try:
         addr = f"127.0.0.1:{server.stdout.readline().split()[1]}"
@@ -120,10 +123,12 @@ def measure_floor(a, streams: int, native_dir: Path | None = None) -> dict:
         server.wait()
     t0, t1 = res.pop("_marks")
     res["us_per_message"] = (t1 - t0) / res["messages"] * 1e6
+    res["loop"], res["load"] = loop, load_avg()
     return res
 
 
-def report_throughput(streams: int, eng: dict, svc: dict, floor: dict) -> None:
+def report_throughput(streams: int, eng: dict, svc: dict, floor: dict,
+                      ref: dict | None) -> None:
     tag = f"[{streams} streams]"
     eng_us = eng["cpu_s"] / eng["tokens"] * 1e6
     eng_tps = eng["tokens"] / eng["wall_s"]
@@ -140,16 +145,19 @@ def report_throughput(streams: int, eng: dict, svc: dict, floor: dict) -> None:
     print(f"{tag} ratio cpu per token: {total / eng_us:.2f}")
     print(f"{tag} ratio tokens/s: {tps / eng_tps:.2f}")
     fd_msg = svc["cpu"]["front door"] / max(1, svc["messages"]) * 1e6
-    print(f"{tag} grpc floor: {floor['us_per_message']:.1f} us server CPU per 24-byte message "
-          f"({floor['messages']} messages) ({floor['load']})")
+    for f in (floor, ref) if ref else (floor,):
+        print(f"{tag} grpc floor ({f['loop']} loop): {f['us_per_message']:.1f} us server CPU per "
+              f"24-byte message ({f['messages']} messages) ({f['load']})")
     base = floor["us_per_message"]
     if base <= 0:  # the floor server's CPU stayed under one clock tick (a --quick run)
         print(f"{tag} front door per streamed message: {fd_msg:.1f} us; per token "
               f"{per['front door']:.1f} us (no ratio: too few messages to time the floor)")
         return
-    print(f"{tag} front door per streamed message: {fd_msg:.1f} us = "
+    print(f"{tag} front door ({floor['loop']} loop) per streamed message: {fd_msg:.1f} us = "
           f"{fd_msg / base:.2f}x the grpc floor; per token "
-          f"{per['front door']:.1f} us = {per['front door'] / base:.2f}x")
+          f"{per['front door']:.1f} us = {per['front door'] / base:.2f}x" +
+          (f"; {fd_msg / ref['us_per_message']:.2f}x the {ref['loop']} loop's floor per "
+           "message" if ref and ref["us_per_message"] > 0 else ""))
 
 
 def report_idle(eng: dict, svc: dict) -> None:
@@ -206,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             eng["load"] = load_avg()
             srv = measure_service(svc, a, s)
             srv["load"] = load_avg()
-            floor = measure_floor(a, s, svc.native_dir)
-            floor["load"] = load_avg()
-            report_throughput(s, eng, srv, floor)
+            floor = measure_floor(a, s, svc.loop, svc.native_dir)
+            ref = measure_floor(a, s, "asyncio") if svc.loop != "asyncio" else None
+            report_throughput(s, eng, srv, floor, ref)
             results.append((s, eng, srv, floor))
             sys.stdout.flush()
         idle_args = ["--prompt-len", "16", "--output-len", "8", "--requests", str(a.idle_requests)]

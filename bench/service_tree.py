@@ -66,6 +66,15 @@ class Service:
     proc: subprocess.Popen | None = None
     addr: str = ""
 
+    @property
+    def loop(self) -> str:
+        """The front door's event loop (cluster/front_door_loop.py) under these flags."""
+        from cluster.front_door_loop import resolve
+
+        flags = self.extra
+        kind = flags[flags.index("--event-loop") + 1] if "--event-loop" in flags else "auto"
+        return resolve(kind)
+
     def start(self, max_num_seqs: int) -> None:
         serve = ["-m", "cluster.cli", "serve", "--port", "0", "--model", "tiny",
                  "--prefill-workers", "1", "--decode-workers", "1",
