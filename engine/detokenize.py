@@ -10,8 +10,9 @@ the deltas always concatenate to `detokenize(all_tokens)`.
 
 A push is two steps, `windows()` (the id sequences to decode) and `accept()` (their
 texts -> the delta), so `BatchDecoder` decodes the windows of every request of a step in
-one pass straight through the Rust backend; `DetokenizerThread` does that off the front door's
-event loop; `engine.LLM.stream` uses them in-process.
+one pass straight through the Rust backend (a byte-level BPE tokenizer's deltas come from
+a table of each id's bytes instead); `DetokenizerThread` does that off the front door's
+event loop (or on it, for such a table); `engine.LLM.stream` uses them in-process.
 """
 
 from __future__ import annotations
@@ -223,24 +224,43 @@ def byte_level_table(tokenizer: Any, probes: int = 300) -> list[bytes] | None:
 
 
 class DetokenizerThread:
-    """Detokenizes the front door's token deltas on its own thread.
+    """Detokenizes the front door's token deltas, on its own thread unless `inline`.
 
     `submit(items, deliver)` (on the event loop) queues a step's [(holder, ids, final)];
     the thread pushes them all through one BatchDecoder call (each holder keeps its
     IncrementalDetokenizer in `holder.detok`, touched by this thread only) and hands the
-    texts back with `deliver(items, texts)` on the loop, in submission order."""
+    texts back with `deliver(items, texts)` on the loop, in submission order.
 
-    def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop):
+    With a byte-level tokenizer's table a token costs a join and a UTF-8 decode, less
+    than the hand-off itself (a wake-up of this thread, the GIL, a wake-up of the loop),
+    which also delays every step's text: then (`inline`, the default for such a
+    tokenizer) `submit` detokenizes at once and calls `deliver` before it returns."""
+
+    def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop,
+                 inline: bool | None = None):
         self.decoder = BatchDecoder(tokenizer)
         self.loop = loop
+        self.inline = self.decoder._table is not None if inline is None else inline
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pdserve-detokenize",
-                                        daemon=True)
-        self._thread.start()
+        if not self.inline:
+            threading.Thread(target=self._run, name="pdserve-detokenize", daemon=True).start()
 
     def submit(self, items: list[tuple[Any, Sequence[int], bool]],
                deliver: Callable[[list, list[str]], None]) -> None:
-        self._queue.put((items, deliver))
+        if self.inline:
+            deliver(items, self._push(items))
+        else:
+            self._queue.put((items, deliver))
+
+    def _push(self, items: list[tuple[Any, Sequence[int], bool]]) -> list[str]:
+        for holder, _, _ in items:
+            if holder.detok is None:
+                holder.detok = IncrementalDetokenizer()
+        try:
+            return self.decoder.push_many([(h.detok, ids, f) for h, ids, f in items])
+        except Exception:  # a tokenizer failure must not stop every stream's text
+            log.exception("detokenizing a step failed")
+            return [""] * len(items)
 
     def _run(self) -> None:
         while True:
@@ -257,15 +277,7 @@ class DetokenizerThread:
                     self._queue.put(None)
                     break
                 jobs.append(more)
-            items = [it for its, _ in jobs for it in its]
-            for holder, _, _ in items:
-                if holder.detok is None:
-                    holder.detok = IncrementalDetokenizer()
-            try:
-                texts = self.decoder.push_many([(h.detok, ids, f) for h, ids, f in items])
-            except Exception:  # a tokenizer failure must not stop every stream's text
-                log.exception("detokenizing a step failed")
-                texts = [""] * len(items)
+            texts = self._push([it for its, _ in jobs for it in its])
             i = 0
             for its, deliver in jobs:
                 self._hand_back(deliver, its, texts[i:i + len(its)])

@@ -131,7 +131,7 @@ def test_the_detokenizer_thread_hands_texts_back_on_the_loop_in_order(tokenizer)
 
     async def go():
         loop = asyncio.get_running_loop()
-        th = DetokenizerThread(tokenizer, loop)
+        th = DetokenizerThread(tokenizer, loop, inline=False)
         holders = [Holder(), Holder()]
         ids = tokenizer("hello world, again and again").input_ids
         done: list = []
@@ -177,3 +177,20 @@ def test_a_tokenizer_that_is_not_byte_level_gets_no_byte_table():
             decoder = type("Metaspace", (), {})()
 
     assert byte_level_table(NotByteLevel()) is None
+
+
+def test_a_byte_table_detokenizes_inline_before_submit_returns(tokenizer):
+    class Holder:
+        detok = None
+
+    th = DetokenizerThread(tokenizer, loop=None)  # no thread, no loop needed
+    assert th.inline
+    holders = [Holder(), Holder()]
+    ids = tokenizer("héllo wörld ✓").input_ids
+    got: list[list[str]] = [[], []]
+    for k, tok in enumerate(ids):
+        th.submit([(h, [tok], k == len(ids) - 1) for h in holders],
+                  lambda items, texts: [got[i].append(t) for i, t in enumerate(texts)])
+        assert len(got[0]) == k + 1  # delivered before submit returned
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    assert ["".join(g) for g in got] == [want, want]
