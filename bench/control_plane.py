@@ -150,7 +150,7 @@ def report_throughput(streams: int, eng: dict, svc: dict, floor: dict,
               f"24-byte message ({f['messages']} messages) ({f['load']})")
     base = floor["us_per_message"]
     if base <= 0:  # the floor server's CPU stayed under one clock tick (a --quick run)
-        print(f"{tag} front door per streamed message: {fd_msg:.1f} us; per token "
+        print(f"{tag} front door ({floor['loop']} loop) per streamed message: {fd_msg:.1f} us; per token "
               f"{per['front door']:.1f} us (no ratio: too few messages to time the floor)")
         return
     print(f"{tag} front door ({floor['loop']} loop) per streamed message: {fd_msg:.1f} us = "

@@ -138,9 +138,9 @@ class NativeProfile:
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
-        if not self.collapsed.exists():
-            print(f"py-spy wrote no profile (exit {p.returncode}): {err.strip()[-500:]}",
-                  file=sys.stderr)
+        if not self.collapsed.exists():  # e.g. a window shorter than py-spy's attach
+            self.summary.write_text(f"py-spy wrote no profile (exit {p.returncode}): "
+                                    f"{(err or '').strip()[-500:]}\n")
             return None
         self.summary.write_text(summarize(read_collapsed(self.collapsed, self.maps)))
         return self.summary
