@@ -24,7 +24,7 @@ from pathlib import Path
 
 RATE_HZ = 250  # samples per second: high enough for a 10 s window, low perturbation
 _LINE = re.compile(r" \(([^()]*?):\d+\)$")  # " (file.py:123)" after a Python frame
-WAITS = frozenset({"epoll_wait", "poll", "select", "pthread_cond_wait", "pthread_cond_timedwait",
+WAITS = frozenset({"epoll_wait", "epoll_pwait", "poll", "select", "pthread_cond_wait", "pthread_cond_timedwait",
                    "PyThread_acquire_lock_timed", "sem_wait", "sem_timedwait", "nanosleep",
                    "clock_nanosleep", "syscall"})  # (abseil's futex waits go by syscall)
 _ADDR = re.compile(r"^0x([0-9a-f]+) \((.*)\)$")  # an unsymbolized native frame
