@@ -4,14 +4,16 @@ the engine itself, measured side by side with the in-process engine and bare gRP
     python -m bench.control_plane                 # 64 and 256 streams, 32-token prompts,
                                                   # 128 output tokens, the tiny model
     python -m bench.control_plane --quick         # a short run (the smoke test)
-    python -m bench.control_plane --profile out/  # + a profile of the front door
+    python -m bench.control_plane --profile out/  # + the front door's profile (py-spy
+                                                  # --native if installed, else cProfile)
 
 Every figure comes from its own processes: `engine.LLM` in a child process (its own CPU
 time), `pdserve serve` with 1 prefill + 1 decode worker in its own process tree (psutil
 sums each process group's CPU over the load window: front door(s), decode worker,
 prefill worker, Ray daemons), load from a client in another process, and a bare
 `grpc.aio` server streaming 24-byte messages to a client process (server CPU per
-message: the floor any gRPC front door pays per streamed message). Each figure line
+message: the floor any gRPC front door pays per streamed message), on the front door's
+event loop (server.event_loop: uvloop where installed) and, for reference, on asyncio's. Each figure line
 carries the 1-minute load average (other work on the machine inflates CPU and latency).
 """
 
@@ -20,60 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-GROUPS = ("front door", "decode", "prefill", "ray daemons")
+from bench.service_tree import GROUPS, Service, cpu_delta, tree_cpu
+
 ROLES = [sys.executable, "-m", "bench.control_plane_roles"]
 
 
 def load_avg() -> str:
     return f"load {os.getloadavg()[0]:.2f}"
-
-
-# ---- process trees ------------------------------------------------------------------
-def group_of(proc) -> str:
-    try:
-        cmd = " ".join(proc.cmdline())
-    except Exception:  # gone or not ours to read
-        return "ray daemons"
-    if "DecodeWorker" in cmd:
-        return "decode"
-    if "PrefillWorker" in cmd:
-        return "prefill"
-    if "cluster.front_door" in cmd:  # the extra front doors of --api-servers
-        return "front door"
-    return "ray daemons"
-
-
-def tree_cpu(root_pid: int) -> dict[int, tuple[str, float]]:
-    """pid -> (group, user + system CPU seconds) of `root_pid` and its descendants."""
-    import psutil
-
-    out = {}
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[p.pid] = ("front door" if p.pid == root_pid else group_of(p), t.user + t.system)
-        except psutil.Error:
-            continue
-    return out
-
-
-def cpu_delta(before: dict, after: dict) -> dict[str, float]:
-    groups = dict.fromkeys(GROUPS, 0.0)
-    for pid, (group, cpu) in after.items():
-        groups[group] += cpu - before.get(pid, (group, 0.0))[1]
-    return groups
 
 
 # ---- child processes ----------------------------------------------------------------
@@ -106,45 +65,6 @@ def run_plain(args: list[str], timeout: float = 900.0) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@dataclass
-class Service:
-    """`pdserve serve` (1P + 1D, tiny model) in its own session (process group)."""
-
-    extra: list[str] = field(default_factory=list)
-    profile: Path | None = None
-    proc: subprocess.Popen | None = None
-    addr: str = ""
-
-    def start(self, max_num_seqs: int) -> None:
-        serve = ["-m", "cluster.cli", "serve", "--port", "0", "--model", "tiny",
-                 "--prefill-workers", "1", "--decode-workers", "1",
-                 "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *self.extra]
-        pre = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
-        self.proc = subprocess.Popen([sys.executable, *pre, *serve], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 300
-        for line in self.proc.stdout:
-            if "serving pdserve.v1.Generation on" in line:
-                self.addr = line.split(" on ", 1)[1].split()[0]
-                return
-            if time.monotonic() > deadline:
-                break
-        self.stop()
-        raise RuntimeError("pdserve serve did not start")
-
-    def stop(self) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGINT)  # drains, then shuts Ray down
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # the session this bench started
-            p.wait(10)
-
-
 # ---- the measurements ---------------------------------------------------------------
 def measure_engine(model: str, a, streams: int) -> dict:
     return run_role(["engine", "--model", model, "--streams", str(streams),
@@ -153,22 +73,49 @@ def measure_engine(model: str, a, streams: int) -> dict:
 
 
 def measure_service(svc: Service, a, streams: int) -> dict:
+    native = None
+    if svc.native_dir is not None:
+        from bench.front_door_profile import NativeProfile, py_spy
+
+        native = NativeProfile(py_spy(), svc.proc.pid, svc.native_dir, f"front_door_{streams}")
+
+    def mark() -> dict:  # the CPU snapshot; the profile samples the window between them
+        snap = tree_cpu(svc.proc.pid)
+        if native is not None:
+            native.stop() if native.proc else native.start()
+        return snap
+
     res = run_role(["load", "--addr", svc.addr, "--streams", str(streams),
                     "--connections", str(a.connections),
                     "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len)],
-                   between=lambda: tree_cpu(svc.proc.pid))
+                   between=mark)
     res["cpu"] = cpu_delta(*res.pop("_marks"))
+    if native is not None and native.summary.exists():
+        print(f"front door native profile (py-spy): {native.summary}")
     return res
 
 
-def measure_floor(a, streams: int) -> dict:
+def measure_floor(a, streams: int, loop: str, native_dir: Path | None = None) -> dict:
+    """A bare grpc.aio server on `loop` (the front door's, for a fair floor)."""
     import psutil
 
-    server = subprocess.Popen(ROLES + ["floor-server"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(ROLES + ["floor-server", "--event-loop", loop],
+                              stdout=subprocess.PIPE, text=True)
+    native = None
     try:
         addr = f"127.0.0.1:{server.stdout.readline().split()[1]}"
         proc = psutil.Process(server.pid)
-        snap = lambda: sum(proc.cpu_times()[:2])  # noqa: E731
+        if native_dir is not None:  # the floor's profile, to hold the front door's against
+            from bench.front_door_profile import NativeProfile, py_spy
+
+            native = NativeProfile(py_spy(), server.pid, native_dir, f"grpc_floor_{streams}")
+
+        def snap() -> float:
+            cpu = sum(proc.cpu_times()[:2])
+            if native is not None:
+                native.stop() if native.proc else native.start()
+            return cpu
+
         res = run_role(["floor-client", "--addr", addr, "--streams", str(streams),
                         "--output-len", str(a.output_len)], between=snap)
     finally:
@@ -176,10 +123,12 @@ def measure_floor(a, streams: int) -> dict:
         server.wait()
     t0, t1 = res.pop("_marks")
     res["us_per_message"] = (t1 - t0) / res["messages"] * 1e6
+    res["loop"], res["load"] = loop, load_avg()
     return res
 
 
-def report_throughput(streams: int, eng: dict, svc: dict, floor: dict) -> None:
+def report_throughput(streams: int, eng: dict, svc: dict, floor: dict,
+                      ref: dict | None) -> None:
     tag = f"[{streams} streams]"
     eng_us = eng["cpu_s"] / eng["tokens"] * 1e6
     eng_tps = eng["tokens"] / eng["wall_s"]
@@ -196,16 +145,19 @@ def report_throughput(streams: int, eng: dict, svc: dict, floor: dict) -> None:
     print(f"{tag} ratio cpu per token: {total / eng_us:.2f}")
     print(f"{tag} ratio tokens/s: {tps / eng_tps:.2f}")
     fd_msg = svc["cpu"]["front door"] / max(1, svc["messages"]) * 1e6
-    print(f"{tag} grpc floor: {floor['us_per_message']:.1f} us server CPU per 24-byte message "
-          f"({floor['messages']} messages) ({floor['load']})")
+    for f in (floor, ref) if ref else (floor,):
+        print(f"{tag} grpc floor ({f['loop']} loop): {f['us_per_message']:.1f} us server CPU per "
+              f"24-byte message ({f['messages']} messages) ({f['load']})")
     base = floor["us_per_message"]
     if base <= 0:  # the floor server's CPU stayed under one clock tick (a --quick run)
-        print(f"{tag} front door per streamed message: {fd_msg:.1f} us; per token "
+        print(f"{tag} front door ({floor['loop']} loop) per streamed message: {fd_msg:.1f} us; per token "
               f"{per['front door']:.1f} us (no ratio: too few messages to time the floor)")
         return
-    print(f"{tag} front door per streamed message: {fd_msg:.1f} us = "
+    print(f"{tag} front door ({floor['loop']} loop) per streamed message: {fd_msg:.1f} us = "
           f"{fd_msg / base:.2f}x the grpc floor; per token "
-          f"{per['front door']:.1f} us = {per['front door'] / base:.2f}x")
+          f"{per['front door']:.1f} us = {per['front door'] / base:.2f}x" +
+          (f"; {fd_msg / ref['us_per_message']:.2f}x the {ref['loop']} loop's floor per "
+           "message" if ref and ref["us_per_message"] > 0 else ""))
 
 
 def report_idle(eng: dict, svc: dict) -> None:
@@ -228,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256, help="both engines' batch cap")
     p.add_argument("--idle-requests", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="16 streams x 16 tokens, 4 idle requests")
-    p.add_argument("--profile", type=Path, help="directory for a cProfile summary of the front door")
+    p.add_argument("--profile", type=Path, help="directory for a profile of the front door "
+                   "(py-spy --native per load window when installed, else cProfile)")
     p.add_argument("--connections", type=int, default=1,
                    help="client connections the streams spread over (with --api-servers)")
     p.add_argument("--serve-args", default="", help="extra `pdserve serve` flags, e.g. "
@@ -243,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"control plane bench: tiny model, prompts {a.prompt_len} tokens, {a.output_len} "
           f"output tokens, streams {streams}, serve {a.serve_args or '(defaults)'} ({load_avg()})",
           flush=True)
-    prof = None
+    prof = native = None
     if a.profile is not None:
+        from bench.front_door_profile import py_spy
+
         a.profile.mkdir(parents=True, exist_ok=True)
-        prof = a.profile / "front_door.prof"
-    svc = Service(extra=a.serve_args.split(), profile=prof)
+        if py_spy():
+            native = a.profile
+        else:
+            prof = a.profile / "front_door.prof"
+    svc = Service(extra=a.serve_args.split(), profile=prof, native_dir=native)
     results = []
     svc.start(a.max_num_seqs)
     try:
@@ -256,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             eng["load"] = load_avg()
             srv = measure_service(svc, a, s)
             srv["load"] = load_avg()
-            floor = measure_floor(a, s)
-            floor["load"] = load_avg()
-            report_throughput(s, eng, srv, floor)
+            floor = measure_floor(a, s, svc.loop, svc.native_dir)
+            ref = measure_floor(a, s, "asyncio") if svc.loop != "asyncio" else None
+            report_throughput(s, eng, srv, floor, ref)
             results.append((s, eng, srv, floor))
             sys.stdout.flush()
         idle_args = ["--prompt-len", "16", "--output-len", "8", "--requests", str(a.idle_requests)]
@@ -270,12 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         svc.stop()
     if prof is not None and prof.exists():
-        import pstats
+        from bench.front_door_profile import cprofile_summary
 
-        out = a.profile / "front_door.txt"
-        with out.open("w") as f:
-            pstats.Stats(str(prof), stream=f).sort_stats("tottime").print_stats(40)
-        print(f"front door profile (cProfile of its event-loop thread): {out}")
+        print(f"front door profile (cProfile of its event-loop thread): "
+              f"{cprofile_summary(prof)}")
     return 0
 
 

@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from cluster.front_door_loop import run as run_loop
+
 FLOOR_METHOD = "/pdserve.bench.Floor/Stream"
 FLOOR_MESSAGE = b"x" * 24
 
@@ -197,7 +199,7 @@ ROLES = {
     "engine-idle": run_engine_idle,
     "load": lambda a: asyncio.run(_load(a)),
     "idle": lambda a: asyncio.run(_idle(a)),
-    "floor-server": lambda a: asyncio.run(_floor_server(a)),
+    "floor-server": lambda a: run_loop(_floor_server(a), a.event_loop),
     "floor-client": lambda a: asyncio.run(_floor_client(a)),
 }
 
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--connections", type=int, default=1, help="client TCP connections")
+    p.add_argument("--event-loop", default="asyncio", help="the floor server's event loop "
+                   "(cluster/front_door_loop.py: the front door's, for a fair floor)")
     a = p.parse_args(argv)
     ROLES[a.role](a)
 

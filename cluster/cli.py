@@ -69,6 +69,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     cfg = config_or_exit(args)  # before the heavy imports: a typo fails instantly
     import asyncio
 
+    from cluster.front_door_loop import run as run_loop
     from cluster.server import serve
 
     setup_logging(cfg.server.log_level)
@@ -104,7 +105,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             if refresher is not None:
                 refresher.cancel()
 
-    asyncio.run(main())
+    run_loop(main(), cfg.server.event_loop)
     return 0
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from cluster.config_fields import Section, opt
+from cluster.front_door_loop import EVENT_LOOPS
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class ServerSection(Section):
     stream_interval: int = opt(1, "tokens per streamed message (the first token and the last "
                                "message go at once); a client that reads slower than tokens "
                                "arrive gets them coalesced in any case", ge=1)
+    event_loop: str = opt("auto", "the front doors' event loop: uvloop (its loop machinery in "
+                          "C: less CPU per streamed message), asyncio, or auto (uvloop when "
+                          "installed)", choices=EVENT_LOOPS)
 
     def _check(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

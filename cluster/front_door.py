@@ -18,6 +18,7 @@ import sys
 import threading
 
 from cluster.config import ServeConfig
+from cluster.front_door_loop import run as run_loop
 from cluster.front_doors import ChildSpec, attach_peers
 
 log = logging.getLogger("pdserve.front_door")
@@ -71,7 +72,7 @@ def main() -> None:
     spec: ChildSpec = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s front-door-{spec.index} %(levelname)s %(message)s")
-    asyncio.run(run(spec))
+    run_loop(run(spec), ServeConfig.from_dict(spec.config).server.event_loop)
     import ray
 
     ray.shutdown()

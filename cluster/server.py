@@ -31,13 +31,15 @@ import time
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.auth import BearerTokenInterceptor, read_token, server_credentials
 from cluster.config import ServeConfig
+from cluster.front_door_loop import running_loop_name
 from cluster.http_server import BindError, HttpServer
 from cluster.intake import PromptIntake
+from cluster.server_health import HealthReporter
 from cluster.servicer import GenerationServicer, ServingState
 from cluster.types import RouterAPI
 from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
@@ -45,8 +47,6 @@ from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # SO_REUSEPORT off: a second server on a busy port must fail, not silently share it
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]
 SHARED_PORT_OPTIONS = [("grpc.so_reuseport", 1)]  # server.api_servers > 1: shared on purpose
@@ -59,13 +59,11 @@ class GenerationServer:
                  health_poll_s: float = 0.5):
         self.router = router
         self.cfg = cfg or ServeConfig()
-        self.health_poll_s = health_poll_s
         self.state = ServingState()
-        self.health = health.aio.HealthServicer()
+        self.health = HealthReporter(router, SERVICE_NAME, lambda: self.state.draining,
+                                     health_poll_s)
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._poller: asyncio.Task | None = None
-        self._status: int | None = None
         self._drain_end = float("inf")
         self._stopped: asyncio.Event | None = None  # created by start() (needs a loop)
         self.http: HttpServer | None = None
@@ -96,7 +94,7 @@ class GenerationServer:
                                       intake=self.intake)
         self.servicer = servicer
         pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         host = srv_cfg.host
@@ -121,10 +119,9 @@ class GenerationServer:
         await server.start()
         self._server = server
         self._stopped = asyncio.Event()
-        await self._set_health(self._router_healthy())
-        self._poller = asyncio.create_task(self._poll_health(), name="pdserve-health")
-        log.info("serving %s on %s (tls=%s, auth=%s)", SERVICE_NAME, self.address,
-                 bool(srv_cfg.tls_cert), bool(srv_cfg.auth_token_file))
+        await self.health.start()
+        log.info("serving %s on %s (tls=%s, auth=%s, loop=%s)", SERVICE_NAME, self.address,
+                 bool(srv_cfg.tls_cert), bool(srv_cfg.auth_token_file), running_loop_name())
         return self.address
 
     @property
@@ -153,28 +150,6 @@ class GenerationServer:
         self.http = http
         log.info("serving the OpenAI-compatible API on %s/v1", http.url)
 
-    def _router_healthy(self) -> bool:
-        try:
-            return bool(self.router.healthy())
-        except Exception:
-            log.exception("router.healthy() raised; reporting NOT_SERVING")
-            return False
-
-    async def _set_health(self, serving: bool) -> None:
-        status = SERVING if serving else NOT_SERVING
-        if status == self._status:
-            return
-        self._status = status
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-        log.log(logging.INFO if serving else logging.WARNING, "health: %s",
-                health_pb2.HealthCheckResponse.ServingStatus.Name(status))
-
-    async def _poll_health(self) -> None:
-        while True:
-            await self._set_health(not self.state.draining and self._router_healthy())
-            await asyncio.sleep(self.health_poll_s)
-
     async def stop(self, drain_timeout_s: float | None = None,
                    shutdown_router: bool = True) -> None:
         """Graceful stop: drain, abort stragglers, stop gRPC, shut the router down.
@@ -190,7 +165,7 @@ class GenerationServer:
             return
         self.state.draining = True
         self._drain_end = time.monotonic() + timeout
-        await self._set_health(False)
+        await self.health.set(False)
         doors = None if self.front_doors is None else asyncio.ensure_future(
             self.front_doors.stop(timeout))  # the other front doors drain meanwhile
         log.info("draining %d request(s) for up to %.1f s", len(self.state.active), timeout)
@@ -209,8 +184,7 @@ class GenerationServer:
             await doors  # before the pools go: their streams run on them
         if self.http is not None:
             await self.http.stop()
-        if self._poller is not None:
-            self._poller.cancel()
+        self.health.stop()
         if shutdown_router:
             await self.router.shutdown(max(0.0, self._drain_end - time.monotonic()))
         log.info("server stopped")

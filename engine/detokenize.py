@@ -10,8 +10,9 @@ the deltas always concatenate to `detokenize(all_tokens)`.
 
 A push is two steps, `windows()` (the id sequences to decode) and `accept()` (their
 texts -> the delta), so `BatchDecoder` decodes the windows of every request of a step in
-one pass straight through the Rust backend; `DetokenizerThread` does that off the front door's
-event loop; `engine.LLM.stream` uses them in-process.
+one pass straight through the Rust backend (a byte-level BPE tokenizer's deltas come from
+a table of each id's bytes instead); `DetokenizerThread` does that off the front door's
+event loop (or on it, for such a table); `engine.LLM.stream` uses them in-process.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this are emitted
         self._emitted: list[str] = []
         self._final = False
+        self._pending = b""  # push_bytes: bytes of tokens whose text is not out yet
 
     @property
     def text(self) -> str:
@@ -73,6 +75,29 @@ class IncrementalDetokenizer:
         self._emitted.append(delta)
         return delta
 
+    def push_bytes(self, table: list[bytes], token_ids: Sequence[int], final: bool) -> str:
+        """push() for a byte-level BPE tokenizer, from BatchDecoder's table (id -> the
+        bytes it decodes to): the same deltas with no window decoded. The bytes since
+        the last delta are held while their text ends in U+FFFD (an incomplete UTF-8
+        sequence), as push() holds a window that does; each delta starts at a character
+        boundary, so the deltas concatenate to the whole output's text."""
+        self._ids.extend(token_ids)
+        try:
+            new = b"".join([table[t] for t in token_ids])
+        except IndexError:  # an id past the tokenizer's vocabulary decodes to nothing
+            new = b"".join([table[t] if 0 <= t < len(table) else b"" for t in token_ids])
+        pending = self._pending + new if self._pending else new
+        if not pending:
+            return ""
+        text = pending.decode("utf-8", "replace")
+        if not final and text[-1] == REPLACEMENT:
+            self._pending = pending
+            return ""
+        self._pending = b""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._emitted.append(text)
+        return text
+
     def _finish(self, full: str) -> str:
         sent = self.text
         delta = full[len(sent):] if full.startswith(sent) else ""
@@ -101,6 +126,7 @@ class BatchDecoder:
                 self._backend = None
         else:
             self._backend = None
+        self._table = byte_level_table(tokenizer) if self._clean is None else None
 
     def _cleanup_fn(self) -> Callable[[str], str] | None:
         tok = self.tokenizer
@@ -132,7 +158,10 @@ class BatchDecoder:
                   ) -> list[str]:
         """Push each (detokenizer, new ids, final) in order, with one batched decode per
         round (a detokenizer pushed twice, e.g. two queued steps, goes once per round);
-        returns their deltas."""
+        returns their deltas. A byte-level tokenizer's go through its byte table."""
+        table = self._table
+        if table is not None:
+            return [d.push_bytes(table, ids, final) for d, ids, final in items]
         out: list[str] = [""] * len(items)
         pending = list(range(len(items)))
         while pending:
@@ -154,25 +183,84 @@ class BatchDecoder:
 log = logging.getLogger(__name__)
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+def byte_level_table(tokenizer: Any, probes: int = 300) -> list[bytes] | None:
+    """id -> the bytes its text is made of, for a byte-level BPE tokenizer (GPT-2, Llama 3,
+    Qwen, SmolLM) whose decode(ids, skip_special_tokens=True) is the lossy UTF-8 decode of
+    those bytes joined; None for any other tokenizer, or when that does not hold for every
+    single id and for random sequences of ids (checked here, once)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    byte_of = _byte_decoder()
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    n = backend.get_vocab_size(with_added_tokens=True)
+    table = []
+    for i in range(n):
+        tok = backend.id_to_token(i)
+        table.append(b"" if tok is None or i in special else b"".join(
+            bytes((byte_of[c],)) if c in byte_of else c.encode() for c in tok))
+    import random
+
+    rng = random.Random(0)
+    seqs = [[i] for i in range(n)] + [[n + 7]] + [
+        [rng.randrange(n) for _ in range(rng.randrange(2, 12))] for _ in range(probes)]
+    try:
+        got = [b"".join(table[t] if t < n else b"" for t in s).decode("utf-8", "replace")
+               for s in seqs]
+        if got != backend.decode_batch(seqs, skip_special_tokens=True):
+            return None
+    except Exception:  # any doubt: the tokenizer's own decode
+        return None
+    return table
+
+
 class DetokenizerThread:
-    """Detokenizes the front door's token deltas on its own thread.
+    """Detokenizes the front door's token deltas, on its own thread unless `inline`.
 
     `submit(items, deliver)` (on the event loop) queues a step's [(holder, ids, final)];
     the thread pushes them all through one BatchDecoder call (each holder keeps its
     IncrementalDetokenizer in `holder.detok`, touched by this thread only) and hands the
-    texts back with `deliver(items, texts)` on the loop, in submission order."""
+    texts back with `deliver(items, texts)` on the loop, in submission order.
 
-    def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop):
+    With a byte-level tokenizer's table a token costs a join and a UTF-8 decode, less
+    than the hand-off itself (a wake-up of this thread, the GIL, a wake-up of the loop),
+    which also delays every step's text: then (`inline`, the default for such a
+    tokenizer) `submit` detokenizes at once and calls `deliver` before it returns."""
+
+    def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop,
+                 inline: bool | None = None):
         self.decoder = BatchDecoder(tokenizer)
         self.loop = loop
+        self.inline = self.decoder._table is not None if inline is None else inline
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pdserve-detokenize",
-                                        daemon=True)
-        self._thread.start()
+        if not self.inline:
+            threading.Thread(target=self._run, name="pdserve-detokenize", daemon=True).start()
 
     def submit(self, items: list[tuple[Any, Sequence[int], bool]],
                deliver: Callable[[list, list[str]], None]) -> None:
-        self._queue.put((items, deliver))
+        if self.inline:
+            deliver(items, self._push(items))
+        else:
+            self._queue.put((items, deliver))
+
+    def _push(self, items: list[tuple[Any, Sequence[int], bool]]) -> list[str]:
+        for holder, _, _ in items:
+            if holder.detok is None:
+                holder.detok = IncrementalDetokenizer()
+        try:
+            return self.decoder.push_many([(h.detok, ids, f) for h, ids, f in items])
+        except Exception:  # a tokenizer failure must not stop every stream's text
+            log.exception("detokenizing a step failed")
+            return [""] * len(items)
 
     def _run(self) -> None:
         while True:
@@ -189,15 +277,7 @@ class DetokenizerThread:
                     self._queue.put(None)
                     break
                 jobs.append(more)
-            items = [it for its, _ in jobs for it in its]
-            for holder, _, _ in items:
-                if holder.detok is None:
-                    holder.detok = IncrementalDetokenizer()
-            try:
-                texts = self.decoder.push_many([(h.detok, ids, f) for h, ids, f in items])
-            except Exception:  # a tokenizer failure must not stop every stream's text
-                log.exception("detokenizing a step failed")
-                texts = [""] * len(items)
+            texts = self._push([it for its, _ in jobs for it in its])
             i = 0
             for its, deliver in jobs:
                 self._hand_back(deliver, its, texts[i:i + len(its)])

@@ -2,7 +2,7 @@
 larger deltas, nothing lost, log-probs kept with their tokens, tokens before an error
 first), batched incremental
 detokenization equal to decoding each request alone, and the detokenizer thread handing
-texts back in order on the event loop."""
+texts back in order on the event loop; a byte-level tokenizer's byte table."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ import pytest
 
 from cluster.delta_stream import DeltaStream
 from cluster.types import ErrorCode, RouterError, TokenDelta
-from engine.detokenize import BatchDecoder, DetokenizerThread, IncrementalDetokenizer
+from engine.detokenize import (
+    BatchDecoder,
+    DetokenizerThread,
+    IncrementalDetokenizer,
+    byte_level_table,
+)
 from engine.loader import load_tokenizer
 from engine.logprobs import TokenLogprobs
 
@@ -126,7 +131,7 @@ def test_the_detokenizer_thread_hands_texts_back_on_the_loop_in_order(tokenizer)
 
     async def go():
         loop = asyncio.get_running_loop()
-        th = DetokenizerThread(tokenizer, loop)
+        th = DetokenizerThread(tokenizer, loop, inline=False)
         holders = [Holder(), Holder()]
         ids = tokenizer("hello world, again and again").input_ids
         done: list = []
@@ -144,3 +149,48 @@ def test_the_detokenizer_thread_hands_texts_back_on_the_loop_in_order(tokenizer)
     assert [k for k, _ in done] == list(range(len(ids)))  # in submission order
     for h in range(2):
         assert "".join(t[h] for _, t in done) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_byte_level_tokenizer_streams_through_its_byte_table(tokenizer):
+    """The tiny model's tokenizer is byte-level BPE: push_many goes through the byte
+    table (no window decoded) and gives the windows' deltas: a character split across
+    tokens is held back until complete, and the deltas join to the whole decode."""
+    d = BatchDecoder(tokenizer)
+    assert d._table is not None and len(d._table) == len(tokenizer)
+    text = "héllo wörld ✓ 日本語 \U0001f600!"
+    ids = tokenizer(text).input_ids
+    decode = lambda x: tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+    alone, fast = IncrementalDetokenizer(decode), IncrementalDetokenizer()
+    want = [alone.push([t], final=k == len(ids) - 1) for k, t in enumerate(ids)]
+    got = [d.push_many([(fast, [t], k == len(ids) - 1)])[0] for k, t in enumerate(ids)]
+    assert got == want and "".join(got) == decode(ids) == text
+    assert not any("\ufffd" in g for g in got)
+    eos = tokenizer.eos_token_id  # a special token decodes to nothing; an id past the
+    tail = IncrementalDetokenizer()  # vocabulary too (as the tokenizer's decode)
+    assert d.push_many([(tail, [ids[0], eos, len(tokenizer) + 5], True)]) == [
+        decode([ids[0], eos])]
+
+
+def test_a_tokenizer_that_is_not_byte_level_gets_no_byte_table():
+    class NotByteLevel:
+        class backend_tokenizer:  # noqa: N801
+            decoder = type("Metaspace", (), {})()
+
+    assert byte_level_table(NotByteLevel()) is None
+
+
+def test_a_byte_table_detokenizes_inline_before_submit_returns(tokenizer):
+    class Holder:
+        detok = None
+
+    th = DetokenizerThread(tokenizer, loop=None)  # no thread, no loop needed
+    assert th.inline
+    holders = [Holder(), Holder()]
+    ids = tokenizer("héllo wörld ✓").input_ids
+    got: list[list[str]] = [[], []]
+    for k, tok in enumerate(ids):
+        th.submit([(h, [tok], k == len(ids) - 1) for h in holders],
+                  lambda items, texts: [got[i].append(t) for i, t in enumerate(texts)])
+        assert len(got[0]) == k + 1  # delivered before submit returned
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    assert ["".join(g) for g in got] == [want, want]
