@@ -1,6 +1,8 @@
 """The simulated router: cluster/router.py's request lifecycle on the simulated clock.
 
-Reproduced: the bounded admission queue (sim/admission.py); prefill placement by a
+Reproduced: the bounded admission queue (sim/admission.py drives the router's own
+AdmissionCore); the first token from the prefill or decode's first step, whichever comes
+first (cluster/router_events.py; timed in sim/results.py); prefill placement by a
 registered policy over outstanding prefill tokens (cluster/routing_policies.py); legs (a preemption or a failure
 starts a new leg that recomputes prompt + tokens so far); request deadlines; the
 adaptive-chunk pressure loop.
@@ -163,6 +165,7 @@ class SimRouter:
     def _decode_load(self, wid: str) -> None:
         self.decode_loads[self._load_index[wid]] = DecodeLoad(
             wid, self.kv_view[wid], len(self.held[wid]))
+        self.admission.loads_changed()
 
     # ---- worker events --------------------------------------------------------------
     def _current(self, leg: str, w: Any, role: str) -> Flight | None:
@@ -176,6 +179,8 @@ class SimRouter:
         if f is None:
             return
         f.timing.update(timing)
+        if f.leg_first_seen:  # (decode's copy of it went out already)
+            return
         f.leg_first_seen = True
         f.generated += 1
         f.tokens.append(self.loop.now)
@@ -197,9 +202,11 @@ class SimRouter:
         f = self._current(leg, w, "decode")
         if f is None:
             return
-        if count:
-            f.tokens.append((w, first, count))
-            f.generated += count
+        if count:  # the leg's first step carried its first token too: the router
+            # streamed whichever copy came first (sim/results.py times both)
+            f.tokens.append((w, first, count, f.leg_first_seen))
+            f.generated += count + (not f.leg_first_seen)
+            f.leg_first_seen = True
         if finished:
             f.timing["decode_s"] = f.timing.get("decode_s", 0.0) + decode_s
             self._finish(f, (w, f.prefill))
