@@ -1,23 +1,22 @@
 """Decode admission: requests waiting for a decode reservation, served in arrival order.
 
-`AdmissionCore` decides, with no asyncio or Ray, and the router and the simulator (sim/
-admission.py) drive the same object: the queue of waiters, which one asks which decode
-worker, which grants are kept. `DecodeAdmission` drives it with `admit` calls and real
-`reserve` calls. Several waiters ask at once, each a different worker (one `reserve` in
-flight per worker), so admissions are not serialised behind one waiter's round trips.
-Arrival order is kept by two rules. (1) A waiter's grant on worker W is *tentative* until
-every earlier waiter still queued has been refused by W in the current round; only then
-is it kept (the head's grants are kept at once). Before an earlier waiter asks W, the
-tentative grants of later waiters on W are given back, so the refusal it gets was not
-caused by them. (2) A waiter refused by every worker is *blocked*: nothing behind it asks
-or keeps a grant until it is admitted or leaves, so a large request cannot starve behind
-a stream of small ones. Every event that may free decode capacity (`wake_head`), and the
-head's retry after RETRY_S, starts a new round: refusals from before it no longer count,
-nor does a refusal whose answer crossed a new round. (A capacity freed on W that the
-router has not heard of yet may go to a later waiter that asks W before it hears.)
-Re-dispatched legs keep their request's arrival time, so go ahead of newer requests. A
-waiter leaves when it is admitted, when its request ends (abort, deadline, drain:
-`wake(flight)`) or gives up; a reservation reaching a waiter that left is released.
+`AdmissionCore` decides, with no asyncio or Ray (the router and the simulator, sim/
+admission.py, drive the same object): the queue of waiters, which one asks which decode
+worker, which grants are kept. `DecodeAdmission` drives it with `admit` and real `reserve`
+calls. Several waiters ask at once, one `reserve` in flight per worker, so admissions are
+not serialised behind one waiter's round trips. Arrival order is kept by two rules. (1) A
+waiter's grant on worker W is *tentative* until every earlier waiter still queued has
+been refused by W in the current round; only then is it kept (the head's at once). Before
+an earlier waiter asks W, the tentative grants of later waiters on W are given back, so
+the refusal it gets was not caused by them. (2) A waiter refused by every worker is
+*blocked*: nothing behind it asks or keeps a grant until it is admitted or leaves, so a
+large request cannot starve behind a stream of small ones. Every event that may free
+decode capacity (`wake_head`), and the head's retry after RETRY_S, starts a new round:
+older refusals no longer count, nor does a refusal whose answer crossed a new round. (A
+capacity freed on W that the router has not heard of yet may go to a later waiter that
+asks W before it hears.) Re-dispatched legs keep their request's arrival time, so go
+ahead of newer ones. A waiter leaves when admitted, when its request ends (abort,
+deadline, drain: `wake(flight)`) or gives up; a reservation reaching it after is released.
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ class AdmissionDriver(Protocol):
         """The live decode workers in the order to ask them; may any be asked now?"""
 
     def ask(self, waiter: Waiter, worker: Any, revoke: list[Waiter]) -> None:
-        """Give `revoke`'s grants on `worker` back (notify them), then ask `worker` to
-        reserve for `waiter`; report with `AdmissionCore.answered`."""
+        """Give `revoke`'s grants on `worker` back, then reserve there; then `answered`."""
 
     def abort_on(self, worker: Any, leg_id: str) -> None: ...  # release a reservation
 
@@ -81,6 +79,7 @@ class AdmissionCore:
         self._seq = itertools.count()  # may queue while its old one is leaving)
         self.round = 0
         self.busy: dict[int, Waiter] = {}  # id(worker) -> the waiter whose call is on it
+        self._alive, self._ids = None, []  # the last candidates, and their id()s
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -153,7 +152,9 @@ class AdmissionCore:
         if not self.waiters:
             return
         alive, can_ask = self.driver.candidates()
-        free = {id(w) for w in alive if id(w) not in self.busy} if can_ask else set()
+        if alive is not self._alive:  # (a driver gives a new list when the order changes)
+            self._alive, self._ids = alive, [id(w) for w in alive]
+        free = set(self._ids).difference(self.busy) if can_ask else set()
         live: set[int] | None = None
         passed: set[int] | None = None  # workers that refused every earlier waiter
         for wt in list(self.waiters):
@@ -161,7 +162,7 @@ class AdmissionCore:
                     or wt.flight.leg_id != wt.task.leg_id):
                 continue  # (an ended request's or leg's waiter is leaving: it asks no more)
             if wt.held is not None:
-                live = {id(w) for w in alive} if live is None else live
+                live = set(self._ids) if live is None else live
                 if id(wt.held) not in live:  # died under its tentative grant: undone
                     self.driver.abort_on(wt.held, wt.task.leg_id)  # (if it lives);
                     wt.held = None  # it asks again
@@ -243,7 +244,11 @@ class DecodeAdmission:
                 if w is not None:
                     flight.admitted = True
                     return w
-                self._check_pools(grace_end)
+                decode_up = any(w.alive for w in self.router.decode)
+                if (not decode_up or not any(w.alive for w in self.router.prefill)) \
+                        and time.monotonic() > grace_end:  # no restart came back in time
+                    pool = "decode" if not decode_up else "prefill"
+                    raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
                 if limit is not None and time.monotonic() > start + limit:
                     raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                                       "no decode worker could admit the request in time "
@@ -255,13 +260,6 @@ class DecodeAdmission:
                         core.wake_head()
         finally:
             core.leave(waiter)
-
-    def _check_pools(self, grace_end: float) -> None:
-        decode_up = any(w.alive for w in self.router.decode)
-        if (not decode_up or not any(w.alive for w in self.router.prefill)) \
-                and time.monotonic() > grace_end:  # no restart came back in time
-            pool = "decode" if not decode_up else "prefill"
-            raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
 
     # ---- AdmissionDriver ------------------------------------------------------------
     def candidates(self) -> tuple[list[WorkerHandle], bool]:

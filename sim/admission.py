@@ -27,6 +27,7 @@ class SimAdmission:
         self.router, self.loop, self.sim = router, router.loop, router.sim
         self.core = AdmissionCore(self)
         self._order: list[SimDecode] | None = None  # cached until a decode load changes
+        self._timer_at: float | None = None  # the pending timeout check
 
     def __len__(self) -> int:
         return len(self.core)
@@ -36,7 +37,7 @@ class SimAdmission:
         task = decode_task(flight.leg_id, flight.leg_prompt_len,
                            req.max_tokens - flight.generated, req.tenant)
         wt = self.core.enqueue(flight, flight.arrival, task)
-        wt.event = [0, False]  # [version of its retry timer, a wake-up is due]
+        wt.event = [0.0, False]  # [when its RETRY_S wait runs out, a wake-up is due]
         self.core.pump()
         self._wake_up(wt)
 
@@ -108,12 +109,21 @@ class SimAdmission:
         if w is not None:
             self.core.leave(wt)
             return self.router.place(f, w)
-        wt.event[0] += 1  # it waits RETRY_S for the next wake-up
-        self.loop.at(self.loop.now + ADMISSION_RETRY_S, self._timeout, wt, wt.event[0])
+        wt.event[0] = due = self.loop.now + ADMISSION_RETRY_S  # it waits for a wake-up
+        if self._timer_at is None:  # (a due set now is the latest of all)
+            self._timer_at = due
+            self.loop.at(due, self._timeouts)
 
-    def _timeout(self, wt: Waiter, version: int) -> None:
-        if version != wt.event[0] or wt.left:
-            return
-        if self.core.idle_head(wt):  # a head between its tries re-asks on its own
-            self.core.wake_head()
-        self._wake_up(wt)
+    def _timeouts(self) -> None:
+        """One timer for every waiter's RETRY_S wait (each waiter's own in the router):
+        those whose wait ran out without a wake-up time out, in queue order."""
+        now = self._timer_at = self.loop.now  # (set: the wake-ups below arm no timer)
+        for wt in list(self.core.waiters):
+            if not wt.left and wt.event[0] <= now:
+                if self.core.idle_head(wt):  # a head between its tries re-asks on its own
+                    self.core.wake_head()
+                self._wake_up(wt)
+        dues = [wt.event[0] for wt in self.core.waiters if not wt.left]
+        self._timer_at = min(dues) if dues else None
+        if dues:
+            self.loop.at(self._timer_at, self._timeouts)
