@@ -185,16 +185,15 @@ class AdmissionCore:
     def _start(self, wt: Waiter, alive: list, free: set[int], tried: set[int]) -> None:
         """Ask the first free worker that has not refused `wt` this round, preferring
         one where no later waiter holds a tentative grant (that would be given back)."""
-        ok = [w for w in alive if id(w) in free and id(w) not in tried]
+        ok = [(w, i) for w, i in zip(alive, self._ids, strict=True)
+              if i in free and i not in tried]
         if not ok:
             return
-        later: dict[int, list[Waiter]] = {}
+        later: dict[int, list[Waiter]] = {}  # id(worker) -> later waiters holding it
         for v in self.waiters:
-            if v.held is not None:
-                later.setdefault(id(v.held), [])
-                if v.key > wt.key:
-                    later[id(v.held)].append(v)
-        w = next((w for w in ok if not later.get(id(w))), ok[0])
+            if v.held is not None and v.key > wt.key:
+                later.setdefault(id(v.held), []).append(v)
+        w, _ = next((x for x in ok if x[1] not in later), ok[0])
         revoke = later.get(id(w), [])
         for v in revoke:
             v.held = None
