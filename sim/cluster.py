@@ -25,7 +25,8 @@ from sim.loop import EventLoop
 from sim.options import SimOptions
 from sim.prefill import SimPrefill
 from sim.results import SimResult
-from sim.router import PRESSURE_PERIOD_S, SimRouter
+from sim.router import SimRouter
+from sim.router_upkeep import PRESSURE_PERIOD_S
 from sim.trace import SimTracer
 
 
