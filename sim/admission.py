@@ -4,11 +4,12 @@ and kept grants, a waiter refused everywhere blocks those behind it), driven as
 DecodeAdmission drives it, with simulated reserve calls.
 
 Each waiter does what the router's ``admit`` loop does when it wakes (a notify reaches
-it later in the same instant, as an asyncio.Event set does): it leaves when its request
-ended, fails with its error, is placed with its grant, else waits again; a head that
-heard nothing for ``RETRY_S`` starts a new round. Workers are asked in the configured
-decode-order policy's order (cluster/routing_policies.py). Modelled: the revoked grants
-go back in one abort call before the reserve (the router awaits one abort per grant).
+it later in the same instant, as an asyncio.Event set does; the waiters an answer woke,
+right after the answer is taken in): it leaves when its request ended, fails with its
+error, is placed with its grant, else waits again; a head that heard nothing for
+``RETRY_S`` starts a new round. Workers are asked in the configured decode-order
+policy's order (cluster/routing_policies.py). Modelled: the revoked grants go back in one
+abort call before the reserve (the router awaits one abort per grant).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SimAdmission:
         self.core = AdmissionCore(self)
         self._order: list[SimDecode] | None = None  # cached until a decode load changes
         self._timer_at: float | None = None  # the pending timeout check
+        self._woken: list[Waiter] | None = None  # waiters an answer woke (while taken in)
 
     def __len__(self) -> int:
         return len(self.core)
@@ -62,7 +64,10 @@ class SimAdmission:
     def notify(self, wt: Waiter) -> None:
         if not wt.event[1]:
             wt.event[1] = True
-            self.loop.at(self.loop.now, self._wake_up, wt)
+            if self._woken is not None:  # it wakes once the answer is taken in
+                self._woken.append(wt)
+            else:
+                self.loop.at(self.loop.now, self._wake_up, wt)
 
     def abort_on(self, worker: SimDecode, leg_id: str) -> None:
         self.router.abort_on(worker, leg_id)
@@ -92,7 +97,13 @@ class SimAdmission:
                   round_: int) -> None:
         if error is not None:  # it can never fit: say so now, not after a wait
             wt.error = f"RESOURCE_EXHAUSTED: {error}"
-        self.core.answered(wt, w, ok, round_)
+        self._woken = woken = []
+        try:
+            self.core.answered(wt, w, ok, round_)
+        finally:
+            self._woken = None
+        for v in woken:  # (outside the core's walk: one may leave, and the core walks again)
+            self._wake_up(v)
 
     # ---- the waiter's admit loop ----------------------------------------------------
     def _wake_up(self, wt: Waiter) -> None:
