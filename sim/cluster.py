@@ -139,6 +139,8 @@ class Simulation:
         r = self.router
         if r.flights or r.legs or any(r.outstanding.values()) or any(r.held.values()):
             problems.append("router: legs or outstanding tokens left")
+        if len(r.admission) or r.admission.core.busy:
+            problems.append("router: decode admission still has waiters or reserves")
         if problems:
             raise AssertionError("simulation left state behind: " + "; ".join(problems))
 
