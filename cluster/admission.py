@@ -66,6 +66,8 @@ class AdmissionDriver(Protocol):
 
     def abort_on(self, worker: Any, leg_id: str) -> None: ...  # release a reservation
 
+    def is_alive(self, worker: Any) -> bool: ...  # (a worker that died is asked no more)
+
     def notify(self, waiter: Waiter) -> None: ...  # news: a grant, an error, an answer, an end
 
 
@@ -151,30 +153,29 @@ class AdmissionCore:
         use any more, and start a reserve for each idle waiter on a free worker."""
         if not self.waiters:
             return
-        alive, can_ask = self.driver.candidates()
-        if alive is not self._alive:  # (a driver gives a new list when the order changes)
-            self._alive, self._ids = alive, [id(w) for w in alive]
-        free = set(self._ids).difference(self.busy) if can_ask else set()
-        live: set[int] | None = None
+        alive, free = [], None  # the candidates and the free ones: asked when first needed
         passed: set[int] | None = None  # workers that refused every earlier waiter
         for wt in list(self.waiters):
             if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
                     or wt.flight.leg_id != wt.task.leg_id):
                 continue  # (an ended request's or leg's waiter is leaving: it asks no more)
-            if wt.held is not None:
-                live = set(self._ids) if live is None else live
-                if id(wt.held) not in live:  # died under its tentative grant: undone
-                    self.driver.abort_on(wt.held, wt.task.leg_id)  # (if it lives);
-                    wt.held = None  # it asks again
+            if wt.held is not None and not self.driver.is_alive(wt.held):  # died under its
+                self.driver.abort_on(wt.held, wt.task.leg_id)  # tentative grant: undone (if
+                wt.held = None  # it lives); it asks again
             if wt.held is not None and (passed is None or id(wt.held) in passed):
                 wt.granted, wt.held = wt.held, None
                 self.driver.notify(wt)
                 continue
             tried = self._tried(wt)
+            if free is None:
+                alive, can_ask = self.driver.candidates()
+                if alive is not self._alive:  # (a new list when the order changes)
+                    self._alive, self._ids = alive, [id(w) for w in alive]
+                free = set(self._ids).difference(self.busy) if can_ask else set()
             if free and wt.asking is None and wt.held is None:
                 self._start(wt, alive, free, tried)
-            if (alive and wt.asking is None and wt.held is None
-                    and all(id(w) in tried for w in alive)):
+            if (alive and wt.asking is None and wt.held is None and len(tried) >= len(alive)
+                    and all(i in tried for i in self._ids)):
                 wt.blocked = True  # refused everywhere: from now on it waits for room
             if wt.blocked:
                 break  # nothing behind it asks or keeps a grant (it may need any room)
@@ -185,15 +186,14 @@ class AdmissionCore:
     def _start(self, wt: Waiter, alive: list, free: set[int], tried: set[int]) -> None:
         """Ask the first free worker that has not refused `wt` this round, preferring
         one where no later waiter holds a tentative grant (that would be given back)."""
-        ok = [(w, i) for w, i in zip(alive, self._ids, strict=True)
-              if i in free and i not in tried]
-        if not ok:
-            return
         later: dict[int, list[Waiter]] = {}  # id(worker) -> later waiters holding it
         for v in self.waiters:
             if v.held is not None and v.key > wt.key:
                 later.setdefault(id(v.held), []).append(v)
-        w, _ = next((x for x in ok if x[1] not in later), ok[0])
+        ok = [w for w, i in zip(alive, self._ids, strict=True) if i in free and i not in tried]
+        if not ok:
+            return
+        w = next((w for w in ok if id(w) not in later), ok[0]) if later else ok[0]
         revoke = later.get(id(w), [])
         for v in revoke:
             v.held = None
@@ -267,6 +267,9 @@ class DecodeAdmission:
 
     def notify(self, waiter: Waiter) -> None:
         waiter.event.set()
+
+    def is_alive(self, worker: WorkerHandle) -> bool:
+        return worker.alive
 
     def abort_on(self, worker: WorkerHandle, leg_id: str) -> None:
         self.router.abort_on(worker, leg_id)

@@ -69,6 +69,9 @@ class SimAdmission:
             else:
                 self.loop.at(self.loop.now, self._wake_up, wt)
 
+    def is_alive(self, worker: SimDecode) -> bool:
+        return True  # (worker death is not simulated)
+
     def abort_on(self, worker: SimDecode, leg_id: str) -> None:
         self.router.abort_on(worker, leg_id)
 

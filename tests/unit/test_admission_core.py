@@ -33,6 +33,9 @@ class Driver:
     def ask(self, waiter: Waiter, worker: str, revoke: list[Waiter]) -> None:
         self.asks.append((waiter.task.leg_id, worker, [v.task.leg_id for v in revoke]))
 
+    def is_alive(self, worker: str) -> bool:
+        return worker in self.workers
+
     def abort_on(self, worker: str, leg_id: str) -> None:
         self.aborts.append((worker, leg_id))
 
