@@ -14,6 +14,7 @@ abort call before the reserve (the router awaits one abort per grant).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sim.adapters import ADMISSION_RETRY_S, AdmissionCore, Waiter, decode_order, decode_task
@@ -76,16 +77,7 @@ class SimAdmission:
         self.router.abort_on(worker, leg_id)
 
     def ask(self, wt: Waiter, w: SimDecode, revoke: list[Waiter]) -> None:
-        round_, emit = self.core.round, self.sim.emit
-
-        def reply(ok: bool, error: str | None) -> None:
-            emit(self._answered, wt, w, ok, error, round_)
-
-        def reserve() -> None:
-            for v in revoke:
-                self.notify(v)
-            emit(w.command, w.reserve, wt.task, reply)
-
+        emit, reply = self.sim.emit, partial(self._reply, wt, w, self.core.round)
         if not revoke:
             return emit(w.command, w.reserve, wt.task, reply)
 
@@ -94,7 +86,16 @@ class SimAdmission:
                 w.abort(v.task.leg_id)
             emit(reserve)
 
+        def reserve() -> None:
+            for v in revoke:
+                self.notify(v)
+            emit(w.command, w.reserve, wt.task, reply)
+
         emit(w.command, give_back)
+
+    def _reply(self, wt: Waiter, w: SimDecode, round_: int, ok: bool,
+               error: str | None) -> None:  # (on the worker: the answer travels back)
+        self.sim.emit(self._answered, wt, w, ok, error, round_)
 
     def _answered(self, wt: Waiter, w: SimDecode, ok: bool, error: str | None,
                   round_: int) -> None:

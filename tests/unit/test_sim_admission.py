@@ -75,3 +75,31 @@ def test_a_waiter_refused_everywhere_keeps_its_place_ahead_of_smaller_ones() -> 
     assert when["big"] > h0_end  # it waited for room: it was refused by both
     assert when["small"] >= when["big"]  # and small did not go ahead of it
     assert all(r.success for r in result.records())
+
+
+def test_a_later_waiters_tentative_grant_goes_back_when_the_head_needs_that_worker() -> None:
+    """decode-0 is busy stepping 'h' and has no room for 'head'; 'next' (same instant)
+    asks the idle decode-1, whose answer lands first: a tentative grant. Refused by
+    decode-0, head asks decode-1, and next's room there is given back first."""
+    sim, placed = _sim(2, num_blocks=10)
+    calls: list[tuple[str, str]] = []
+    d1 = sim.decode[1]
+    reserve, abort = d1.reserve, d1.abort
+
+    def on_reserve(task, reply) -> None:
+        calls.append(("reserve", task.leg_id.split("#")[0]))
+        reserve(task, reply)
+
+    def on_abort(leg_id: str) -> None:
+        calls.append(("abort", leg_id.split("#")[0]))
+        abort(leg_id)
+
+    d1.reserve, d1.abort = on_reserve, on_abort
+    work = [_req("h", 96, 0.0, max_tokens=60), _req("head", 100, 0.010),
+            _req("next", 8, 0.010)]
+    result = sim.run(work)
+    sim.check_quiescent()
+    assert calls[:3] == [("reserve", "next"), ("abort", "next"), ("reserve", "head")], calls
+    on = {rid: w for _, rid, w in placed}
+    assert on["head"] == "decode-1" and [rid for _, rid, _ in placed][:2] == ["h", "head"]
+    assert all(r.success for r in result.records())
