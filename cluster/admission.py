@@ -14,9 +14,8 @@ large request cannot starve behind a stream of small ones. Every event that may 
 decode capacity (`wake_head`), and the head's retry after RETRY_S, starts a new round:
 older refusals no longer count, nor does a refusal whose answer crossed a new round. (A
 capacity freed on W that the router has not heard of yet may go to a later waiter that
-asks W before it hears.) Re-dispatched legs keep their request's arrival time, so go
-ahead of newer ones. A waiter leaves when admitted, when its request ends (abort,
-deadline, drain: `wake(flight)`) or gives up; a reservation reaching it after is released.
+asks W before it hears.) Re-dispatched legs keep their arrival time. A waiter leaves
+when admitted, when its request ends (`wake(flight)`) or gives up (its late grant goes).
 """
 
 from __future__ import annotations
@@ -101,13 +100,11 @@ class AdmissionCore:
         for w in self._of.get(id(flight), ()):
             self.driver.notify(w)
 
-    def wake_head(self) -> None:
-        """Decode capacity may have freed: a new round (earlier refusals are stale)."""
+    def wake_head(self) -> None:  # decode capacity may have freed: a new round
         self.round += 1
         self.pump()
 
-    def take(self, w: Waiter) -> Any:
-        """The worker `w` was granted (it then leaves), or None."""
+    def take(self, w: Waiter) -> Any:  # the worker `w` was granted (it then leaves), or None
         worker, w.granted = w.granted, None
         return worker
 
@@ -167,21 +164,24 @@ class AdmissionCore:
                 self.driver.notify(wt)
                 continue
             tried = self._tried(wt)
-            if free is None:
-                alive, can_ask = self.driver.candidates()
-                if alive is not self._alive:  # (a new list when the order changes)
-                    self._alive, self._ids = alive, [id(w) for w in alive]
-                free = set(self._ids).difference(self.busy) if can_ask else set()
-            if free and wt.asking is None and wt.held is None:
-                self._start(wt, alive, free, tried)
-            if (alive and wt.asking is None and wt.held is None and len(tried) >= len(alive)
-                    and all(i in tried for i in self._ids)):
-                wt.blocked = True  # refused everywhere: from now on it waits for room
+            if wt.asking is None and wt.held is None:
+                alive, free = (alive, free) if free is not None else self._candidates()
+                if free:
+                    self._start(wt, alive, free, tried)
+                if (alive and wt.asking is None and len(tried) >= len(alive)
+                        and all(i in tried for i in self._ids)):
+                    wt.blocked = True  # refused everywhere: from now on it waits for room
             if wt.blocked:
                 break  # nothing behind it asks or keeps a grant (it may need any room)
             passed = set(tried) if passed is None else passed & tried
-            if not passed and not free:
+            if not passed and not (free if free is not None else self._candidates()[1]):
                 break  # no later waiter may keep a grant or ask anyone now
+
+    def _candidates(self) -> tuple[list, set[int]]:  # and the id()s of the free ones
+        alive, can_ask = self.driver.candidates()
+        if alive is not self._alive:  # (a new list when the order changes)
+            self._alive, self._ids = alive, [id(w) for w in alive]
+        return alive, set(self._ids).difference(self.busy) if can_ask else set()
 
     def _start(self, wt: Waiter, alive: list, free: set[int], tried: set[int]) -> None:
         """Ask the first free worker that has not refused `wt` this round, preferring
