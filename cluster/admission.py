@@ -54,9 +54,7 @@ class Waiter:
     left: bool = False
 
 
-class AdmissionDriver(Protocol):
-    """What an AdmissionCore asks of its driver (the router's, or the simulator's)."""
-
+class AdmissionDriver(Protocol):  # what an AdmissionCore asks of the router or the simulator
     def candidates(self) -> tuple[list, bool]:
         """The live decode workers in the order to ask them; may any be asked now?"""
 
@@ -152,7 +150,7 @@ class AdmissionCore:
             return
         alive, free = [], None  # the candidates and the free ones: asked when first needed
         passed: set[int] | None = None  # workers that refused every earlier waiter
-        for wt in list(self.waiters):
+        for wt in (waiters := list(self.waiters)):
             if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
                     or wt.flight.leg_id != wt.task.leg_id):
                 continue  # (an ended request's or leg's waiter is leaving: it asks no more)
@@ -174,14 +172,15 @@ class AdmissionCore:
             if wt.blocked:
                 break  # nothing behind it asks or keeps a grant (it may need any room)
             passed = set(tried) if passed is None else passed & tried
-            if not passed and not (free if free is not None else self._candidates()[1]):
+            if not passed and wt is not waiters[-1] and not (
+                    free if free is not None else self._candidates()[1]):
                 break  # no later waiter may keep a grant or ask anyone now
 
     def _candidates(self) -> tuple[list, set[int]]:  # and the id()s of the free ones
         alive, can_ask = self.driver.candidates()
         if alive is not self._alive:  # (a new list when the order changes)
             self._alive, self._ids = alive, [id(w) for w in alive]
-        return alive, set(self._ids).difference(self.busy) if can_ask else set()
+        return alive, (set(self._ids).difference(self.busy) if can_ask else set())
 
     def _start(self, wt: Waiter, alive: list, free: set[int], tried: set[int]) -> None:
         """Ask the first free worker that has not refused `wt` this round, preferring
