@@ -1,26 +1,21 @@
 """Decode admission: requests waiting for a decode reservation, served in arrival order.
 
-`DecodeAdmission.admit` queues a leg in an `AdmissionQueue` and returns the decode worker
-that reserved room for it (its prompt + headroom as a promise, least KV usage first).
-
-Several waiters ask at once, each a different decode worker (one `reserve` in flight per
-worker), so admissions are not serialised behind one waiter's round trips. Arrival order
-is kept by two rules. (1) A waiter's grant on worker W is *tentative* until every earlier
-waiter still queued has been refused by W in the current round; only then is it kept
-(the head's grants are kept at once). Before an earlier waiter asks W, the tentative
-grants of later waiters on W are given back, so the refusal it gets was not caused by
-them. (2) A waiter refused by every worker is *blocked*: nothing behind it asks or keeps
-a grant until it is admitted or leaves (as when only the head asked), so a large request
-cannot starve behind a stream of small ones. Together: a later waiter keeps only room
-that each earlier waiter was refused on and while each still had another worker to try.
-Every event that may free decode capacity (`wake_head`), and the head's retry after
-RETRY_S, starts a new round: refusals from before it no longer count, and a refusal
-whose answer crossed a new round is not counted at all. (A capacity freed on W that the
-router has not heard of yet may go to a later waiter that asks W before it hears.)
-Re-dispatched legs (preemption, failure) keep their request's original arrival time and
-so go ahead of newer requests. A waiter leaves when it is admitted, when its request
-ends (abort, deadline, drain: `wake(flight)`), or when it gives up; a reservation that
-reaches a waiter that already left is released.
+`AdmissionCore` decides, with no asyncio or Ray (the router and the simulator, sim/
+admission.py, drive the same object): the queue of waiters, which one asks which decode
+worker, which grants are kept. `DecodeAdmission` drives it with `admit` and real `reserve`
+calls. Several waiters ask at once, one `reserve` in flight per worker, so admissions are
+not serialised behind one waiter's round trips. Arrival order is kept by two rules. (1) A
+waiter's grant on worker W is *tentative* until every earlier waiter still queued has
+been refused by W in the current round; only then is it kept (the head's at once). Before
+an earlier waiter asks W, the tentative grants of later waiters on W are given back, so
+the refusal it gets was not caused by them. (2) A waiter refused by every worker is
+*blocked*: nothing behind it asks or keeps a grant until it is admitted or leaves, so a
+large request cannot starve behind a stream of small ones. Every event that may free
+decode capacity (`wake_head`), and the head's retry after RETRY_S, starts a new round:
+older refusals no longer count, nor does a refusal whose answer crossed a new round. (A
+capacity freed on W that the router has not heard of yet may go to a later waiter that
+asks W before it hears.) Re-dispatched legs keep their arrival time. A waiter leaves
+when admitted, when its request ends (`wake(flight)`) or gives up (its late grant goes).
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.flight import Flight, RouterCore
 from cluster.pool import WorkerHandle
@@ -46,38 +41,78 @@ RETRY_S = 0.25  # the head re-asks even when no event said "freed" (e.g. a KV-wa
 @dataclass(eq=False)
 class Waiter:
     key: tuple[float, int]  # (arrival, tie-break): the queue's order
-    flight: Any
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    task: DecodeTask | None = None
-    asking: WorkerHandle | None = None  # its reserve in flight
-    held: WorkerHandle | None = None  # a tentative grant (an earlier waiter may need it)
-    granted: WorkerHandle | None = None  # a kept grant: it leaves with it
-    error: RouterError | None = None
+    flight: Any  # has .done and .leg_id (its current leg)
+    task: Any  # what its driver asks with (a DecodeTask: .leg_id)
+    event: Any = None  # its driver's wake-up state (the router's asyncio.Event)
+    asking: Any = None  # the worker its reserve is in flight on
+    held: Any = None  # a tentative grant (an earlier waiter may need it)
+    granted: Any = None  # a kept grant: it leaves with it
+    error: Any = None  # the reason it can never be admitted (its driver's error)
     tried: set[int] = field(default_factory=set)  # id()s of workers that refused it ...
     round: int = -1  # ... in this round of the admission
     blocked: bool = False  # once refused by every worker: nothing behind it goes first
     left: bool = False
 
 
-class AdmissionQueue:
-    def __init__(self) -> None:
+class AdmissionDriver(Protocol):  # what an AdmissionCore asks of the router or the simulator
+    def candidates(self) -> tuple[list, bool]:
+        """The live decode workers in the order to ask them; may any be asked now?"""
+
+    def ask(self, waiter: Waiter, worker: Any, revoke: list[Waiter]) -> None:
+        """Give `revoke`'s grants on `worker` back, then reserve there; then `answered`."""
+
+    def abort_on(self, worker: Any, leg_id: str) -> None: ...  # release a reservation
+
+    def is_alive(self, worker: Any) -> bool: ...  # (a worker that died is asked no more)
+
+    def notify(self, waiter: Waiter) -> None: ...  # news: a grant, an error, an answer, an end
+
+
+class AdmissionCore:
+    """The admission's decisions, synchronous: the queue and the asks' bookkeeping."""
+
+    def __init__(self, driver: AdmissionDriver):
+        self.driver = driver
         self.waiters: list[Waiter] = []  # sorted by key
         self._of: dict[int, list[Waiter]] = {}  # id(flight) -> its waiters (a new leg's
         self._seq = itertools.count()  # may queue while its old one is leaving)
+        self.round = 0
+        self.busy: dict[int, Waiter] = {}  # id(worker) -> the waiter whose call is on it
+        self._alive, self._ids = None, []  # the last candidates, and their id()s
 
     def __len__(self) -> int:
         return len(self.waiters)
 
-    def enqueue(self, flight: Any, arrival: float) -> Waiter:
-        w = Waiter((arrival, next(self._seq)), flight)
+    def enqueue(self, flight: Any, arrival: float, task: Any) -> Waiter:
+        w = Waiter((arrival, next(self._seq)), flight, task)
         bisect.insort(self.waiters, w, key=lambda x: x.key)
         self._of.setdefault(id(flight), []).append(w)
         return w
 
-    def is_head(self, w: Waiter) -> bool:
-        return bool(self.waiters) and self.waiters[0] is w
+    def idle_head(self, w: Waiter) -> bool:  # it heads the queue, asks none, holds none
+        return bool(self.waiters) and self.waiters[0] is w and w.asking is w.held is None
 
-    def remove(self, w: Waiter) -> None:
+    def wake(self, flight: Any) -> None:
+        """Notify `flight`'s waiters (its request ended: they must leave the queue); every
+        request that ends calls this, so it looks the waiter up instead of scanning."""
+        for w in self._of.get(id(flight), ()):
+            self.driver.notify(w)
+
+    def wake_head(self) -> None:  # decode capacity may have freed: a new round
+        self.round += 1
+        self.pump()
+
+    def take(self, w: Waiter) -> Any:  # the worker `w` was granted (it then leaves), or None
+        worker, w.granted = w.granted, None
+        return worker
+
+    def leave(self, w: Waiter) -> None:
+        """`w` leaves the queue (admitted, ended, gave up); a reservation it holds goes."""
+        w.left = True
+        for worker in (w.held, w.granted):
+            if worker is not None:  # a reservation it no longer uses
+                self.driver.abort_on(worker, w.task.leg_id)
+        w.held = w.granted = None
         i = bisect.bisect_left(self.waiters, w.key, key=lambda x: x.key)
         if i < len(self.waiters) and self.waiters[i] is w:
             del self.waiters[i]
@@ -86,33 +121,97 @@ class AdmissionQueue:
             mine.remove(w)
             if not mine:
                 del self._of[id(w.flight)]
+        self.pump()  # later waiters may keep their grants now, or ask its worker
 
-    def wake(self, flight: Any) -> None:
-        """Wake `flight`'s waiter (its request ended: it must leave the queue); every
-        request that ends calls this, so it looks the waiter up instead of scanning."""
-        for w in self._of.get(id(flight), ()):
-            w.event.set()
+    def answered(self, wt: Waiter, worker: Any, ok: bool, round_: int) -> None:
+        """`worker` answered `wt`'s reserve asked in round `round_` (ok: it reserved)."""
+        f, leg = wt.flight, wt.task.leg_id
+        if ok and (wt.left or f.done or f.leg_id != leg):
+            self.driver.abort_on(worker, leg)  # ended while the reserve was in flight
+        elif ok:
+            wt.held = worker
+        elif round_ == self.round:  # a refusal from an older round proves nothing
+            self._tried(wt).add(id(worker))
+        wt.asking = None
+        if self.busy.get(id(worker)) is wt:
+            del self.busy[id(worker)]
+        self.driver.notify(wt)
+        self.pump()
+
+    def _tried(self, w: Waiter) -> set[int]:
+        if w.round != self.round:
+            w.tried, w.round = set(), self.round
+        return w.tried
+
+    def pump(self) -> None:
+        """Walk the queue in order: keep the tentative grants that no earlier waiter can
+        use any more, and start a reserve for each idle waiter on a free worker."""
+        if not self.waiters:
+            return
+        alive, free = [], None  # the candidates and the free ones: asked when first needed
+        passed: set[int] | None = None  # workers that refused every earlier waiter
+        for wt in (waiters := list(self.waiters)):
+            if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
+                    or wt.flight.leg_id != wt.task.leg_id):
+                continue  # (an ended request's or leg's waiter is leaving: it asks no more)
+            if wt.held is not None and not self.driver.is_alive(wt.held):  # died under its
+                self.driver.abort_on(wt.held, wt.task.leg_id)  # tentative grant: undone (if
+                wt.held = None  # it lives); it asks again
+            if wt.held is not None and (passed is None or id(wt.held) in passed):
+                wt.granted, wt.held = wt.held, None
+                self.driver.notify(wt)
+                continue
+            tried = self._tried(wt)
+            if wt.asking is None and wt.held is None:
+                alive, free = (alive, free) if free is not None else self._candidates()
+                if free:
+                    self._start(wt, alive, free, tried)
+                if (alive and wt.asking is None and len(tried) >= len(alive)
+                        and all(i in tried for i in self._ids)):
+                    wt.blocked = True  # refused everywhere: from now on it waits for room
+            if wt.blocked:
+                break  # nothing behind it asks or keeps a grant (it may need any room)
+            passed = set(tried) if passed is None else passed & tried
+            if not passed and wt is not waiters[-1] and not (
+                    free if free is not None else self._candidates()[1]):
+                break  # no later waiter may keep a grant or ask anyone now
+
+    def _candidates(self) -> tuple[list, set[int]]:  # and the id()s of the free ones
+        alive, can_ask = self.driver.candidates()
+        if alive is not self._alive:  # (a new list when the order changes)
+            self._alive, self._ids = alive, [id(w) for w in alive]
+        return alive, (set(self._ids).difference(self.busy) if can_ask else set())
+
+    def _start(self, wt: Waiter, alive: list, free: set[int], tried: set[int]) -> None:
+        """Ask the first free worker that has not refused `wt` this round, preferring
+        one where no later waiter holds a tentative grant (that would be given back)."""
+        later: dict[int, list[Waiter]] = {}  # id(worker) -> later waiters holding it
+        for v in self.waiters:
+            if v.held is not None and v.key > wt.key:
+                later.setdefault(id(v.held), []).append(v)
+        ok = [w for w, i in zip(alive, self._ids, strict=True) if i in free and i not in tried]
+        if not ok:
+            return
+        w = next((w for w in ok if id(w) not in later), ok[0]) if later else ok[0]
+        revoke = later.get(id(w), [])
+        for v in revoke:
+            v.held = None
+        free.discard(id(w))
+        self.busy[id(w)] = wt
+        wt.asking = w
+        self.driver.ask(wt, w, revoke)
 
 
 class DecodeAdmission:
-    """The router's decode admission: the queue and the reserve calls of its waiters."""
+    """The router's driver of the admission: `admit` calls wait, real reserve calls ask."""
 
     def __init__(self, router: RouterCore):
         self.router = router
-        self.queue = AdmissionQueue()
-        self.round = 0
-        self.busy: dict[int, Waiter] = {}  # id(worker) -> the waiter whose call is on it
+        self.core = AdmissionCore(self)
+        self.wake_head, self.wake = self.core.wake_head, self.core.wake  # (see the core's)
 
     def __len__(self) -> int:
-        return len(self.queue)
-
-    def wake_head(self) -> None:
-        """Decode capacity may have freed: a new round (earlier refusals are stale)."""
-        self.round += 1
-        self._pump()
-
-    def wake(self, flight: Flight) -> None:
-        self.queue.wake(flight)
+        return len(self.core)
 
     def check_fits(self, prompt_len: int) -> None:
         """A prompt no decode worker's whole KV cache can hold is refused at once."""
@@ -128,111 +227,59 @@ class DecodeAdmission:
         start = time.monotonic()
         grace_end = start + self.router.config.unavailable_grace_s
         limit = self.router.config.admission_timeout_s
-        waiter = self.queue.enqueue(flight, flight.arrival)
-        waiter.task = task
+        core = self.core
+        waiter = core.enqueue(flight, flight.arrival, task)
+        waiter.event = event = asyncio.Event()
         try:
-            self._pump()
+            core.pump()
             while True:
-                waiter.event.clear()  # before the checks: a wake-up from here on is kept
+                event.clear()  # before the checks: a wake-up from here on is kept
                 if flight.done or flight.leg_id != task.leg_id:
                     return None
                 if waiter.error is not None:
                     raise waiter.error
-                if waiter.granted is not None:
-                    w, waiter.granted = waiter.granted, None
+                w = core.take(waiter)
+                if w is not None:
                     flight.admitted = True
                     return w
-                self._check_pools(grace_end)
+                decode_up = any(w.alive for w in self.router.decode)
+                if (not decode_up or not any(w.alive for w in self.router.prefill)) \
+                        and time.monotonic() > grace_end:  # no restart came back in time
+                    pool = "decode" if not decode_up else "prefill"
+                    raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
                 if limit is not None and time.monotonic() > start + limit:
                     raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                                       "no decode worker could admit the request in time "
                                       f"(admission_timeout_s={limit:g})")
                 try:
-                    await asyncio.wait_for(waiter.event.wait(), RETRY_S)
+                    await asyncio.wait_for(event.wait(), RETRY_S)
                 except TimeoutError:  # a head between its tries re-asks on its own
-                    if (self.queue.is_head(waiter) and waiter.asking is None
-                            and waiter.held is None):
-                        self.wake_head()
+                    if core.idle_head(waiter):
+                        core.wake_head()
         finally:
-            waiter.left = True
-            for w in (waiter.held, waiter.granted):
-                if w is not None:  # a reservation it no longer uses
-                    self.router.abort_on(w, task.leg_id)
-            waiter.held = waiter.granted = None
-            self.queue.remove(waiter)
-            self._pump()  # later waiters may keep their grants now, or ask its worker
+            core.leave(waiter)
 
-    def _check_pools(self, grace_end: float) -> None:
-        decode_up = any(w.alive for w in self.router.decode)
-        if (not decode_up or not any(w.alive for w in self.router.prefill)) \
-                and time.monotonic() > grace_end:  # no restart came back in time
-            pool = "decode" if not decode_up else "prefill"
-            raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
-
-    def _tried(self, w: Waiter) -> set[int]:
-        if w.round != self.round:
-            w.tried, w.round = set(), self.round
-        return w.tried
-
-    # ---- the waiters' reserve calls -------------------------------------------------
-    def _pump(self) -> None:
-        """Walk the queue in order: keep the tentative grants that no earlier waiter can
-        use any more, and start a reserve for each idle waiter on a free worker."""
+    # ---- AdmissionDriver ------------------------------------------------------------
+    def candidates(self) -> tuple[list[WorkerHandle], bool]:
         alive = sorted((w for w in self.router.decode if w.alive), key=lambda w: w.kv_usage)
-        free = set()
-        if alive and any(w.alive for w in self.router.prefill):
-            free = {id(w) for w in alive if id(w) not in self.busy}
-        passed: set[int] | None = None  # workers that refused every earlier waiter
-        for wt in list(self.queue.waiters):
-            if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
-                    or wt.task is None or wt.flight.leg_id != wt.task.leg_id):
-                continue  # (an ended request's or leg's waiter is leaving: it asks no more)
-            if wt.held is not None and not wt.held.alive:  # died under its tentative grant:
-                self.router.abort_on(wt.held, wt.task.leg_id)  # undone (if it lives);
-                wt.held = None  # it asks again
-            if wt.held is not None and (passed is None or id(wt.held) in passed):
-                wt.granted, wt.held = wt.held, None
-                wt.event.set()
-                continue
-            tried = self._tried(wt)
-            if free and wt.asking is None and wt.held is None:
-                self._start(wt, alive, free, tried)
-            if (alive and wt.asking is None and wt.held is None
-                    and all(id(w) in tried for w in alive)):
-                wt.blocked = True  # refused everywhere: from now on it waits for room
-            if wt.blocked:
-                break  # nothing behind it asks or keeps a grant (it may need any room)
-            passed = set(tried) if passed is None else passed & tried
-            if not passed and not free:
-                break  # no later waiter may keep a grant or ask anyone now
+        return alive, bool(alive) and any(w.alive for w in self.router.prefill)
 
-    def _start(self, wt: Waiter, alive: list[WorkerHandle], free: set[int],
-               tried: set[int]) -> None:
-        """Ask the first free worker that has not refused `wt` this round, preferring
-        one where no later waiter holds a tentative grant (that would be given back)."""
-        ok = [w for w in alive if id(w) in free and id(w) not in tried]
-        if not ok:
-            return
-        later = {id(v.held): [] for v in self.queue.waiters if v.held is not None}
-        for v in self.queue.waiters:
-            if v.held is not None and v.key > wt.key:
-                later[id(v.held)].append(v)
-        w = next((w for w in ok if not later.get(id(w))), ok[0])
-        revoke = later.get(id(w), [])
-        for v in revoke:
-            v.held = None
-        free.discard(id(w))
-        self.busy[id(w)] = wt
-        wt.asking = w
-        self.router.spawn(self._ask(wt, w, revoke))
+    def notify(self, waiter: Waiter) -> None:
+        waiter.event.set()
+
+    def is_alive(self, worker: WorkerHandle) -> bool:
+        return worker.alive
+
+    def abort_on(self, worker: WorkerHandle, leg_id: str) -> None:
+        self.router.abort_on(worker, leg_id)
+
+    def ask(self, waiter: Waiter, worker: WorkerHandle, revoke: list[Waiter]) -> None:
+        self.router.spawn(self._ask(waiter, worker, revoke))
 
     async def _ask(self, wt: Waiter, w: WorkerHandle, revoke: list[Waiter]) -> None:
-        assert wt.task is not None  # set by admit() before its first _pump
-        leg, flight, round_ = wt.task.leg_id, wt.flight, self.round
-        ok = False
+        leg, round_, ok = wt.task.leg_id, self.core.round, False
         try:
             for v in revoke:  # give later waiters' room back first, and wait until it is
-                assert v.task is not None
                 with contextlib.suppress(Exception):
                     await w.actor.abort.remote(v.task.leg_id)
                 v.event.set()
@@ -240,6 +287,7 @@ class DecodeAdmission:
                 ok = await w.actor.reserve.remote(wt.task)
             except asyncio.CancelledError:  # shut down mid-reserve
                 self.router.abort_on(w, leg)
+                round_ = -1
                 raise
             except ValueError as e:  # can never fit: say so now, not after a wait
                 wt.error = RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e))
@@ -247,15 +295,5 @@ class DecodeAdmission:
                 log.warning("decode %s failed on reserve: %s", w.worker_id, e)
                 self.router.abort_on(w, leg)
                 self.router.mark_dead(w)
-            if ok and (wt.left or flight.done or flight.leg_id != leg):
-                self.router.abort_on(w, leg)  # ended while the reserve was in flight
-            elif ok:
-                wt.held = w
-            elif round_ == self.round:  # a refusal from an older round proves nothing
-                self._tried(wt).add(id(w))
         finally:
-            wt.asking = None
-            if self.busy.get(id(w)) is wt:
-                del self.busy[id(w)]
-            wt.event.set()
-            self._pump()
+            self.core.answered(wt, w, ok, round_)

@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from cluster.admission import RETRY_S as ADMISSION_RETRY_S
+from cluster.admission import AdmissionCore, Waiter
 from cluster.config import ServeConfig
 from cluster.config_cli import add_cli_flags, config_from_args
 from cluster.flight import RouterConfig
@@ -50,10 +51,10 @@ from runtime.loop import WorkerLoop
 from runtime.messages import DecodeTask
 
 __all__ = [
-    "ADMISSION_RETRY_S", "BUCKET_NAMES", "DECODE_ORDERS", "IDLE_WAIT_S", "PREFILL_PLACEMENTS",
+    "ADMISSION_RETRY_S", "AdmissionCore", "BUCKET_NAMES", "DECODE_ORDERS", "IDLE_WAIT_S", "PREFILL_PLACEMENTS",
     "BlockManager", "DecodeLoad", "DecodeScheduler", "DecodeTask", "LinkScheduler",
     "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus",
-    "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "WorkerPlan",
+    "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "Waiter", "WorkerPlan",
     "add_cli_flags", "config_from_args", "decode_order", "decode_task", "default_placement",
     "engine_tools", "kv_bytes_per_token", "make_placement", "model_config", "piece_layout",
     "plan_workers", "prefill_request", "resolve_model_dir", "simulated_token", "startable",

@@ -1,105 +1,144 @@
-"""The router's decode admission on the simulated clock (cluster/admission.py).
+"""The router's decode admission on the simulated clock: the real AdmissionCore
+(cluster/admission.py: arrival order, one reserve in flight per decode worker, tentative
+and kept grants, a waiter refused everywhere blocks those behind it), driven as
+DecodeAdmission drives it, with simulated reserve calls.
 
-Legs wait in arrival order (a re-dispatched leg keeps its request's arrival, so it goes
-ahead of newer requests). Only the head asks the decode workers for room, one reserve
-call at a time, in the order of the configured decode-order policy
-(cluster/routing_policies.py; today's: least KV usage as the router last saw it). When no
-one had room, the head tries again as soon as a leg ends anywhere (``wake_head``) or
-after ``RETRY_S``; a wake-up during its round makes it retry at once.
+Each waiter does what the router's ``admit`` loop does when it wakes (a notify reaches
+it later in the same instant, as an asyncio.Event set does; the waiters an answer woke,
+right after the answer is taken in): it leaves when its request ended, fails with its
+error, is placed with its grant, else waits again; a head that heard nothing for
+``RETRY_S`` starts a new round. Workers are asked in the configured decode-order
+policy's order (cluster/routing_policies.py). Modelled: the revoked grants go back in one
+abort call before the reserve (the router awaits one abort per grant).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from sim.adapters import ADMISSION_RETRY_S, decode_order, decode_task
+from sim.adapters import ADMISSION_RETRY_S, AdmissionCore, Waiter, decode_order, decode_task
 
 if TYPE_CHECKING:
+    from sim.decode import SimDecode
     from sim.router import Flight, SimRouter
 
 
 class SimAdmission:
     def __init__(self, router: SimRouter):
         self.router, self.loop, self.sim = router, router.loop, router.sim
-        self._queue: list[tuple[float, int, Flight]] = []
-        self._seq = itertools.count()
-        self._round: Flight | None = None
-        self._woken = False
-        self._retry_version = 0
-        self._due = -1.0
+        self.core = AdmissionCore(self)
+        self._order: list[SimDecode] | None = None  # cached until a decode load changes
+        self._timer_at: float | None = None  # the pending timeout check
+        self._woken: list[Waiter] | None = None  # waiters an answer woke (while taken in)
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self.core)
 
     def enqueue(self, flight: Flight) -> None:
-        bisect.insort(self._queue, (flight.arrival, next(self._seq), flight),
-                      key=lambda w: (w[0], w[1]))
-        self.wake_head()
+        req = flight.req
+        task = decode_task(flight.leg_id, flight.leg_prompt_len,
+                           req.max_tokens - flight.generated, req.tenant)
+        wt = self.core.enqueue(flight, flight.arrival, task)
+        wt.event = [0.0, False]  # [when its RETRY_S wait runs out, a wake-up is due]
+        self.core.pump()
+        self._wake_up(wt)
 
     def forget(self, flight: Flight) -> None:
-        """The request ended: it leaves the queue (after its round, if it is asking)."""
-        if self._round is not flight:
-            self._queue = [e for e in self._queue if e[2] is not flight]
+        """The request ended: its waiter leaves the queue (when it wakes up)."""
+        self.core.wake(flight)
 
     def wake_head(self) -> None:
-        if self._round is not None:
-            self._woken = True
-        elif self._queue and self._due != self.loop.now:
-            self._due = self.loop.now  # one try per instant is enough
-            self._retry_version += 1
-            self.loop.at(self.loop.now, self._try_head, self._retry_version)
+        self.core.wake_head()
 
-    def _try_head(self, version: int) -> None:
-        self._due = -1.0
-        if version != self._retry_version or self._round is not None:
+    def loads_changed(self) -> None:
+        self._order = None
+
+    # ---- AdmissionDriver ------------------------------------------------------------
+    def candidates(self) -> tuple[list[SimDecode], bool]:
+        if self._order is None:
+            by_id = self.router.decode_by_id
+            self._order = [by_id[w] for w in decode_order(self.sim.options.decode_order,
+                                                          self.router.decode_loads)]
+        return self._order, True
+
+    def notify(self, wt: Waiter) -> None:
+        if not wt.event[1]:
+            wt.event[1] = True
+            if self._woken is not None:  # it wakes once the answer is taken in
+                self._woken.append(wt)
+            else:
+                self.loop.at(self.loop.now, self._wake_up, wt)
+
+    def is_alive(self, worker: SimDecode) -> bool:
+        return True  # (worker death is not simulated)
+
+    def abort_on(self, worker: SimDecode, leg_id: str) -> None:
+        self.router.abort_on(worker, leg_id)
+
+    def ask(self, wt: Waiter, w: SimDecode, revoke: list[Waiter]) -> None:
+        emit, reply = self.sim.emit, partial(self._reply, wt, w, self.core.round)
+        if not revoke:
+            return emit(w.command, w.reserve, wt.task, reply)
+
+        def give_back() -> None:
+            for v in revoke:
+                w.abort(v.task.leg_id)
+            emit(reserve)
+
+        def reserve() -> None:
+            for v in revoke:
+                self.notify(v)
+            emit(w.command, w.reserve, wt.task, reply)
+
+        emit(w.command, give_back)
+
+    def _reply(self, wt: Waiter, w: SimDecode, round_: int, ok: bool,
+               error: str | None) -> None:  # (on the worker: the answer travels back)
+        self.sim.emit(self._answered, wt, w, ok, error, round_)
+
+    def _answered(self, wt: Waiter, w: SimDecode, ok: bool, error: str | None,
+                  round_: int) -> None:
+        if error is not None:  # it can never fit: say so now, not after a wait
+            wt.error = f"RESOURCE_EXHAUSTED: {error}"
+        self._woken = woken = []
+        try:
+            self.core.answered(wt, w, ok, round_)
+        finally:
+            self._woken = None
+        for v in woken:  # (outside the core's walk: one may leave, and the core walks again)
+            self._wake_up(v)
+
+    # ---- the waiter's admit loop ----------------------------------------------------
+    def _wake_up(self, wt: Waiter) -> None:
+        wt.event[1] = False
+        if wt.left:
             return
-        while self._queue and self._queue[0][2].done:
-            self._queue.pop(0)
-        if not self._queue:
-            return
-        head = self._queue[0][2]
-        self._round, self._woken = head, False
-        order = decode_order(self.sim.options.decode_order, self.router.decode_loads)
-        self._ask(head, head.leg_id, order, 0)
+        f: Any = wt.flight
+        if f.done or f.leg_id != wt.task.leg_id:
+            return self.core.leave(wt)
+        if wt.error is not None:
+            self.core.leave(wt)
+            return self.router.fail(f, wt.error)
+        w = self.core.take(wt)
+        if w is not None:
+            self.core.leave(wt)
+            return self.router.place(f, w)
+        wt.event[0] = due = self.loop.now + ADMISSION_RETRY_S  # it waits for a wake-up
+        if self._timer_at is None:  # (a due set now is the latest of all)
+            self._timer_at = due
+            self.loop.at(due, self._timeouts)
 
-    def _ask(self, flight: Flight, leg: str, order: list[str], i: int) -> None:
-        w = self.router.decode_by_id[order[i]]
-        task = decode_task(leg, flight.leg_prompt_len, flight.req.max_tokens - flight.generated,
-                           flight.req.tenant)
-
-        def reply(ok: bool, error: str | None) -> None:
-            self.sim.emit(self._reply, flight, leg, order, i, ok, error)
-
-        self.sim.emit(w.command, w.reserve, task, reply)
-
-    def _reply(self, flight: Flight, leg: str, order: list[str], i: int, ok: bool,
-               error: str | None) -> None:
-        w = self.router.decode_by_id[order[i]]
-        stale = flight.done or flight.leg_id != leg
-        if ok and stale:
-            self.router.abort_on(w, leg)
-        if error is not None and not stale:
-            self._end_round(flight)
-            return self.router.fail(flight, f"RESOURCE_EXHAUSTED: {error}")
-        if stale or ok:
-            self._end_round(flight)
-            if ok and not stale:
-                self.router.place(flight, w)
-            return
-        if i + 1 < len(order):
-            return self._ask(flight, leg, order, i + 1)
-        self._round = None  # nobody had room: retry on a wake-up, or after RETRY_S
-        if self._woken:
-            self.wake_head()
-        else:
-            self._retry_version += 1
-            self.loop.at(self.loop.now + ADMISSION_RETRY_S, self._try_head,
-                         self._retry_version)
-
-    def _end_round(self, flight: Flight) -> None:
-        self._round = None
-        self._queue = [e for e in self._queue if e[2] is not flight]
-        self.wake_head()
-
+    def _timeouts(self) -> None:
+        """One timer for every waiter's RETRY_S wait (each waiter's own in the router):
+        those whose wait ran out without a wake-up time out, in queue order."""
+        now = self._timer_at = self.loop.now  # (set: the wake-ups below arm no timer)
+        for wt in list(self.core.waiters):
+            if not wt.left and wt.event[0] <= now:
+                if self.core.idle_head(wt):  # a head between its tries re-asks on its own
+                    self.core.wake_head()
+                self._wake_up(wt)
+        dues = [wt.event[0] for wt in self.core.waiters if not wt.left]
+        self._timer_at = min(dues) if dues else None
+        if dues:
+            self.loop.at(self._timer_at, self._timeouts)

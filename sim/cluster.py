@@ -25,7 +25,8 @@ from sim.loop import EventLoop
 from sim.options import SimOptions
 from sim.prefill import SimPrefill
 from sim.results import SimResult
-from sim.router import PRESSURE_PERIOD_S, SimRouter
+from sim.router import SimRouter
+from sim.router_upkeep import PRESSURE_PERIOD_S
 from sim.trace import SimTracer
 
 
@@ -138,6 +139,8 @@ class Simulation:
         r = self.router
         if r.flights or r.legs or any(r.outstanding.values()) or any(r.held.values()):
             problems.append("router: legs or outstanding tokens left")
+        if len(r.admission) or r.admission.core.busy:
+            problems.append("router: decode admission still has waiters or reserves")
         if problems:
             raise AssertionError("simulation left state behind: " + "; ".join(problems))
 

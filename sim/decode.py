@@ -206,16 +206,29 @@ class SimDecode(SimWorker):
         commands, self._soft = self._soft, []
         done, grow, bs = self._soft_at, self.sched.grow, self.bm.block_size
         items = [it for it in self._items if it.request.status == RequestStatus.RUNNING]
+        # Blocks a leg takes from its own promise leave promised_free_blocks() as it is,
+        # and a reservation or keepalive reads nothing else: such growth waits for the
+        # run's end (one grow per leg). Growth beyond a promise is taken here, first.
+        promises, held = self.sched.promises, []
+        for it in items:
+            r = it.request
+            nb, want = len(r.block_ids), -(-(r.num_cached_tokens + done) // bs)
+            held.append((r.num_cached_tokens, max(nb, want)))
+            if want > promises.get(r.request_id, 0) and want > nb:
+                break
+        else:
+            items = []  # every leg's growth is within its promise
         for it in items:
             r = it.request
             if len(r.block_ids) * bs < r.num_cached_tokens + done:
                 if not grow(r, r.num_cached_tokens + done):
                     raise AssertionError(f"{r.request_id}: blocks for a checked run are missing")
+        if items:
+            held = [(it.request.num_cached_tokens, len(it.request.block_ids)) for it in items]
         for fn, args in commands:
             fn(*args)
         run = self._run
-        need = sum(max(0, -(-(it.request.num_cached_tokens + run) // bs)
-                       - len(it.request.block_ids)) for it in items)
+        need = sum(max(0, -(-(c + run) // bs) - nb) for c, nb in held)
         if need > self.sched.promised_free_blocks():
             self._run = done
             self.reschedule_end(self.loop.now)

@@ -5,7 +5,8 @@ A client sees a prefill's first token ``delivery.first_token_s + client_s`` afte
 step that sampled it and each decode token when the control plane delivers its step's
 events (sim/delivery.py: ``token_s`` after the step, coalesced with later steps while the
 path is busy) plus ``client_s``; a decode leg's tokens are the contiguous steps of its
-worker from its first one (``SimDecode.step_times``).
+worker from its first one (``SimDecode.step_times``); that first step also carries the
+leg's first token, which reaches the client by whichever copy comes first.
 """
 
 from __future__ import annotations
@@ -75,18 +76,24 @@ class SimResult:
         """The times a client received ``f``'s tokens (empty for a failed request)."""
         if f.error:
             return np.empty(0)
-        parts = []
+        parts: list = []
         for item in f.tokens:
             if isinstance(item, tuple):
-                w, first, count = item
+                w, first, count, seen = item
                 t = self._steps[w.worker_id][first:first + count]
-                parts.append(t if self._per_step else self._delivery.arrivals(t))
+                t = t if self._per_step else self._delivery.arrivals(t)
+                # the leg's first step carries its first token: the router streams the
+                # prefill's copy or this one, whichever comes first (cluster/router_events.py)
+                if seen:  # the prefill's copy is the part before
+                    parts[-1] = np.minimum(parts[-1], t[:1])
+                else:
+                    parts.append(t[:1])
+                parts.append(t)
             else:
                 parts.append(np.array([item + self._client_s]))
         if not parts:
             return np.empty(0)
-        # decode tokens that overtook the first token wait for it at the router
-        # (cluster/router_events.py holds them), then follow in order
+        # tokens of an earlier leg's late message follow in order
         t = np.maximum.accumulate(np.concatenate(parts))
         k = self._stream_interval
         if k > 1 and len(t) > 2:  # after the first, tokens go out k at a time (and the last)

@@ -1,9 +1,11 @@
 """The simulated router: cluster/router.py's request lifecycle on the simulated clock.
 
-Reproduced: the bounded admission queue (sim/admission.py); prefill placement by a
+Reproduced: the bounded admission queue (sim/admission.py drives the router's own
+AdmissionCore); the first token from the prefill or decode's first step, whichever comes
+first (cluster/router_events.py; timed in sim/results.py); prefill placement by a
 registered policy over outstanding prefill tokens (cluster/routing_policies.py); legs (a preemption or a failure
 starts a new leg that recomputes prompt + tokens so far); request deadlines; the
-adaptive-chunk pressure loop.
+periodic keepalives, stats and adaptive-chunk pressure (sim/router_upkeep.py).
 
 Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``;
 a measured calibration takes it from the real service's idle dispatch, which includes
@@ -17,25 +19,20 @@ cluster/router_events.py sends them.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from sim.adapters import DecodeLoad, PrefillLoad, simulated_token
 from sim.admission import SimAdmission
+from sim.router_upkeep import RouterUpkeep
 
 if TYPE_CHECKING:
     from bench.workload import WorkloadRequest
     from sim.cluster import Simulation
     from sim.decode import SimDecode
     from sim.prefill import SimPrefill
-
-PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
-
 
 @dataclass(eq=False)
 class Flight:
@@ -60,7 +57,7 @@ class Flight:
     leg_first_seen: bool = False
 
 
-class SimRouter:
+class SimRouter(RouterUpkeep):
     def __init__(self, sim: Simulation):
         self.sim, self.loop = sim, sim.loop
         self.cfg = sim.plan.router
@@ -163,6 +160,7 @@ class SimRouter:
     def _decode_load(self, wid: str) -> None:
         self.decode_loads[self._load_index[wid]] = DecodeLoad(
             wid, self.kv_view[wid], len(self.held[wid]))
+        self.admission.loads_changed()
 
     # ---- worker events --------------------------------------------------------------
     def _current(self, leg: str, w: Any, role: str) -> Flight | None:
@@ -176,6 +174,8 @@ class SimRouter:
         if f is None:
             return
         f.timing.update(timing)
+        if f.leg_first_seen:  # (decode's copy of it went out already)
+            return
         f.leg_first_seen = True
         f.generated += 1
         f.tokens.append(self.loop.now)
@@ -197,9 +197,11 @@ class SimRouter:
         f = self._current(leg, w, "decode")
         if f is None:
             return
-        if count:
-            f.tokens.append((w, first, count))
-            f.generated += count
+        if count:  # the leg's first step carried its first token too: the router
+            # streamed whichever copy came first (sim/results.py times both)
+            f.tokens.append((w, first, count, f.leg_first_seen))
+            f.generated += count + (not f.leg_first_seen)
+            f.leg_first_seen = True
         if finished:
             f.timing["decode_s"] = f.timing.get("decode_s", 0.0) + decode_s
             self._finish(f, (w, f.prefill))
@@ -270,48 +272,3 @@ class SimRouter:
         f.error = error
         self.release(f)
         self.end_leg(f)
-
-    # ---- periodic views ---------------------------------------------------------------
-    def keepalive_loop(self) -> None:
-        """cluster/router_events.py _keepalive_loop: each decode worker hears which of its
-        pending legs still have their prefill queued or running."""
-        by_decode: dict[str, list[str]] = {}
-        for p in self.sim.prefill:
-            for leg in self.held[p.worker_id]:
-                f = self.legs.get(leg)
-                if f is None or f.done or f.prefill_done or f.decode is None or f.prefill is not p:
-                    continue
-                by_decode.setdefault(f.decode.worker_id, []).append(leg)
-        for d in self.sim.decode:  # in worker order: a run never depends on set order
-            if d.worker_id in by_decode:
-                self.sim.emit(d.command, d.keepalive, by_decode[d.worker_id])
-        if self.flights or self.sim.arrivals_left:
-            self.loop.at(self.loop.now + self.cfg.kv_keepalive_s, self.keepalive_loop)
-
-    def refresh_stats(self, period: float) -> None:
-        for w in self.sim.decode:
-            self.kv_view[w.worker_id] = w.bm.usage
-            self._decode_load(w.worker_id)
-        if self.flights or self.sim.arrivals_left:
-            self.loop.at(self.loop.now + period, self.refresh_stats, period)
-
-    def pressure_loop(self) -> None:
-        """cluster/router_events.py _pressure_loop: decode ITL p90 over the last window
-        against the target, to every prefill worker's chunk policy."""
-        now = self.loop.now
-        gaps = []
-        for w in self.sim.decode:
-            t, b = w.step_times, w.step_batch
-            i = bisect.bisect_left(t, now - PRESSURE_WINDOW_S)
-            if len(t) - i >= 2:
-                ends = np.frombuffer(t, dtype=float)[max(i - 1, 0):]
-                gaps.append(np.repeat(np.diff(ends), np.frombuffer(b, dtype=np.int32)[max(i, 1):]))
-        if gaps:
-            g = np.sort(np.concatenate(gaps))
-            pressure = float(g[int(0.9 * (len(g) - 1))]) / self.cfg.itl_target_s if len(g) else 0.0
-        else:
-            pressure = 0.0
-        for p in self.sim.prefill:
-            self.sim.emit(p.command, p.set_decode_pressure, pressure)
-        if self.flights or self.sim.arrivals_left:
-            self.loop.at(now + PRESSURE_PERIOD_S, self.pressure_loop)

@@ -49,7 +49,7 @@ async def finish(router, _decode, rid: str, stream) -> list[int]:
 
 
 def assert_admission_clean(router) -> None:
-    assert not router.admission.busy and len(router.admission) == 0
+    assert not router.admission.core.busy and len(router.admission) == 0
 
 
 def test_a_waiter_is_admitted_to_a_free_worker_while_the_head_waits_on_a_busy_one():
@@ -171,7 +171,7 @@ def test_a_waiter_refused_everywhere_blocks_later_ones_from_asking():
             holders.append((f"h{i}", s))
         big = router.generate(spec("big", 8))
         big_first = asyncio.ensure_future(big.__anext__())
-        await until(lambda: len(router.admission) == 1 and router.admission.queue.waiters[0].blocked,
+        await until(lambda: len(router.admission) == 1 and router.admission.core.waiters[0].blocked,
                     "big refused by both")
         small = router.generate(spec("small", 3))
         small_first = asyncio.ensure_future(small.__anext__())

@@ -90,14 +90,29 @@ def _sim(delivery: Delivery, *, stream_interval: int = 1, decode_workers: int = 
 def test_a_run_delivers_the_first_token_and_coalesced_decode_tokens_as_measured() -> None:
     req = WorkloadRequest("r0", 0.0, list(range(1, 33)), max_tokens=9)
     plain = _sim(Delivery(0.001, 0.001)).run([req]).records()[0]
-    slow = _sim(Delivery(0.004, 0.001, gap_s=0.0025, scope="worker")).run([req]).records()[0]
-    # the first token 3 ms later; the decode steps (1 ms apart) reach the client in
-    # groups: the first alone, then what ended during each 2.5 ms gap
-    assert slow.ttft == pytest.approx(plain.ttft + 0.003, abs=1e-12)
+    slow = _sim(Delivery(0.0015, 0.001, gap_s=0.0025, scope="worker")).run([req]).records()[0]
+    # the first token 0.5 ms later (still before decode's first step: see below); the
+    # decode steps (1 ms apart) reach the client in groups: the first alone, then what
+    # ended during each 2.5 ms gap
+    assert slow.ttft == pytest.approx(plain.ttft + 0.0005, abs=1e-12)
     assert min(plain.itls[1:]) == pytest.approx(0.001, abs=1e-12)
     decode_itls = np.array(slow.itls[1:])
     assert (decode_itls < 1e-9).sum() >= 3  # tokens that came together
     assert slow.token_times[-1] >= plain.token_times[-1]
+
+
+def test_a_late_prefill_message_loses_the_first_token_to_decodes_first_step() -> None:
+    """cluster/router_events.py: decode's first step of a leg carries its first token, and
+    the router streams whichever copy comes first (the other is dropped)."""
+    req = WorkloadRequest("r0", 0.0, list(range(1, 33)), max_tokens=9)
+    plain = _sim(Delivery(0.001, 0.001)).run([req]).records()[0]
+    late = _sim(Delivery(0.050, 0.001)).run([req]).records()[0]
+    assert plain.token_times[1] - plain.token_times[0] > 0.0005  # prefill's copy first
+    # 49 ms late: the first token comes with decode's first step's (token 2) delivery,
+    # once, and the decode tokens are not held for the prefill's message
+    assert len(late.token_times) == len(plain.token_times) == 9
+    assert late.token_times[0] == late.token_times[1] == plain.token_times[1]
+    assert late.token_times[1:] == plain.token_times[1:]
 
 
 def test_the_delivery_model_survives_the_calibration_file() -> None:

@@ -86,7 +86,7 @@ def test_streaming_kv_sends_start_decode_earlier_than_holding_them_to_the_end() 
                "transfer.link_gbps": 0.02, "transfer.burst_mb": 0.0625}
         _, sim = run(cfg)
         long = next(f for f in sim.router.finished if f.req.request_id == "long-0")
-        w, first, _ = long.tokens[1]  # the decode leg's tokens: (worker, first step, n)
+        w, first, _, _ = long.tokens[1]  # the decode leg's: (worker, first step, n, seen)
         second[policy] = w.step_times[first]
     # the prefill takes 8 steps of 26.6 ms: at_end sends after them, eager during them
     assert second["at_end"] > 0.2 + 0.4
