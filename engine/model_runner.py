@@ -139,6 +139,8 @@ class ModelRunner:
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
         if can_pack(self.device, self.dtype):
             self.model.pack()  # CPU GEMMs of 2+ rows on oneDNN-packed weights
+            if self.backend.name == "cpu" and self.group is None:  # its library is loaded
+                self.model.use_cpu_glue()
         memory = device_memory(self.device) if self.device.type == "cuda" else None
         if num_blocks is None:
             num_blocks = num_kv_blocks(config, memory=memory)
@@ -293,6 +295,5 @@ class ModelRunner:
             hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
         return model.compute_logits(hidden.index_select(0, view("rows")))
 
-    def warmup(self) -> None:
-        """Compile every attention kernel variant serving launches (engine/runner_warmup.py)."""
+    def warmup(self) -> None:  # every attention kernel variant serving launches, compiled
         warm_kernels(self)

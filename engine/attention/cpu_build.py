@@ -1,4 +1,5 @@
-"""Build and load the CPU attention ops (cpu_kernels.cpp) once per machine and process.
+"""Build and load the CPU ops once per machine and process: attention (cpu_kernels.cpp)
+and the Llama layer's elementwise glue (engine/models/cpu_glue.cpp), one library.
 
 The library is compiled by `torch.utils.cpp_extension.load` (g++ and ninja) into
 `$PDSERVE_EXT_DIR` (default `~/.cache/pdserve/torch_extensions`), in a folder named after
@@ -10,7 +11,8 @@ reference (engine/attention/registry.py).
 
 The ops, once loaded: `torch.ops.pdserve_cpu.paged_decode(q, k_cache, v_cache,
 block_tables, seq_lens, scale)` and `torch.ops.pdserve_cpu.write_kv(k, v, k_cache, v_cache,
-slot_mapping)`, with the contract of engine/attention/base.py.
+slot_mapping)`, with the contract of engine/attention/base.py; `rms_norm`, `add_rms_norm`
+and `rope` (engine/models/llama.py uses them on fp32 CPU steps).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = (Path(__file__).with_name("cpu_kernels.cpp"),  # attention: decode, KV write
+           Path(__file__).parents[1] / "models" / "cpu_glue.cpp")  # norms, rotary
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")  # built where it runs: see _digest
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else the failure
@@ -52,7 +55,7 @@ def _cpu_flags() -> str:
 def _digest() -> str:
     import torch
 
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
     h.update(f"{torch.__version__} {CFLAGS} {_cpu_flags()}".encode())
     return h.hexdigest()[:16]
 
@@ -67,10 +70,10 @@ def _build() -> None:
     name = f"pdserve_cpu_{digest}"
     cached = (where / f"{name}.so").exists()
     t = time.perf_counter()
-    load_extension(name, [str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(where),
+    load_extension(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS), build_directory=str(where),
                    is_python_module=False, verbose=False)
     took = time.perf_counter() - t
-    if not hasattr(torch.ops.pdserve_cpu, "paged_decode"):
+    if not all(hasattr(torch.ops.pdserve_cpu, op) for op in ("paged_decode", "rope")):
         raise RuntimeError(f"{where}: the library loaded but registered no pdserve_cpu ops")
     if cached:
         log.info("CPU attention ops loaded from %s in %.2f s", where, took)
