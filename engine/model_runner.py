@@ -296,4 +296,4 @@ class ModelRunner:
         return model.compute_logits(hidden.index_select(0, view("rows")))
 
     def warmup(self) -> None:  # every attention kernel variant serving launches, compiled
-        warm_kernels(self)
+        warm_kernels(self, SeqChunk)

@@ -9,18 +9,18 @@ and compiled shape serving will launch exist before the first request arrives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+# `runner` below is an engine.model_runner.ModelRunner, which imports this module: it is
+# not imported back (the layering contract forbids the cycle), only named.
 
 
-def warm_kernels(runner: ModelRunner) -> None:
+def warm_kernels(runner: Any, chunk: type) -> None:
     """Run one batch of each kind the attention kernels specialise on, on block 0, then
-    clear block 0: the first requests do not wait for the compiler."""
-    from engine.model_runner import SeqChunk  # the runner imports this module
+    clear block 0: the first requests do not wait for the compiler. `chunk`: SeqChunk."""
+    SeqChunk = chunk  # noqa: N806 - the class itself
 
     long = (0,) * (2 * 512 // runner.block_size + 1)  # > 2 split-K partitions of context
     warm = [
@@ -36,7 +36,7 @@ def warm_kernels(runner: ModelRunner) -> None:
         torch.cuda.synchronize(runner.device)
 
 
-def run_padding(runner: ModelRunner, decode_only: bool, rows: int) -> None:
+def run_padding(runner: Any, decode_only: bool, rows: int) -> None:
     """One compiled step of `rows` padding tokens (slot -1: no KV is written; they read
     block 0), as `rows` decodes or one prefill chunk: compiles or records that shape."""
     fn = runner.compiled.forward_for(decode_only)
