@@ -111,7 +111,8 @@ def run_engine(model_dir, prompts, args, result: dict, mode: str = "auto") -> li
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max(len(p) for p in prompts) + args.output_len + 1, compile=mode)
     result["load_s"] = time.perf_counter() - t0
-    result["compile"] = llm.runner.compiled.report.line()
+    result["compile"] = (f"{llm.runner.compiled.report.line()}; attention "
+                         f"{llm.runner.backend.name}")
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([prompts[0][:8]], warm)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -13,6 +13,7 @@ says so (a CUDA-graph decode step reads the buffer at offsets fixed by its bucke
 
 from __future__ import annotations
 
+import functools
 from array import array
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.linear import can_pack
 from engine.parallel.loader import load_shard
 from engine.parallel.state import rank_shard
+from engine.runner_warmup import run_padding, warm_kernels
 
 __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
@@ -137,6 +139,8 @@ class ModelRunner:
         self.model.fuse()  # q/k/v and gate/up as single GEMMs (fewer, larger kernels)
         if can_pack(self.device, self.dtype):
             self.model.pack()  # CPU GEMMs of 2+ rows on oneDNN-packed weights
+            if self.backend.name == "cpu" and self.group is None:  # its library is loaded
+                self.model.use_cpu_glue()
         memory = device_memory(self.device) if self.device.type == "cuda" else None
         if num_blocks is None:
             num_blocks = num_kv_blocks(config, memory=memory)
@@ -165,7 +169,7 @@ class ModelRunner:
             # all_logits), plus alignment
             self._graph_buf = _StepBuffer(self.device, (6 + self._graph_width) * rows + 64)
         self.compiled = compiled
-        compiled.warmup(self._run_padding)
+        compiled.warmup(functools.partial(run_padding, self))
         # compile "none" (or a failed start-up): steps never consult engine.compile
         self._compiling = compiled.mode != "none"
 
@@ -291,34 +295,5 @@ class ModelRunner:
             hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
         return model.compute_logits(hidden.index_select(0, view("rows")))
 
-    def _run_padding(self, decode_only: bool, rows: int) -> None:
-        """One compiled step of `rows` padding tokens (slot -1: no KV is written; they read
-        block 0), as `rows` decodes or one prefill chunk: compiles or records that shape."""
-        fn = self.compiled.forward_for(decode_only)
-        buf, width = self._buf, None
-        if decode_only and self.compiled.padded:
-            buf, width = self._graph_buf, self._graph_width
-        zeros = [0] * rows
-        if decode_only:
-            self._forward(fn, buf, zeros, zeros, [-1] * rows, [(0,)] * rows, [], [], [], [],
-                          [0], width)
-        else:
-            self._forward(fn, buf, zeros, list(range(rows)), [-1] * rows, [], [], [(0,) * rows],
-                          [rows], [rows], [rows - 1], width)
-
-    def warmup(self) -> None:
-        """Compile every attention kernel variant serving will launch (prefill, write_kv,
-        decode with and without split-K and its reduce) on block 0, then clear block 0:
-        the first requests do not wait for the compiler."""
-        long = (0,) * (2 * 512 // self.block_size + 1)  # > 2 split-K partitions of context
-        warm = [
-            [SeqChunk("warm-p", (1, 2), 0, (0,), sample=True)],
-            [SeqChunk("warm-d", (1,), 1, (0,), sample=True),
-             SeqChunk("warm-p", (1, 2), 0, (0,), sample=False)],
-            [SeqChunk("warm-s", (1,), len(long) * self.block_size - 1, long, sample=True)],
-        ]
-        for batch in warm:
-            self.execute(batch)
-        self.kv.data[:, :, 0].zero_()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def warmup(self) -> None:  # every attention kernel variant serving launches, compiled
+        warm_kernels(self, SeqChunk)

@@ -60,6 +60,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -79,6 +80,7 @@ class Attention(nn.Module):
         self.register_buffer("qkv_bias", None, persistent=False)
         self.qkv_packed: Packed | None = None  # packed copies (models/linear.py), by pack()
         self.o_packed: Packed | None = None
+        self.cpu_glue = False  # rotary by the pdserve_cpu op (use_cpu_glue)
 
     @torch.no_grad()
     def fuse(self) -> None:
@@ -106,7 +108,8 @@ class Attention(nn.Module):
             qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
             if self.qk_norm:
                 qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-            qk = _rope(qk, cos, sin)  # q and k heads at once
+            glue = self.cpu_glue and not torch.compiler.is_compiling()  # the op: bit-equal
+            qk = torch.ops.pdserve_cpu.rope(qk, cos, sin) if glue else _rope(qk, cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         else:
             q = self.q_proj(x).view(t, h, d)
@@ -185,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.packed: list[torch.Tensor] | None = None  # by key; see pack()
         self.lm_head_packed: Packed | None = None
+        self.cpu_glue = False  # by use_cpu_glue()
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Install checkpoint tensors as the parameters themselves (`assign=True`: no copy
@@ -234,8 +238,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = add(self.lm_head.weight)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
-        """`[head_dim / 2]` fp32 rotary inverse frequencies on `device`, whatever the
-        model's dtype (transformers keeps them fp32 too)."""
+        """`[head_dim / 2]` fp32 rotary inverse frequencies on `device` (as transformers)."""
         t = self._inv_freq.get(device)
         if t is None:
             t = torch.tensor(self.cfg.rope_inv_freq, dtype=torch.float32, device=device)
@@ -243,8 +246,7 @@ class LlamaForCausalLM(nn.Module):
         return t
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, 1, head_dim]` of `positions` `[T]` (one step's, for every layer
-        and head), the sin's first half negated for `_rope`."""
+        """cos and sin `[T, 1, head_dim]` of `positions` `[T]`, sin's first half negated."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
         scaling = self.cfg.rope_attention_scaling
@@ -265,8 +267,31 @@ class LlamaForCausalLM(nn.Module):
         attention op reads them from the step context."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        if self.cpu_glue and not torch.compiler.is_compiling():
+            return self._forward_glued(x, cos, sin, k_caches, v_caches, meta)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, k_caches and k_caches[i], v_caches and v_caches[i], meta)
+        return x
+
+    def use_cpu_glue(self) -> None:
+        """Residual adds, RMSNorms, rotary as pdserve_cpu ops (loaded; fp32 on CPU)."""
+        self.cpu_glue = True
+        for layer in self.model.layers:
+            layer.self_attn.cpu_glue = True
+
+    def _forward_glued(self, x, cos, sin, k_caches, v_caches, meta) -> torch.Tensor:
+        """The layer loop with each residual add fused into the next RMSNorm (one op)."""
+        ops, layers = torch.ops.pdserve_cpu, self.model.layers
+        h = ops.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, layer in enumerate(layers):
+            a, post = layer.self_attn(h, cos, sin, k_caches[i], v_caches[i], meta), \
+                layer.post_attention_layernorm
+            x, h = ops.add_rms_norm(x, a, post.weight, post.eps)
+            m = layer.mlp(h)
+            if i + 1 == len(layers):
+                return x + m
+            nxt = layers[i + 1].input_layernorm
+            x, h = ops.add_rms_norm(x, m, nxt.weight, nxt.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

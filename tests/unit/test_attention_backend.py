@@ -12,12 +12,13 @@ import torch
 from engine.attention import ATTENTION_BACKENDS, get_backend, torch_ref
 
 
-def test_auto_on_cpu_resolves_to_torch_reference():
-    be = get_backend("auto", "cpu")
-    assert be.name == "torch"
+def test_auto_on_cpu_resolves_to_the_cpu_ops_or_the_torch_reference():
+    be = get_backend("auto", "cpu")  # "cpu" (tests/unit/test_cpu_attention.py), or its
+    assert be.name in ("cpu", "torch")  # fallback where the ops cannot be built
     assert be.paged_prefill_attention is torch_ref.paged_prefill_attention
-    assert be.paged_decode_attention is torch_ref.paged_decode_attention
-    assert be.write_kv is torch_ref.write_kv
+    if be.name == "torch":
+        assert be.paged_decode_attention is torch_ref.paged_decode_attention
+        assert be.write_kv is torch_ref.write_kv
 
 
 def test_torch_by_name_on_any_device_string():
