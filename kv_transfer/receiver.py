@@ -22,12 +22,9 @@ the id) is DROPPED, so its credit comes back and the sender learns why.
 
 from __future__ import annotations
 
-import itertools
 import threading
-from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -36,74 +33,10 @@ from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.frames import Ack, AckStatus
 from kv_transfer.heads import HeadRange
+from kv_transfer.rx_streams import ClosedId, RxLink, RxRequest, RxStream
 from kv_transfer.wire import ChecksumError, FrameHeader, verify
 
 _MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
-_link_uids = itertools.count(1)
-
-
-class RxLink(ABC):
-    """The receiving end of one sender's link: where acks for its frames go."""
-
-    name: str = "?"
-    closed: bool = False  # set by ``_link_closed``: frames still arriving on it are dropped
-    _uid: int = 0
-
-    @property
-    def uid(self) -> int:
-        """A number no other link of this process has (ids of dead objects get reused)."""
-        if not self._uid:
-            self._uid = next(_link_uids)
-        return self._uid
-
-    @abstractmethod
-    def send_acks(self, acks: list[Ack]) -> None:
-        """Queue acks towards the sender; never blocks for long, never raises."""
-
-
-@dataclass(eq=False)
-class _Stream:
-    """One head range of a request: its frames come over one link, seq 0..final."""
-
-    link: RxLink
-    parts_left: dict[int, int] = field(default_factory=dict)  # seq -> parts still missing
-    seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (seq, part) -> tx
-    final_seq: int | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.final_seq is not None and all(
-            self.parts_left.get(s, 1) == 0 for s in range(self.final_seq + 1))
-
-
-@dataclass(eq=False)
-class _RxRequest:
-    """A request's streams by head range; complete when they are all done and tile the
-    heads this receiver serves (its ``head_range``, else all ``total`` heads)."""
-
-    total: int
-    streams: dict[tuple[int, int], _Stream] = field(default_factory=dict)
-
-    def on_link(self, link: RxLink) -> bool:
-        return any(s.link is link for s in self.streams.values())
-
-    def complete(self, want: HeadRange | None) -> bool:
-        lo, hi = (want.start, want.end) if want is not None else (0, self.total)
-        for (hs, he), s in sorted(self.streams.items()):
-            if hs != lo or not s.done:
-                return False
-            lo = he
-        return lo == hi
-
-
-class _Closed(NamedTuple):
-    """Why a request id is closed; for a completed one, the highest transmission it took
-    per link (uid), which tells a late copy from a new frame reusing the id."""
-
-    why: str
-    max_tx: dict[int, int] | None = None
-
-
 class InboxReceiver(KVReceiver):
     def __init__(self, cfg: TransferConfig) -> None:
         self.cfg = cfg
@@ -112,10 +45,10 @@ class InboxReceiver(KVReceiver):
         self._arrivals = 0  # times it was notified (wait_for_arrival)
         self._inbox: deque[KVChunk] = deque()
         self._events = ReceiveEvents()
-        self._requests: dict[str, _RxRequest] = {}
+        self._requests: dict[str, RxRequest] = {}
         # rid -> {(seq, layer_start, token_start, head_start): (link, ack, nbytes)} to release
         self._unreleased: dict[str, dict[tuple[int, int, int], tuple[RxLink, Ack, int]]] = {}
-        self._closed_rids: RecentIds[_Closed] = RecentIds(_MAX_CLOSED)
+        self._closed_rids: RecentIds[ClosedId] = RecentIds(_MAX_CLOSED)
         self._expected: set[str] = set()
         self._head_range: HeadRange | None = None  # None: every head of the model
         self._closed = False
@@ -270,11 +203,11 @@ class InboxReceiver(KVReceiver):
     def _store_locked(self, link: RxLink, h: FrameHeader, payload: torch.Tensor) -> None:
         st = self._requests.get(h.request_id)
         if st is None:
-            st = self._requests[h.request_id] = _RxRequest(h.num_kv_heads)
+            st = self._requests[h.request_id] = RxRequest(h.num_kv_heads)
             self._expected.discard(h.request_id)
         stream = st.streams.get((h.head_start, h.head_end))
         if stream is None:
-            stream = st.streams[(h.head_start, h.head_end)] = _Stream(link)
+            stream = st.streams[(h.head_start, h.head_end)] = RxStream(link)
         stream.seen[(h.seq_no, h.part)] = h.tx
         stream.parts_left[h.seq_no] = stream.parts_left.get(h.seq_no, h.num_parts) - 1
         if h.is_final:
@@ -295,7 +228,7 @@ class InboxReceiver(KVReceiver):
             max_tx: dict[int, int] = {}
             for s in st.streams.values():
                 max_tx[s.link.uid] = max(max_tx.get(s.link.uid, -1), *s.seen.values())
-            self._remember_closed(h.request_id, _Closed("completed", max_tx))
+            self._remember_closed(h.request_id, ClosedId("completed", max_tx))
             self._events.completed.append(h.request_id)
             self._counters["requests_completed"] += 1
 
@@ -317,7 +250,7 @@ class InboxReceiver(KVReceiver):
                               report: str | None) -> list[tuple[RxLink, Ack]]:
         """Forget ``rid``: drop its undelivered chunks, void or ack its credit."""
         self._requests.pop(rid, None)
-        self._remember_closed(rid, _Closed(why if report is None else "failed"))
+        self._remember_closed(rid, ClosedId(why if report is None else "failed"))
         if any(c.request_id == rid for c in self._inbox):
             self._inbox = deque(c for c in self._inbox if c.request_id != rid)
         entries = self._unreleased.pop(rid, {})
@@ -338,7 +271,7 @@ class InboxReceiver(KVReceiver):
         for link, batch in by_link.values():
             link.send_acks(batch)
 
-    def _remember_closed(self, rid: str, closed: _Closed) -> None:
+    def _remember_closed(self, rid: str, closed: ClosedId) -> None:
         self._closed_rids.add(rid, closed)
 
     def _close_inbox(self) -> None:
