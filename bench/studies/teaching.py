@@ -20,7 +20,7 @@ from engine.tracing import TraceEvent
 
 NAME = t.NAME
 COLUMNS = [Column("config", "run"), Column("chunk", "max chunk")] + [
-    Column(k, label, "{:.1f}") for k, label in t.ROWS]
+    Column(k, label, "{:.1f}") for k, label in tr.ROWS]
 
 
 def disagg_run(ctx: StudyContext, spec: t.TeachingSpec) -> dict:
