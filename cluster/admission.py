@@ -221,15 +221,20 @@ class DecodeAdmission:
                               f"prompt of {prompt_len} tokens cannot fit any decode worker's "
                               f"KV cache ({max(caps)} tokens)")
 
-    async def admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle | None:
+    async def admit(self, flight: Flight, task: DecodeTask,
+                    refused: tuple[WorkerHandle, int] | None = None) -> WorkerHandle | None:
         """Wait in the admission queue until a decode worker reserves room for the leg;
-        None when the request ended meanwhile (abort, deadline, drain)."""
+        None when the request ended meanwhile (abort, deadline, drain). `refused`: (worker,
+        round) of a reserve the router sent without queueing (cluster/router.py) that
+        worker refused: it counts as this waiter's refusal if the round is still on."""
         start = time.monotonic()
         grace_end = start + self.router.config.unavailable_grace_s
         limit = self.router.config.admission_timeout_s
         core = self.core
         waiter = core.enqueue(flight, flight.arrival, task)
         waiter.event = event = asyncio.Event()
+        if refused is not None and refused[1] == core.round:
+            core._tried(waiter).add(id(refused[0]))
         try:
             core.pump()
             while True:
