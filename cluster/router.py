@@ -209,7 +209,9 @@ class Router(RouterAdmin):
         current = flight.leg_id == leg_id and not flight.done  # (else it ended, and its
         if current:  # end aborted it on both workers)
             w.legs.discard(leg_id)  # it holds nothing of the leg: no abort goes to it
-            self.end_leg(flight)
+            fresh = round_ == self.admission.core.round  # no room freed since it was asked
+            self.end_leg(flight)  # (a new round that frees nothing on w)
+            round_ = self.admission.core.round if fresh else -1
         if dead:
             self.mark_dead(w)
         if not current:
