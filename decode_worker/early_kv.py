@@ -62,6 +62,7 @@ class EarlyKV:
         self.nbytes = 0
         self.nchunks = 0
         self.applied_legs = 0  # legs whose early chunks were handed to their reservation
+        self.refusals = 0  # reserves refused here (full, fault, overtaken by their abort)
         self.dropped_chunks = dict.fromkeys(DROP_REASONS, 0)
         self.dropped_legs = dict.fromkeys(DROP_REASONS, 0)
 
@@ -92,6 +93,7 @@ class EarlyKV:
         if ok:
             self.refused.pop(leg_id)
             return self.take(leg_id)
+        self.refusals += 1
         self.refused.add(leg_id)
         self.close(leg_id, "refused", receiver)
         return None

@@ -61,17 +61,18 @@ class DecodeEngine:
 
     # ---- commands -------------------------------------------------------------------
     def reserve(self, task: DecodeTask) -> bool:
-        if self.faults is not None and self.faults.refuse_admission(task.leg_id):
-            return False  # as if full: the router tries another worker, then waits
         t, leg = self.aborted_early, task.leg_id
-        if (leg in t.buried or leg in t.ended_ids) and t.claim(leg):
-            return False  # its abort (or its early KV's loss) overtook it
-        try:
-            ok = self.scheduler.reserve(task)
-        except ValueError:
-            self.early.on_reserve(leg, False, self.receiver)
-            raise
-        held = self.early.on_reserve(leg, ok, self.receiver)
+        if self.faults is not None and self.faults.refuse_admission(leg):
+            ok = False  # as if full: the router tries another worker, then waits
+        elif (leg in t.buried or leg in t.ended_ids) and t.claim(leg):
+            ok = False  # its abort (or its early KV's loss) overtook it
+        else:
+            try:
+                ok = self.scheduler.reserve(task)
+            except ValueError:
+                self.early.on_reserve(leg, False, self.receiver)
+                raise
+        held = self.early.on_reserve(leg, ok, self.receiver)  # KV that came before it
         if not ok:
             return False
         self.receiver.expect(leg)
@@ -276,4 +277,5 @@ class DecodeEngine:
             kv_rx_active_requests=int(rx.get("active_requests", 0)),
             kv_early_held_chunks=self.early.nchunks, kv_early_held_bytes=self.early.nbytes,
             kv_early_dropped_chunks=sum(self.early.dropped_chunks.values()),
+            kv_reserves_refused=self.early.refusals,
         )

@@ -69,3 +69,4 @@ class DecodeStats(EngineStats):
     kv_early_held_chunks: int = 0  # chunks held for legs whose reserve has not come yet
     kv_early_held_bytes: int = 0
     kv_early_dropped_chunks: int = 0  # held chunks dropped (refused/aborted/expired/...)
+    kv_reserves_refused: int = 0
