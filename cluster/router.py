@@ -56,6 +56,7 @@ class Router(RouterAdmin):
         self.tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
+        self._reserving: set[int] = set()  # id()s of decode workers asked by _decode_at_once
         self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
 
@@ -99,13 +100,6 @@ class Router(RouterAdmin):
             timer.cancel()
             self._close_flight(flight)
 
-    async def abort(self, request_id: str) -> bool:
-        flight = self.flights.get(request_id)
-        if flight is None:
-            return False
-        self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
-        return True
-
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background (kept referenced; cancelled by shutdown)."""
         task = asyncio.ensure_future(coro)
@@ -135,6 +129,7 @@ class Router(RouterAdmin):
         decode = None if refused else self._decode_at_once(len(prompt))
         if decode is not None:
             round_ = self.admission.core.round
+            self._reserving.add(id(decode))
             try:
                 reply = decode.actor.reserve.remote(dtask)
             except Exception as e:  # (a dead actor may refuse the call itself)
@@ -175,18 +170,16 @@ class Router(RouterAdmin):
 
     def _decode_at_once(self, prompt_len: int) -> WorkerHandle | None:
         """The decode worker to reserve on while the prefill starts, if any: the least
-        loaded live one on which no admission reserve is in flight and whose last load
-        message left room for the prompt; none while requests wait for admission (they
-        came first) or no prefill worker is alive."""
+        loaded live one with no reserve in flight (an admission's or one sent this way: a
+        burst queues as before) and room for the prompt as its last load message says;
+        none while requests wait for admission (they came first) or no prefill is alive."""
         adm = self.admission
         if not self.config.reserve_with_add or len(adm) or not any(p.alive for p in self.prefill):
             return None
-        busy = adm.core.busy
+        busy, reserving = adm.core.busy, self._reserving
         for w in adm.candidates()[0]:
-            load = w.load
-            if w.role == "decode" and id(w) not in busy and (
-                    load is None or not w.block_size
-                    or load.kv_blocks_promisable * w.block_size > prompt_len):
+            if w.role == "decode" and id(w) not in busy and id(w) not in reserving \
+                    and w.has_room(prompt_len):
                 return w
         return None
 
@@ -196,16 +189,19 @@ class Router(RouterAdmin):
         the prefill worker (decode holds nothing of it) and a new leg queues for admission
         as a refused request does; cannot fit: RESOURCE_EXHAUSTED; the worker died: it is
         marked dead and a new leg queues."""
-        error, dead = None, False
+        error, dead, ok = None, False, False
         try:
-            if await reply:
-                return
+            ok = await reply
         except ValueError as e:  # can never fit that worker
             error = RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e))
         except Exception as e:  # dead worker (a reserve that landed is undone)
             log.warning("decode %s failed on reserve: %s", w.worker_id, e)
             self.abort_on(w, leg_id)
             dead = True
+        finally:
+            self._reserving.discard(id(w))
+        if ok:
+            return
         current = flight.leg_id == leg_id and not flight.done  # (else it ended, and its
         if current:  # end aborted it on both workers)
             w.legs.discard(leg_id)  # it holds nothing of the leg: no abort goes to it
@@ -239,15 +235,6 @@ class Router(RouterAdmin):
         wid = self._placement.pick([PrefillLoad(w.worker_id, w.prefill_load)
                                     for w in alive], prompt)
         return next(w for w in alive if w.worker_id == wid)
-
-    # ---- workers ----------------------------------------------------------------------
-    def mark_dead(self, w: WorkerHandle) -> None:
-        """`w` stopped answering: re-dispatch its legs; the pump re-adopts it once back."""
-        self.pump.mark_dead(w)
-
-    def wake_admission(self) -> None:
-        """Decode capacity may have freed: the head of the admission queue asks again."""
-        self.admission.wake_head()
 
     # ---- leg / flight endings ---------------------------------------------------------
     def abort_on(self, w: WorkerHandle, leg_id: str) -> None:

@@ -1,5 +1,6 @@
 """RouterAdmin: the router's calls outside a request's path (cluster/router.py holds the
-path): the tokenizer's helpers, health, stats, traces and shutdown."""
+path): the tokenizer's helpers, client aborts, worker liveness, health, stats, traces
+and shutdown."""
 
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ class RouterAdmin:
     @property
     def waiting_admission(self) -> int:
         return len(self.admission)
+
+    async def abort(self, request_id: str) -> bool:
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return False
+        self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
+        return True
+
+    def mark_dead(self, w: WorkerHandle) -> None:
+        """`w` stopped answering: re-dispatch its legs; the pump re-adopts it once back."""
+        self.pump.mark_dead(w)
+
+    def wake_admission(self) -> None:
+        """Decode capacity may have freed: the head of the admission queue asks again."""
+        self.admission.wake_head()
 
     def healthy(self) -> bool:
         return self.serving and any(w.alive for w in self.prefill) and any(

@@ -213,3 +213,28 @@ def test_an_end_while_the_reserve_is_in_flight_frees_both_workers(ending):
         assert result == [7]
     assert leg not in decode.actor.held
     assert_router_clean(router, prefill, [decode])
+
+
+def test_a_burst_sends_one_reserve_with_an_add_per_decode_worker_the_rest_queue():
+    async def go():
+        router, prefill, [decode] = make_router(max_queue_len=1)
+        land = hold(decode)
+        a = asyncio.ensure_future(rest(router.generate(SPEC)))
+        await until(lambda: prefill.actor.calls_of("add"), "a's add went out")
+        b = asyncio.ensure_future(rest(router.generate(GenerateSpec("b", (4, 5), SPEC.sampling))))
+        await until(lambda: router.waiting_admission == 1, "b queues for admission")
+        assert len(prefill.actor.calls_of("add")) == 1  # b's add waits for its reservation
+        with pytest.raises(RouterError) as full:
+            await rest(router.generate(GenerateSpec("c", (6,), SPEC.sampling)))
+        land.set()
+        await until(lambda: len(prefill.actor.calls_of("add")) == 2, "b's add after its grant")
+        for rid in ("r", "b"):
+            serve_leg(prefill, decode, router.flights[rid].leg_id, (7, 8, 9))
+        toks = await asyncio.wait_for(asyncio.gather(a, b), 10)
+        await router.shutdown(0)
+        return toks, full.value, router, prefill, decode
+
+    toks, full, router, prefill, decode = asyncio.run(go())
+    assert toks == [[7, 8, 9], [7, 8, 9]]
+    assert full.code == ErrorCode.RESOURCE_EXHAUSTED and "queue is full" in full.message
+    assert_router_clean(router, prefill, [decode])
