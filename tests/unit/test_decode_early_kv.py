@@ -58,10 +58,17 @@ def _early_empty(pair: PDPair) -> None:
     assert not pair.decode._ready and not pair.decode._ready_complete
 
 
+def _receiver_empty(pair: PDPair) -> None:
+    """Every frame the decode receiver took was released or dropped: no credit held."""
+    rx = pair.receiver.stats()
+    assert rx["inflight_bytes"] == 0 and rx["inbox_chunks"] == 0, rx
+
+
 def _finish(pair: PDPair) -> None:
     pair.run()
     pair.leak_check()
     _early_empty(pair)
+    _receiver_empty(pair)
     pair.close()
 
 
