@@ -11,10 +11,15 @@ import pytest
 import torch
 
 from decode_worker.early_kv import EarlyKV, EarlyKVConfig
+from decode_worker.engine import DecodeEngine
+from decode_worker.scheduler import DecodeSchedulerConfig
 from engine import LLM
+from engine.request import SamplingParams
+from kv_transfer.base import KVChunk, ReceiveEvents
 from kv_transfer.pacing import ManualClock
 from runtime.messages import DecodeTask, EventKind, PrefillTask
-from tests.pd_harness import PDPair, greedy
+from tests.engine_fakes import ScriptedReceiver
+from tests.pd_harness import PDPair, engine_cfg, greedy
 
 PROMPT = torch.randint(1, 2000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -174,3 +179,27 @@ def test_a_bound_hit_drops_the_leg_with_a_clear_error(tiny_model, bound):
     pair.prefill.abort("r0")
     pair.outputs.pop("r0")
     _finish(pair)
+
+
+def test_a_held_legs_stream_failing_before_its_reserve_drops_it(tiny_model):
+    """The receiver fails a leg whose KV is held (e.g. its link closed mid-stream): the
+    held chunks are released, the leg fails with the receiver's reason, its id is closed
+    in the receiver, and the reserve that comes later is refused (its KV is gone)."""
+    rx = ScriptedReceiver()
+    eng = DecodeEngine("decode-0", engine_cfg(tiny_model, 4), DecodeSchedulerConfig(), rx, 16)
+    m = eng.config.model
+    chunk = KVChunk("r0", 0, 0, 4, torch.zeros(m.num_layers, 2, 4, m.num_kv_heads, m.head_dim))
+    rx.script = [ReceiveEvents(chunks=[chunk]),
+                 ReceiveEvents(failed=[("r0", "link dropped before final chunk: closed")])]
+    assert eng.step() == [] and eng.early.nchunks == 1 and rx.released == []
+    [ev] = eng.step()
+    assert ev.kind == EventKind.FAILED and "link dropped" in ev.message
+    assert rx.released == [chunk] and "r0" in rx.aborted
+    assert eng.early.dropped_legs["failed"] == 1 and not eng.early.held
+    task = DecodeTask("r0", 4, SamplingParams(max_tokens=2))
+    assert not eng.reserve(task)  # refused: its KV is gone
+    assert eng.reserve(task)  # the id reused: a fresh reservation, nothing stale
+    assert eng.scheduler.pending["r0"].received_tokens == 0
+    eng.abort("r0")
+    eng.bm.check_integrity()
+    assert eng.bm.num_used_blocks == 0 and not eng.has_work and not eng.scheduler.promises
