@@ -225,15 +225,14 @@ class DecodeAdmission:
                     refused: tuple[WorkerHandle, int] | None = None) -> WorkerHandle | None:
         """Wait in the admission queue until a decode worker reserves room for the leg;
         None when the request ended meanwhile (abort, deadline, drain). `refused`: (worker,
-        round) of a reserve the router sent without queueing (cluster/router.py) that
-        worker refused: it counts as this waiter's refusal if the round is still on."""
+        round) that refused its reserve sent with the add (router): counts in that round."""
         start = time.monotonic()
         grace_end = start + self.router.config.unavailable_grace_s
         limit = self.router.config.admission_timeout_s
         core = self.core
         waiter = core.enqueue(flight, flight.arrival, task)
         waiter.event = event = asyncio.Event()
-        if refused is not None and refused[1] == core.round:
+        if refused and refused[1] == core.round:  # (a refusal counts in its round alone)
             core._tried(waiter).add(id(refused[0]))
         try:
             core.pump()
