@@ -221,15 +221,19 @@ class DecodeAdmission:
                               f"prompt of {prompt_len} tokens cannot fit any decode worker's "
                               f"KV cache ({max(caps)} tokens)")
 
-    async def admit(self, flight: Flight, task: DecodeTask) -> WorkerHandle | None:
+    async def admit(self, flight: Flight, task: DecodeTask,
+                    refused: tuple[WorkerHandle, int] | None = None) -> WorkerHandle | None:
         """Wait in the admission queue until a decode worker reserves room for the leg;
-        None when the request ended meanwhile (abort, deadline, drain)."""
+        None when the request ended meanwhile (abort, deadline, drain). `refused`: (worker,
+        round) that refused its reserve sent with the add (router): counts in that round."""
         start = time.monotonic()
         grace_end = start + self.router.config.unavailable_grace_s
         limit = self.router.config.admission_timeout_s
         core = self.core
         waiter = core.enqueue(flight, flight.arrival, task)
         waiter.event = event = asyncio.Event()
+        if refused and refused[1] == core.round:  # (a refusal counts in its round alone)
+            core._tried(waiter).add(id(refused[0]))
         try:
             core.pump()
             while True:

@@ -40,6 +40,9 @@ class RouterConfig:
     length_buckets: tuple[int, ...] = (256, 1024, 4096)  # thresholds of length-buckets
     # tokens per streamed message (the first token and the last message go at once)
     stream_interval: int = 1
+    # send a leg's decode reserve together with its prefill add when nobody waits for
+    # admission (the first token waits for the prefill alone); False: reserve, then add
+    reserve_with_add: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
@@ -157,7 +160,7 @@ class RouterCore(Protocol):
     @property
     def workers(self) -> list[WorkerHandle]: ...
 
-    async def dispatch(self, flight: Flight) -> None: ...
+    async def dispatch(self, flight: Flight, refused: tuple | None = None) -> None: ...
 
     def release(self, flight: Flight) -> None: ...
 

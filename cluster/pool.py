@@ -50,6 +50,12 @@ class WorkerHandle:
         used = self.stats.kv_blocks_used if self.stats is not None else 0
         return used / self.num_blocks
 
+    def has_room(self, prompt_len: int) -> bool:
+        """Does its last load message leave room for a prompt (True when it sent none)?"""
+        load = self.load
+        return load is None or not self.block_size or \
+            load.kv_blocks_promisable * self.block_size > prompt_len
+
     @property
     def prefill_load(self) -> int:
         """Prompt tokens queued on it: this router's own plus the others' last seen."""

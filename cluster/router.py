@@ -1,10 +1,9 @@
 """Router: the request lifecycle across the two pools (runs in the server process).
 
-generate(): bounded admission queue (cluster/admission.py: arrival order, a request
-waits until its deadline; a full queue is RESOURCE_EXHAUSTED at once) -> decode worker
-first (its `reserve` counts the prompt + headroom as a promise; least KV usage wins) ->
-prefill worker (least outstanding prefill tokens, prefix affinity) -> stream tokens from
-worker events.
+generate(): a decode worker's `reserve` (prompt + headroom as a promise; least KV usage
+wins; the admission queue, cluster/admission.py, keeps arrival order, a full one is
+RESOURCE_EXHAUSTED at once) and a prefill worker's `add` (least outstanding prefill
+tokens, prefix affinity), both at once when nobody waits -> tokens from worker events.
 Each dispatch is a *leg*: a decode preemption, a dead worker or a failed transfer starts
 a new leg that recomputes prompt + tokens so far on a healthy pair, so the client's
 stream simply continues. Leg ids (`<request_id>#<router tag><dispatch no.>#<leg no.>`)
@@ -28,9 +27,10 @@ from cluster.admission import DecodeAdmission
 from cluster.delta_stream import DeltaStream
 from cluster.flight import Flight, RouterConfig
 from cluster.pool import WorkerHandle
+from cluster.router_admin import RouterAdmin
 from cluster.router_events import EventPump
 from cluster.routing_policies import PrefillLoad
-from cluster.types import ClusterStats, ErrorCode, GenerateSpec, RouterError, TokenDelta
+from cluster.types import ErrorCode, GenerateSpec, RouterError, TokenDelta
 from engine.request import SamplingParams
 from runtime.messages import DecodeTask, PrefillTask
 
@@ -38,54 +38,29 @@ __all__ = ["Flight", "Router", "RouterConfig"]
 log = logging.getLogger(__name__)
 
 
-class Router:
+class Router(RouterAdmin):
     def __init__(self, prefill: list[WorkerHandle], decode: list[WorkerHandle],
                  config: RouterConfig, tokenizer, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), metrics=None,
                  channel_secret: bytes = b""):
         """`channel_secret` opens the workers' control channels (runtime/channel.py)."""
         self.prefill, self.decode = prefill, decode
-        self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.config, self.tokenizer, self.metrics = config, tokenizer, metrics
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
-        self.metrics = metrics
         self.flights: dict[str, Flight] = {}  # live requests only: an ended id is free
         self.legs: dict[str, Flight] = {}
         self.admission = DecodeAdmission(self)
-        self.serving = True
+        self.serving, self._started = True, None  # (the pumps' start: an asyncio.Future)
         self._placement = config.make_placement()  # cluster/routing_policies.py
         self.tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
+        self._reserving: set[int] = set()  # id()s of decode workers asked by _decode_at_once
         self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
-        self._started: asyncio.Future | None = None
 
-    # ---- RouterAPI --------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text).input_ids)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    @property
-    def workers(self) -> list[WorkerHandle]:
-        """Every distinct worker (a colocated engine plays both roles)."""
-        seen: dict[int, WorkerHandle] = {}
-        for w in self.prefill + self.decode:
-            seen.setdefault(id(w), w)
-        return list(seen.values())
-
-    @property
-    def waiting_admission(self) -> int:
-        return len(self.admission)
-
-    def healthy(self) -> bool:
-        return self.serving and any(w.alive for w in self.prefill) and any(
-            w.alive for w in self.decode)
-
+    # ---- RouterAPI (the rest: cluster/router_admin.py) -------------------------------
     async def start(self) -> None:
         """Connect the workers' channels and start the event pumps on the running loop
         (idempotent; generate() calls it)."""
@@ -125,40 +100,6 @@ class Router:
             timer.cancel()
             self._close_flight(flight)
 
-    async def abort(self, request_id: str) -> bool:
-        flight = self.flights.get(request_id)
-        if flight is None:
-            return False
-        self.fail(flight, RouterError(ErrorCode.CANCELLED, "aborted by the client"))
-        return True
-
-    async def stats(self) -> ClusterStats:
-        await self.start()
-        workers = await self.pump.collect_stats()
-        return ClusterStats(
-            tuple(workers), router_queue_depth=len(self.admission),
-            num_inflight=len(self.flights), serving=self.healthy(),
-        )
-
-    async def drain_traces(self) -> list[dict]:
-        """Trace events recorded by every live worker since the last call (plain dicts)."""
-        return await self.pump.collect_traces()
-
-    async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
-        self.serving = False
-        end = time.monotonic() + drain_timeout_s
-        while self.flights and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        for flight in list(self.flights.values()):
-            self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, "server shut down"))
-        await self.pump.stop()
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        if self.on_shutdown is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.on_shutdown)
-            self.on_shutdown = None
-
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background (kept referenced; cancelled by shutdown)."""
         task = asyncio.ensure_future(coro)
@@ -167,9 +108,13 @@ class Router:
         return task
 
     # ---- dispatch ---------------------------------------------------------------------
-    async def dispatch(self, flight: Flight) -> None:
-        """Start a new leg: reserve on a decode worker, then queue on a prefill worker.
-
+    async def dispatch(self, flight: Flight, refused: tuple | None = None) -> None:
+        """Start a new leg on a decode worker (a reservation) and a prefill worker. With
+        nobody waiting for admission, `reserve` and `add` go out together: the first token
+        waits for the prefill alone (KV that overtakes its reserve waits for it on the
+        decode worker, decode_worker/early_kv.py; a refusal: `_reserve_reply`); else (or
+        after such a refusal: `refused`) the leg waits in the admission queue for a
+        reservation, then the add.
         Returns once a leg is queued on a live pair or the request has ended (its error is
         then in its queue); raises RouterError when it cannot be served. A leg lost here
         (a prefill worker died) is a failure, so the retries are bounded by max_legs."""
@@ -180,10 +125,21 @@ class Router:
             raise RouterError(ErrorCode.UNAVAILABLE,
                               f"gave up after {flight.failures} attempts (workers failing)")
         leg_id, prompt, sampling = self._new_leg(flight)
-        decode = await self.admission.admit(flight, DecodeTask(
-            leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant))
-        if decode is None:
-            return  # the request ended while it waited
+        dtask = DecodeTask(leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant)
+        decode = None if refused else self._decode_at_once(len(prompt))
+        if decode is not None:
+            round_ = self.admission.core.round
+            self._reserving.add(id(decode))
+            try:
+                reply = decode.actor.reserve.remote(dtask)
+            except Exception as e:  # (a dead actor may refuse the call itself)
+                reply = asyncio.get_running_loop().create_future()
+                reply.set_exception(e)
+            self.spawn(self._reserve_reply(flight, decode, leg_id, reply, round_))
+        else:
+            decode = await self.admission.admit(flight, dtask, refused)
+            if decode is None:
+                return  # the request ended while it waited
         flight.decode = decode
         decode.legs.add(leg_id)
         try:
@@ -212,6 +168,60 @@ class Router:
             self.mark_dead(prefill)
             await self.dispatch(flight)
 
+    def _decode_at_once(self, prompt_len: int) -> WorkerHandle | None:
+        """The decode worker to reserve on while the prefill starts, if any: the least
+        loaded live one with no reserve in flight (an admission's or one sent this way: a
+        burst queues as before) and room for the prompt as its last load message says;
+        none while requests wait for admission (they came first) or no prefill is alive."""
+        adm = self.admission
+        if not self.config.reserve_with_add or len(adm) or not any(p.alive for p in self.prefill):
+            return None
+        busy, reserving = adm.core.busy, self._reserving
+        for w in adm.candidates()[0]:
+            if w.role == "decode" and id(w) not in busy and id(w) not in reserving \
+                    and w.has_room(prompt_len):
+                return w
+        return None
+
+    async def _reserve_reply(self, flight: Flight, w: WorkerHandle, leg_id: str, reply,
+                             round_: int) -> None:
+        """The answer of a reserve sent with the prefill's add. Refused: the leg ends on
+        the prefill worker (decode holds nothing of it) and a new leg queues for admission
+        as a refused request does; cannot fit: RESOURCE_EXHAUSTED; the worker died: it is
+        marked dead and a new leg queues."""
+        error, dead, ok = None, False, False
+        try:
+            ok = await reply
+        except ValueError as e:  # can never fit that worker
+            error = RouterError(ErrorCode.RESOURCE_EXHAUSTED, str(e))
+        except Exception as e:  # dead worker (a reserve that landed is undone)
+            log.warning("decode %s failed on reserve: %s", w.worker_id, e)
+            self.abort_on(w, leg_id)
+            dead = True
+        finally:
+            self._reserving.discard(id(w))
+        if ok:
+            return
+        current = flight.leg_id == leg_id and not flight.done  # (else it ended, and its
+        if current:  # end aborted it on both workers)
+            w.legs.discard(leg_id)  # it holds nothing of the leg: no abort goes to it
+            fresh = round_ == self.admission.core.round  # no room freed since it was asked
+            self.end_leg(flight)  # (a new round that frees nothing on w)
+            round_ = self.admission.core.round if fresh else -1
+        if dead:
+            self.mark_dead(w)
+        if not current:
+            return
+        if error is not None:
+            self.fail(flight, error)
+            return
+        try:
+            await self.dispatch(flight, (w, -1 if dead else round_))
+        except RouterError as e:
+            self.fail(flight, e)
+        except Exception as e:  # noqa: BLE001 - the request fails, the router serves on
+            self.fail(flight, RouterError(ErrorCode.UNAVAILABLE, f"re-dispatch failed: {e}"))
+
     def _new_leg(self, flight: Flight) -> tuple[str, tuple[int, ...], SamplingParams]:
         leg_id = f"{flight.spec.request_id}#{self.tag}{next(self._dispatches):x}#{flight.leg + 1}"
         prompt, sampling = flight.start_leg(leg_id)
@@ -225,15 +235,6 @@ class Router:
         wid = self._placement.pick([PrefillLoad(w.worker_id, w.prefill_load)
                                     for w in alive], prompt)
         return next(w for w in alive if w.worker_id == wid)
-
-    # ---- workers ----------------------------------------------------------------------
-    def mark_dead(self, w: WorkerHandle) -> None:
-        """`w` stopped answering: re-dispatch its legs; the pump re-adopts it once back."""
-        self.pump.mark_dead(w)
-
-    def wake_admission(self) -> None:
-        """Decode capacity may have freed: the head of the admission queue asks again."""
-        self.admission.wake_head()
 
     # ---- leg / flight endings ---------------------------------------------------------
     def abort_on(self, w: WorkerHandle, leg_id: str) -> None:

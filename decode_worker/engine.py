@@ -3,7 +3,8 @@
 Each step: take arrived KV chunks from the connector into this worker's own blocks
 (token ranges -> local slots, any block size), start requests whose KV and first token
 are complete, then run one continuous-batching decode step over every running request
-and report all new tokens of the step together.
+and report all new tokens of the step together. KV that overtakes its leg's reserve (the
+router sends reserve and the prefill's add at once) waits in EarlyKV until it comes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from decode_worker.early_kv import EarlyKV, EarlyKVConfig
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -37,6 +39,7 @@ class DecodeEngine:
         num_blocks: int,
         tracer: TraceRecorder | None = None,
         faults: FaultInjector | None = None,
+        early: EarlyKVConfig | None = None,
     ):
         self.worker_id = worker_id
         self.faults = faults  # fault injection (tests only): may refuse admission
@@ -48,6 +51,9 @@ class DecodeEngine:
         self.tracer = tracer if tracer is not None else TraceRecorder(enabled=False)
         self.started: dict[str, float] = {}  # leg id -> monotonic decode start
         self.aborted_early = Tombstones()
+        self.early = EarlyKV(early, self.aborted_early)  # KV that came before its reserve
+        self._ready: list[KVChunk] = []  # early chunks whose reserve came: written first
+        self._ready_complete: list[str] = []  # ... and the legs all of whose KV was in
         self.max_len = min(config.scheduler.max_model_len, self.scheduler.max_len)
         self.num_steps = 0
         self.last_step_ran = False
@@ -55,15 +61,26 @@ class DecodeEngine:
 
     # ---- commands -------------------------------------------------------------------
     def reserve(self, task: DecodeTask) -> bool:
-        if self.faults is not None and self.faults.refuse_admission(task.leg_id):
-            return False  # as if full: the router tries another worker, then waits
         t, leg = self.aborted_early, task.leg_id
-        if (leg in t.buried or leg in t.ended_ids) and t.claim(leg):
-            return False  # its abort overtook it: the router has already left
-        ok = self.scheduler.reserve(task)
-        if ok:
-            self.receiver.expect(task.leg_id)
-        return ok
+        if self.faults is not None and self.faults.refuse_admission(leg):
+            ok = False  # as if full: the router tries another worker, then waits
+        elif (leg in t.buried or leg in t.ended_ids) and t.claim(leg):
+            ok = False  # its abort (or its early KV's loss) overtook it
+        else:
+            try:
+                ok = self.scheduler.reserve(task)
+            except ValueError:
+                self.early.on_reserve(leg, False, self.receiver)
+                raise
+        held = self.early.on_reserve(leg, ok, self.receiver)  # KV that came before it
+        if not ok:
+            return False
+        self.receiver.expect(leg)
+        if held is not None:  # written at the next step, before anything newer
+            self._ready += held.chunks
+            if held.complete:
+                self._ready_complete.append(leg)
+        return True
 
     def abort(self, leg_id: str) -> bool:
         """End the leg here; an abort for an id not held here is either late (it ended
@@ -71,11 +88,14 @@ class DecodeEngine:
         self.receiver.abort(leg_id)
         if self._end(leg_id):
             return True
+        self.early.drop(leg_id, "aborted")
         self.aborted_early.bury(leg_id)
         return False
 
     def fail_all(self, message: str) -> list[WorkerEvent]:
         """Fail every leg held here (a step failed): free its blocks, drop its frames."""
+        for leg_id in list(self.early.held):
+            self.early.close(leg_id, "failed", self.receiver)
         held = list(self.scheduler.pending) + [r.request_id for r in self.scheduler.running]
         return [e for leg_id in held for e in self._fail(leg_id, message)]
 
@@ -90,7 +110,7 @@ class DecodeEngine:
     def _fail(self, leg_id: str, message: str) -> list[WorkerEvent]:
         """Fail one leg (e.g. its KV intake went wrong): free it, drop its frames."""
         self.receiver.abort(leg_id)
-        if not self._end(leg_id):
+        if not self._end(leg_id) and not self.early.close(leg_id, "failed", self.receiver):
             return []
         return [WorkerEvent(EventKind.FAILED, leg_id, self.worker_id, message=message)]
 
@@ -154,7 +174,18 @@ class DecodeEngine:
         chunk that cannot be written fails its own request, never the poll."""
         ev = self.receiver.poll()
         events: list[WorkerEvent] = []
-        for chunk in ev.chunks:
+        chunks, self._ready = self._ready + ev.chunks, []
+        completed, self._ready_complete = self._ready_complete + ev.completed, []
+        pending, now = self.scheduler.pending, self.scheduler.clock()
+        for chunk in chunks:
+            if chunk.request_id not in pending and not self.scheduler.find_running(
+                    chunk.request_id):  # no reservation (yet): held, unreleased
+                held, problem = self.early.offer(chunk, now, self.receiver)
+                if problem is not None:
+                    events.append(WorkerEvent(EventKind.FAILED, chunk.request_id,
+                                              self.worker_id, message=problem))
+                if held:
+                    continue
             try:
                 problem = self._write(chunk)
             except Exception as e:  # noqa: BLE001 - e.g. a payload of the wrong shape
@@ -166,10 +197,12 @@ class DecodeEngine:
                 events += self._fail(chunk.request_id, problem)
         for rid, reason in ev.failed:
             events += self._fail(rid, f"KV receive failed: {reason}")
-        for rid in ev.completed:
-            p = self.scheduler.pending.get(rid)
+        for rid in completed:
+            p = pending.get(rid)
             if p is not None:
                 p.complete = True
+            else:
+                self.early.mark_complete(rid)
         for rid, p in list(self.scheduler.pending.items()):
             if p.complete and p.first_token is not None:
                 if p.received_tokens < p.request.num_prompt_tokens:
@@ -213,9 +246,14 @@ class DecodeEngine:
         return None
 
     def _expire(self) -> list[WorkerEvent]:
-        out = []
-        for rid in self.scheduler.expired(time.monotonic()):
+        out, now = [], self.scheduler.clock()  # (the KV waits count on the scheduler's)
+        for rid in self.scheduler.expired(now):
             out += self._fail(rid, "timed out waiting for KV from the prefill worker")
+        for rid in self.early.expired(now):
+            self.early.close(rid, "expired", self.receiver)
+            out.append(WorkerEvent(EventKind.FAILED, rid, self.worker_id, message=(
+                f"KV arrived but no reservation came within "
+                f"{self.early.config.ttl_s:g}s")))
         return out
 
     @property
@@ -237,4 +275,7 @@ class DecodeEngine:
             kv_checksum_failures=int(rx.get("checksum_failures", 0)),
             kv_duplicate_frames=int(rx.get("duplicates", 0)),
             kv_rx_active_requests=int(rx.get("active_requests", 0)),
+            kv_early_held_chunks=self.early.nchunks, kv_early_held_bytes=self.early.nbytes,
+            kv_early_dropped_chunks=sum(self.early.dropped_chunks.values()),
+            kv_reserves_refused=self.early.refusals,
         )

@@ -66,3 +66,7 @@ class DecodeStats(EngineStats):
     kv_checksum_failures: int = 0
     kv_duplicate_frames: int = 0
     kv_rx_active_requests: int = 0
+    kv_early_held_chunks: int = 0  # chunks held for legs whose reserve has not come yet
+    kv_early_held_bytes: int = 0
+    kv_early_dropped_chunks: int = 0  # held chunks dropped (refused/aborted/expired/...)
+    kv_reserves_refused: int = 0

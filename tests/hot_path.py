@@ -10,7 +10,10 @@ Generate is called until its first response is yielded, after one warm-up reques
 imports and first-use setup are not counted), once that request's leftovers are done;
 a worker loop stops counting once its step that yields the first token has handed its
 events off (its next steps race the router for that token and are not on the path), so
-the count is the same on every run. Run: `python -m tests.hot_path [--by-package | --why]` (`--why`: the
+the count is the same on every run. The decode worker's `reserve` of the measured request
+is held until its first token is out (the router sends it with the prefill's add and the
+first token must not wait for it; were it on the path, the run would stop with an error
+saying so), so it is left out by construction too. Run: `python -m tests.hot_path [--by-package | --why]` (`--why`: the
 first call into each file, its thread and caller).
 """
 
@@ -43,6 +46,29 @@ class ThreadActor:
 
     def __getattr__(self, name):
         return _Remote(getattr(self.obj, name))
+
+
+class GatedActor(ThreadActor):
+    """A ThreadActor whose `reserve` calls wait until `gate` is set (at most GATE_S)."""
+
+    def __init__(self, obj, gate: threading.Event):
+        super().__init__(obj)
+        self.gate = gate
+
+    def __getattr__(self, name):
+        fn = getattr(self.obj, name)
+        if name != "reserve":
+            return _Remote(fn)
+
+        def gated(*args):
+            if not self.gate.wait(GATE_S):
+                raise RuntimeError("the first token waited for the decode worker's reserve")
+            return fn(*args)
+
+        return _Remote(gated)
+
+
+GATE_S = 60.0  # only turns a reserve on the path into an error instead of a hang
 
 
 class _Context:
@@ -83,6 +109,8 @@ def _files(model_dir: str) -> dict[str, str]:
 
     seen: dict[str, str] = {}
     recording = threading.Event()
+    reserve_gate = threading.Event()  # set: decode's reserve runs (cleared while measured)
+    reserve_gate.set()
     handing: set[str] = set()  # worker loops whose step yielded the first token
     done: set[str] = set()  # ... and that handed it off (back to taking commands)
 
@@ -116,7 +144,8 @@ def _files(model_dir: str) -> dict[str, str]:
         workers = [PrefillWorker(specs[0]), DecodeWorker(specs[1])]
     handles = []
     for w, spec in zip(workers, specs, strict=True):
-        h = WorkerHandle(spec.worker_id, spec.role, ThreadActor(w))
+        actor = GatedActor(w, reserve_gate) if spec.role == "decode" else ThreadActor(w)
+        h = WorkerHandle(spec.worker_id, spec.role, actor)
         h.endpoint, h.num_blocks, h.block_size = w.endpoint(), w.num_blocks, 16
         handles.append(h)
     model = workers[0].cfg.model
@@ -129,11 +158,13 @@ def _files(model_dir: str) -> dict[str, str]:
                                  max_tokens=4, temperature=0.0)
         stream = servicer.Generate(req, _Context())
         if record:
+            reserve_gate.clear()
             recording.set()
         try:
             await stream.__anext__()
         finally:
             recording.clear()
+            reserve_gate.set()
         async for _ in stream:
             pass
 

@@ -54,7 +54,7 @@ def assert_admission_clean(router) -> None:
 
 def test_a_waiter_is_admitted_to_a_free_worker_while_the_head_waits_on_a_busy_one():
     async def go():
-        router, prefill, decode = make_router(n_decode=2)
+        router, prefill, decode = make_router(reserve_with_add=False, n_decode=2)
         b, a = decode  # equal usage: the head asks b first, then a
         hold_prefills(prefill)
         b.actor.budget = 5  # b has room for the small one, never for the big one
@@ -86,7 +86,7 @@ def test_a_waiter_is_admitted_to_a_free_worker_while_the_head_waits_on_a_busy_on
 
 def test_a_later_waiters_tentative_grant_is_given_back_when_the_head_needs_that_worker():
     async def go():
-        router, prefill, decode = make_router(n_decode=2)
+        router, prefill, decode = make_router(reserve_with_add=False, n_decode=2)
         a, b = decode  # the head asks a first (held), the next waiter asks b meanwhile
         hold_prefills(prefill)
         b.actor.budget = 8  # room for either one, not both
@@ -123,7 +123,7 @@ def test_a_later_waiters_tentative_grant_is_given_back_when_the_head_needs_that_
 
 def test_waiters_that_leave_while_their_reservation_is_in_flight_or_tentative_leak_nothing():
     async def go():
-        router, prefill, decode = make_router(n_decode=2)
+        router, prefill, decode = make_router(reserve_with_add=False, n_decode=2)
         a, b = decode
         hold_prefills(prefill)
         opened = gate(a, "head")

@@ -76,7 +76,7 @@ def test_a_request_id_is_free_the_moment_its_request_ends(ending):
     """The same id again, right after the first request's last delta or error (the first
     stream not even closed): it gets served on new legs."""
     async def go():
-        router, prefill, [decode] = make_router(max_legs=1)
+        router, prefill, [decode] = make_router(reserve_with_add=False, max_legs=1)
         first_action = {"finished": "serve", "first-token-eos": "eos", "failed": "fail"}.get(
             ending, "hang")
         script(router, prefill, ["serve"] if ending == "never-admitted" else
@@ -151,7 +151,7 @@ def test_an_id_in_flight_is_refused_and_the_first_request_is_untouched():
 # ---- admission under a full decode pool ---------------------------------------------
 def test_queued_requests_are_admitted_in_arrival_order_and_no_later_one_asks_first():
     async def go():
-        router, prefill, [decode] = make_router(decode_slots=1)
+        router, prefill, [decode] = make_router(reserve_with_add=False, decode_slots=1)
         script(router, prefill, ["hold", "hold", "hold"])
         streams = {rid: router.generate(spec(rid)) for rid in "ABC"}
         firsts = {rid: asyncio.ensure_future(s.__anext__()) for rid, s in streams.items()}
@@ -178,7 +178,7 @@ def test_queued_requests_are_admitted_in_arrival_order_and_no_later_one_asks_fir
 
 def test_a_small_later_arrival_does_not_overtake_a_large_waiter():
     async def go():
-        router, prefill, [decode] = make_router()
+        router, prefill, [decode] = make_router(reserve_with_add=False)
         decode.actor.budget = 10  # prompt tokens the decode worker can hold
         script(router, prefill, ["hold", "hold", "hold"])
         big_first = router.generate(spec("holder", 6))
@@ -227,7 +227,8 @@ def test_a_queued_request_waits_until_its_deadline_not_an_admission_timeout():
 
 def test_a_full_queue_and_a_prompt_that_can_never_fit_are_answered_at_once():
     async def go():
-        router, prefill, [decode] = make_router(decode_slots=1, block_size=1, max_queue_len=1)
+        router, prefill, [decode] = make_router(reserve_with_add=False, decode_slots=1, block_size=1,
+                                                max_queue_len=1)
         script(router, prefill, ["hold", "hold"])
         holder = router.generate(spec("holder"))
         await holder.__anext__()

@@ -34,7 +34,7 @@ async def _serve_and_stop(router, spec=SPEC) -> list[int]:
 
 def test_prefill_pool_dying_during_the_decode_reserve_waits_for_its_restart():
     async def go():
-        router, prefill, [decode] = make_router(unavailable_grace_s=5.0)
+        router, prefill, [decode] = make_router(reserve_with_add=False, unavailable_grace_s=5.0)
 
         async def prefill_dies(task):  # the prefill actor dies while decode reserves
             if task.leg_id.endswith("#1"):
@@ -113,7 +113,7 @@ def test_a_request_ended_while_its_reservation_is_in_flight_frees_it_and_never_p
     is undone at once and no prefill starts."""
     async def go():
         router, prefill, [decode] = make_router(
-            request_timeout_s=0.05 if ending == "deadline" else 600)
+            reserve_with_add=False, request_timeout_s=0.05 if ending == "deadline" else 600)
         in_flight, land = asyncio.Event(), asyncio.Event()
 
         async def slow_reserve(task):
@@ -156,7 +156,7 @@ def test_a_redispatch_waiting_for_admission_does_not_hold_up_other_streams():
     """decode-0 preempts A, whose next leg waits for admission; B's tokens, reported by
     the same worker right after, still reach B."""
     async def go():
-        router, prefill, [decode] = make_router(admission_timeout_s=30)
+        router, prefill, [decode] = make_router(reserve_with_add=False, admission_timeout_s=30)
         admitted = asyncio.Event()  # set: re-dispatched legs may be admitted
 
         async def reserve(task):
@@ -195,7 +195,7 @@ def test_a_late_reservation_on_another_worker_cannot_fail_the_leg():
     decode-1. decode-0 later fails the leg it still holds (KV wait timeout): the event
     must not touch the healthy leg on decode-1."""
     async def go():
-        router, prefill, [d0, d1] = make_router(n_decode=2)
+        router, prefill, [d0, d1] = make_router(reserve_with_add=False, n_decode=2)
 
         async def lost_reply(task):
             d0.actor.held.add(task.leg_id)  # it landed...
