@@ -63,7 +63,7 @@ class Simulation:
 
     def emit(self, fn: Callable[..., Any], *args: Any) -> None:
         """A message between router and worker: delivered ``rpc_s`` from now."""
-        self.loop.at(self.loop.now + self.rpc_s, fn, *args)
+        self.loop.after(self.rpc_s, fn, *args)
 
     def make_link(self, src: SimPrefill, dst: SimDecode) -> SimLink:
         link = SimLink(self, src, dst)
