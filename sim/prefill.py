@@ -104,6 +104,8 @@ class SimPrefill(SimWorker):
 
     # ---- the step -------------------------------------------------------------------
     def _poll_sender(self) -> None:
+        if not (self._finished or self._failed):
+            return
         now, router = self.loop.now, self.sim.router
         finished, self._finished = self._finished, []
         failed, self._failed = self._failed, []
