@@ -175,11 +175,12 @@ class DecodeScheduler:
     def grow(self, r: Request, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens: first from r's own promise, then only from blocks
         nobody was promised."""
-        need = self.bm.blocks_needed(r, num_tokens)
-        if need == 0:
+        bm, held = self.bm, len(r.block_ids)  # (blocks_needed, _owed: inlined, per step)
+        need = -(-num_tokens // bm.block_size) - held
+        if need <= 0:
             return True  # the slots are in r's blocks already
-        owed = self._owed(r)
-        if need - min(need, owed) > self.promised_free_blocks():
+        owed = max(0, self.promises.get(r.request_id, 0) - held)
+        if need - min(need, owed) > bm.num_free_blocks - self._owed_total:
             return False
         if not self.bm.allocate(r, num_tokens):  # need <= owed(r) + unpromised <= free
             return False

@@ -157,18 +157,17 @@ class BlockManager:
                 ref[b] = 1
                 blocks.append(b)
             return True
+        # the free list first, then evict the least recently used cached blocks
+        cached, hashed, by_hash = self._cached_free, self._block_to_hash, self._hash_to_block
         for _ in range(n):
-            b = self._pop_block()
+            if free:
+                b = free.popleft()
+            else:
+                b, _ = cached.popitem(last=False)
+                del by_hash[hashed.pop(b)]
             ref[b] = 1
             blocks.append(b)
         return True
-
-    def _pop_block(self) -> int:
-        if self._free:
-            return self._free.popleft()
-        b, _ = self._cached_free.popitem(last=False)  # evict the least recently used
-        del self._hash_to_block[self._block_to_hash.pop(b)]
-        return b
 
     def cache_full_blocks(self, request: Request, token_ids: Sequence[int]) -> None:
         """Publish hashes of the request's blocks that `token_ids` (KV written) fills."""

@@ -74,6 +74,8 @@ def order(
     """Service order for this step: starving requests first (oldest first), then the
     policy (a name, or its key as the scheduler resolves it once)."""
     key = FAIRNESS_POLICIES.get(policy) if isinstance(policy, str) else policy
+    if len(reqs) < 2:  # (one prefill: its own order, whatever the policy)
+        return list(reqs)
 
     def waited(r: PrefillState) -> float:
         return now - (r.last_served if r.last_served is not None else r.arrival)

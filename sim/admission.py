@@ -29,6 +29,7 @@ class SimAdmission:
         self.router, self.loop, self.sim = router, router.loop, router.sim
         self.core = AdmissionCore(self)
         self._order: list[SimDecode] | None = None  # cached until a decode load changes
+        self._last: list[SimDecode] = []  # the order last given
         self._timer_at: float | None = None  # the pending timeout check
         self._woken: list[Waiter] | None = None  # waiters an answer woke (while taken in)
 
@@ -58,8 +59,11 @@ class SimAdmission:
     def candidates(self) -> tuple[list[SimDecode], bool]:
         if self._order is None:
             by_id = self.router.decode_by_id
-            self._order = [by_id[w] for w in decode_order(self.sim.options.decode_order,
-                                                          self.router.decode_loads)]
+            order = [by_id[w] for w in decode_order(self.sim.options.decode_order,
+                                                    self.router.decode_loads)]
+            # the same order keeps the same list: the core then keeps its id()s of it
+            self._order = self._last if order == self._last else order
+            self._last = self._order
         return self._order, True
 
     def notify(self, wt: Waiter) -> None:

@@ -128,6 +128,11 @@ def analytic_calibration(profile: str, shape: Mapping[str, Any] | str, dtype: st
     }, source=f"analytic:{profile}")
 
 
+# a term that beats the others by this factor at both ends of a run beats them at every step
+# between (they are linear in the context), far beyond the few ulps of float rounding
+_WIN = 1 + 1e-9
+
+
 class RooflineCosts(CostModel):
     def __init__(self, cal: Calibration):
         if cal.kind != "analytic":
@@ -164,22 +169,38 @@ class RooflineCosts(CostModel):
         # one formula for one step and for many: the same float operations, bit for bit
         c0 = 2 * batch * self.dense + batch * self.head_flops
         m0 = self.dense_bytes + self.head_bytes
+        attn, kvb, fl, bw, floor = self.attn, self.kv_bytes, self.flops, self.bw, self.floor
+        last = float(context + batch * (steps - 1))  # the last step's context
+        mem = (m0 + (context + batch) * kvb) / bw  # the bytes term's least value (the first)
+        if mem > _WIN * max((c0 + attn * last) / fl, floor):  # above the others' greatest
+            return self._memory_bound(batch, context, steps)
         if steps <= SMALL_RUN:  # plain floats: numpy's overhead dominates short runs
-            attn, kvb, fl, bw, floor = self.attn, self.kv_bytes, self.flops, self.bw, self.floor
             return [max((c0 + attn * ctx) / fl, (m0 + (ctx + batch) * kvb) / bw, floor)
                     for ctx in map(float, range(context, context + batch * steps, batch))]
         # the same element-wise float operations, in place (each numpy call costs more than
         # its arithmetic on a run's few hundred elements)
         ctx = np.arange(context, context + batch * steps, batch, dtype=float)
         nbytes = ctx + batch
-        nbytes *= self.kv_bytes
+        nbytes *= kvb
         nbytes += m0
-        nbytes /= self.bw
-        ctx *= self.attn
+        nbytes /= bw
+        ctx *= attn
         ctx += c0
-        ctx /= self.flops
+        ctx /= fl
         np.maximum(ctx, nbytes, out=nbytes)
-        return np.maximum(nbytes, self.floor, out=nbytes)
+        return np.maximum(nbytes, floor, out=nbytes)
+
+    def _memory_bound(self, batch: int, context: int, steps: int) -> Sequence[float]:
+        """``decode_run_s`` where the bytes term is the max of every step: that term alone."""
+        m0, kvb, bw = self.dense_bytes + self.head_bytes, self.kv_bytes, self.bw
+        if steps <= SMALL_RUN:
+            return [(m0 + (ctx + batch) * kvb) / bw
+                    for ctx in map(float, range(context, context + batch * steps, batch))]
+        nbytes = np.arange(context + batch, context + batch * (steps + 1), batch, dtype=float)
+        nbytes *= kvb
+        nbytes += m0
+        nbytes /= bw
+        return nbytes
 
     def sample_s(self, rows: int) -> float:
         return self.a["sample_fixed_s"] + rows * self.a["sample_per_row_s"]

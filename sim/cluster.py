@@ -11,6 +11,7 @@ calibration. Nothing here reads the wall clock except to report how fast it ran.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -63,7 +64,7 @@ class Simulation:
 
     def emit(self, fn: Callable[..., Any], *args: Any) -> None:
         """A message between router and worker: delivered ``rpc_s`` from now."""
-        self.loop.at(self.loop.now + self.rpc_s, fn, *args)
+        self.loop.after(self.rpc_s, fn, *args)
 
     def make_link(self, src: SimPrefill, dst: SimDecode) -> SimLink:
         link = SimLink(self, src, dst)
@@ -111,7 +112,15 @@ class Simulation:
         self.loop.at(self.plan.router.kv_keepalive_s, self.router.keepalive_loop)
         if self.plan.router.adaptive_chunks:
             self.loop.at(PRESSURE_PERIOD_S, self.router.pressure_loop)
-        self.loop.run()
+        # Every object of a run dies by its reference count (it makes no cyclic garbage):
+        # the collector would only walk the growing heap (~5% of a 1-hour run's CPU).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.loop.run()
+        finally:
+            if collecting:
+                gc.enable()
         wall = time.perf_counter() - wall0
         stuck = [f.req.request_id for f in self.router.flights.values()]
         if stuck:

@@ -26,7 +26,7 @@ from sim.calibration import Calibration, CalibrationError
 from sim.delivery import Delivery
 
 ROLES = ("prefill", "decode")
-SMALL_RUN = 32  # runs of decode steps up to this long are computed on plain floats
+SMALL_RUN = 16  # runs of decode steps up to this long are computed on plain floats
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class SimLink:
         self._inner_free = 0.0  # when the real transport under an emulated link is free
         self._wake_version = 0
         self._outstanding: dict[str, list] = {}  # leg -> [frames not acked, final queued]
+        self._layouts: dict[int, tuple] = {}  # tokens of a chunk -> its piece_layout
         self.bytes_sent = 0
         self.frames_sent = 0
 
@@ -66,7 +67,10 @@ class SimLink:
              first_token: int | None) -> None:
         """Queue one chunk (``first_token`` set: the leg's final chunk), split in frames."""
         now = self.loop.now
-        layout = piece_layout(end - start, self.layers, self.kvb, self.max_payload)
+        layout = self._layouts.get(end - start)
+        if layout is None:  # (a chunk size this link has not split yet)
+            layout = self._layouts[end - start] = piece_layout(end - start, self.layers,
+                                                               self.kvb, self.max_payload)
         final = first_token is not None
         for i, (nbytes, off, ntok, _, layer_end) in enumerate(layout):
             last = final and i == len(layout) - 1

@@ -36,12 +36,22 @@ class EventLoop:
         heapq.heappush(self._heap, (t, self._seq, fn, args))
 
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
-        self.at(self.now + dt, fn, *args)
+        """Run ``fn(*args)`` ``dt`` >= 0 seconds from now."""
+        if not dt >= 0:
+            raise ValueError(f"cannot schedule {dt!r} s from now")
+        self._seq += 1
+        heapq.heappush(self._heap, (self.now + dt, self._seq, fn, args))
 
     def run(self, until: float = float("inf")) -> None:
         """Run events in time order until none is left or the next is after ``until``."""
         heap, pop = self._heap, heapq.heappop
         n = 0
+        if until == float("inf"):  # (the whole run: no bound to check per event)
+            while heap:
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+                n += 1
         while heap:
             if heap[0][0] > until:
                 break

@@ -113,3 +113,17 @@ def test_calibration_tables_are_made_monotone_against_interference() -> None:
     raw = [[1.0, 2.0, 9.0], [1.5, 8.0, 4.0], [2.0, 3.0, None]]
     # 9.0 and 8.0 sit above cells of more work (4.0, 3.0): interference, not cost
     assert monotone(raw) == [[1.0, 2.0, 4.0], [1.5, 3.0, 4.0], [2.0, 3.0, None]]
+
+
+@pytest.mark.parametrize("mfu", [0.6, 0.029, 2e-5])  # memory-bound, near the cross-over, compute
+def test_a_roofline_decode_run_equals_the_full_formula_at_every_step(mfu: float) -> None:
+    """decode_run_s takes the bytes term alone when it wins at both ends of the run (the
+    terms are linear in the context): the same floats, bit for bit, as max() per step."""
+    costs = load_costs(analytic_calibration("h200", "llama-3-8b", assumptions={"mfu": mfu}))
+    c = costs
+    for batch, ctx, steps in [(1, 10, 1), (3, 900, 16), (3, 900, 17), (8, 8 * 2000, 400),
+                              (64, 64 * 100, 40), (64, 64 * 3000, 1000)]:
+        full = [max((2 * batch * c.dense + batch * c.head_flops + c.attn * x) / c.flops,
+                    (c.dense_bytes + c.head_bytes + (x + batch) * c.kv_bytes) / c.bw, c.floor)
+                for x in map(float, range(ctx, ctx + batch * steps, batch))]
+        assert [float(v) for v in c.decode_run_s(batch, ctx, 0, steps)] == full
