@@ -213,19 +213,10 @@ class DecodeAdmission:
     def __len__(self) -> int:
         return len(self.core)
 
-    def check_fits(self, prompt_len: int) -> None:
-        """A prompt no decode worker's whole KV cache can hold is refused at once."""
-        caps = [w.capacity_tokens for w in self.router.decode if w.role == "decode"]
-        if caps and None not in caps and prompt_len + 1 > max(caps):
-            raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
-                              f"prompt of {prompt_len} tokens cannot fit any decode worker's "
-                              f"KV cache ({max(caps)} tokens)")
-
     async def admit(self, flight: Flight, task: DecodeTask,
                     refused: tuple[WorkerHandle, int] | None = None) -> WorkerHandle | None:
-        """Wait in the admission queue until a decode worker reserves room for the leg;
-        None when the request ended meanwhile (abort, deadline, drain). `refused`: (worker,
-        round) that refused its reserve sent with the add (router): counts in that round."""
+        """Wait in the queue until a decode worker reserves room for the leg; None if the
+        request ended meanwhile. `refused`: the (worker, round) of a refused reserve."""
         start = time.monotonic()
         grace_end = start + self.router.config.unavailable_grace_s
         limit = self.router.config.admission_timeout_s

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.types import WorkerStats
+from cluster.types import ErrorCode, RouterError, WorkerStats
 from runtime.actor import WorkerActor
 from runtime.messages import WorkerInfo, WorkerLoad
 from runtime.stats import EngineStats, PrefillStats
@@ -89,3 +89,12 @@ class WorkerHandle:
         return WorkerStats(self.worker_id, self.role, self.alive, s.num_running, s.num_waiting,
                            s.kv_blocks_used, s.kv_blocks_free, s.queue_depth,
                            s.send_queue_depth, s.figures())
+
+
+def check_fits(decode: list[WorkerHandle], prompt_len: int) -> None:
+    """A prompt no decode worker's whole KV cache can hold is refused at once."""
+    caps = [w.capacity_tokens for w in decode if w.role == "decode"]
+    if caps and None not in caps and prompt_len + 1 > max(caps):
+        raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
+                          f"prompt of {prompt_len} tokens cannot fit any decode worker's "
+                          f"KV cache ({max(caps)} tokens)")

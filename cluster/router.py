@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from cluster.admission import DecodeAdmission
 from cluster.delta_stream import DeltaStream
 from cluster.flight import Flight, RouterConfig
-from cluster.pool import WorkerHandle
+from cluster.pool import WorkerHandle, check_fits
 from cluster.router_admin import RouterAdmin
 from cluster.router_events import EventPump
 from cluster.routing_policies import PrefillLoad
@@ -78,7 +78,7 @@ class Router(RouterAdmin):
         if len(self.admission) >= self.config.max_queue_len:
             raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"admission queue is full ({self.config.max_queue_len} waiting)")
-        self.admission.check_fits(len(spec.prompt_token_ids))
+        check_fits(self.decode, len(spec.prompt_token_ids))
         flight = Flight(spec, DeltaStream(spec.request_id), time.monotonic())
         self.flights[spec.request_id] = flight
         # The deadline posts an error into the stream; no wait_for around queue.get(),

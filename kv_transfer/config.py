@@ -58,7 +58,8 @@ class TransferConfig:
     secret: bytes = field(default=b"", repr=False)
     # "auto": xxh3_64 if the xxhash package is installed (several GB/s), else zlib crc32
     checksum: str = "auto"
-    require_expect: bool = False  # receiver discards requests not announced by expect()
+    require_expect: bool = False  # discard unannounced requests (never in the service: its
+    # KV may overtake the reserve, decode_worker/early_kv.py holds it)
     socket_buffer_bytes: int = 4 << 20
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
