@@ -16,6 +16,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import grpc
 
@@ -26,6 +27,7 @@ from cluster.convert import (
     stats_to_proto,
     usage_to_proto,
 )
+from cluster.delta_stream import DeltaStream, StreamWriter
 from cluster.intake import DEFAULT_MAX_PROMPT_BYTES, PromptIntake
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError
 from engine.detokenize import IncrementalDetokenizer
@@ -95,6 +97,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         status: tuple[grpc.StatusCode, str] | None = None  # the error to end with
         stream = None
         detok = None  # a backend that does not detokenize (LocalBackend) gets one
+        writer: StreamWriter | None = None  # writes the common messages after the first
         try:
             stream = self.router.generate(spec)
             async for delta in stream:
@@ -106,9 +109,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     if detok is None:
                         detok = IncrementalDetokenizer(self.router.detokenize)
                     text = detok.push(delta.token_ids, final=finished)
+                if writer is not None:
+                    await writer.pause()  # (its write in flight is out first)
                 if not finished and delta.logprobs is None and delta.prompt_logprobs is None:
                     yield pb.GenerateResponse(request_id=rid, token_ids=delta.token_ids,
                                               text=text)  # the common message
+                    if writer is None:
+                        writer = self._writer(rid, context)
+                    else:
+                        writer.resume()
                     continue
                 if finished:
                     call.ended = True
@@ -116,12 +125,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield _response(rid, delta, text)
                 if finished:
                     return
+                if writer is not None:
+                    writer.resume()
             if not call.expired:
                 log.error("router ended request %s without a final delta", rid)
             status = self._expired_status(call) or (
                 grpc.StatusCode.INTERNAL, "backend ended the stream early")
         except RouterError as e:
             call.ended = True  # the router is done with it
+            if writer is not None:
+                await writer.pause()
             if e.code == ErrorCode.CANCELLED and call.aborted and not call.expired:
                 # Abort RPC / drain: end like a backend that reports finish_reason "abort".
                 self.state.release(call)
@@ -138,6 +151,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             status = (grpc.StatusCode.INTERNAL, "internal error in the backend")
         finally:
             timer.cancel()
+            if writer is not None:
+                writer.close()
             if not call.ended and not call.aborted:  # client cancel or error: free it in
                 await self._abort_quietly(rid)  # the backend (Abort RPC / drain already did)
             self.state.release(call)
@@ -145,7 +160,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 await _aclose(stream)
             call.closed.set()
         # Outside the try: context.abort raises, and nothing may catch that and abort twice.
+        if writer is not None:
+            await writer.pause()
         await context.abort(*status)
+
+    def _writer(self, rid: str, context) -> StreamWriter | None:
+        """A writer for the request's common messages, when its router hands them over
+        as a DeltaStream (cluster/router.py's flights) and the context can write."""
+        flight = getattr(self.router, "flights", {}).get(rid)
+        stream = getattr(flight, "queue", None)
+        write = getattr(context, "write", None)
+        if not isinstance(stream, DeltaStream) or stream.sink is not None or write is None:
+            return None
+        return StreamWriter(stream, write, partial(_common_message, rid))
 
     def _expired_status(self, call: Call) -> tuple[grpc.StatusCode, str] | None:
         if not call.expired:
@@ -238,6 +265,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return pb.ModelInfo(vocab_size=self.router.vocab_size,
                             max_model_len=self.router.max_model_len)
+
+
+def _common_message(rid: str, token_ids: list[int], text: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=rid, token_ids=token_ids, text=text)
 
 
 def _response(rid: str, delta, text: str) -> pb.GenerateResponse:

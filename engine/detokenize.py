@@ -80,8 +80,8 @@ class IncrementalDetokenizer:
         bytes it decodes to): the same deltas with no window decoded. The bytes since
         the last delta are held while their text ends in U+FFFD (an incomplete UTF-8
         sequence), as push() holds a window that does; each delta starts at a character
-        boundary, so the deltas concatenate to the whole output's text."""
-        self._ids.extend(token_ids)
+        boundary, so the deltas concatenate to the whole output's text. A detokenizer fed
+        this way keeps only those held bytes (not its ids, nor `text`)."""
         try:
             new = b"".join([table[t] for t in token_ids])
         except IndexError:  # an id past the tokenizer's vocabulary decodes to nothing
@@ -94,8 +94,6 @@ class IncrementalDetokenizer:
             self._pending = pending
             return ""
         self._pending = b""
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self._emitted.append(text)
         return text
 
     def _finish(self, full: str) -> str:
@@ -127,6 +125,8 @@ class BatchDecoder:
         else:
             self._backend = None
         self._table = byte_level_table(tokenizer) if self._clean is None else None
+        # id -> its text when its bytes are whole UTF-8 characters (None: held or partial)
+        self._texts = None if self._table is None else [_whole_text(b) for b in self._table]
 
     def _cleanup_fn(self) -> Callable[[str], str] | None:
         tok = self.tokenizer
@@ -153,6 +153,19 @@ class BatchDecoder:
         if not seqs:
             return []
         return self._fast(seqs) if self._backend is not None else self._slow(seqs)
+
+    def push_text(self, detok: IncrementalDetokenizer, token_ids: Sequence[int]) -> str:
+        """A non-final push of a byte-table decoder (the streaming hot path): a single
+        token whose bytes are whole characters, with nothing held before it, is its text
+        from the table; anything else goes through `push_bytes`."""
+        if len(token_ids) == 1 and not detok._pending:
+            try:
+                text = self._texts[token_ids[0]]
+            except IndexError:
+                text = None
+            if text is not None:
+                return text
+        return detok.push_bytes(self._table, token_ids, False)
 
     def push_many(self, items: Sequence[tuple[IncrementalDetokenizer, Sequence[int], bool]]
                   ) -> list[str]:
@@ -181,6 +194,16 @@ class BatchDecoder:
 
 
 log = logging.getLogger(__name__)
+
+
+def _whole_text(b: bytes) -> str | None:
+    """`b`'s text when `push_bytes` would emit it at once with nothing held (valid UTF-8
+    not ending in U+FFFD), else None."""
+    try:
+        text = b.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if not text.endswith(REPLACEMENT) else None
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -251,6 +274,18 @@ class DetokenizerThread:
             deliver(items, self._push(items))
         else:
             self._queue.put((items, deliver))
+
+    def push_now(self, holder: Any, token_ids: Sequence[int]) -> str:
+        """`inline` only: one holder's non-final tokens, detokenized at once (the
+        streaming hot path: no item list, no callback)."""
+        d = holder.detok
+        if d is None:
+            d = holder.detok = IncrementalDetokenizer()
+        try:
+            return self.decoder.push_text(d, token_ids)
+        except Exception:  # as _push: a tokenizer failure must not stop the stream
+            log.exception("detokenizing %d token(s) failed", len(token_ids))
+            return ""
 
     def _push(self, items: list[tuple[Any, Sequence[int], bool]]) -> list[str]:
         for holder, _, _ in items:
