@@ -3,9 +3,10 @@
 
 A worker with a control channel (`WorkerHandle.channel`, runtime/channel.py) sends one
 message per step with every leg's events and its load; `on_batch` applies it on the
-event loop with no task, Future or Ray call per event, and the step's token deltas go
-to the detokenizer thread in one batch (the router's `deliver`). A worker without one
-(a colocated pool, a test's fake) is long-polled over its actor's `poll()`.
+loop with no task, Future or Ray call per event: a common token (no finish or log-probs,
+stream_interval 1) of a byte-table tokenizer goes to its stream with its text at once,
+the rest to the detokenizer in one batch (`deliver`). A worker without a channel (a
+colocated pool, a test's fake) is long-polled over its actor's `poll()`.
 
 A re-dispatch (which may queue for decode admission) runs as its own task, so one
 preemption cannot delay the other streams of that worker. An event counts only when it

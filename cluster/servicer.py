@@ -6,7 +6,8 @@ can see the end (the last response, or the error status), so a client may reuse 
 once. Whatever way a request ends (finished, client cancel, deadline, error), the
 `finally` aborts it in the router unless the router already ended it, so a vanished
 client never leaves work or KV blocks behind. Text prompts are size-checked first and
-tokenized off the event loop.
+tokenized off the event loop. After the first message, a Router's stream writes its own
+common messages (cluster/delta_stream.py StreamWriter); the handler writes the rest.
 """
 
 from __future__ import annotations
