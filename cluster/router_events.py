@@ -140,7 +140,7 @@ class EventPump:
         legs = self.router.legs
         now = time.monotonic()  # (the step's tokens arrived together)
         detok = self._detok
-        inline = detok is not None and detok.inline and self._every_token
+        inline = detok is not None and detok.inline and self._every_token and not self._gaps
         metrics = self.router.metrics
         for e in entries:
             try:
@@ -156,8 +156,7 @@ class EventPump:
                 if e[5] is not None:
                     flight.add_timing(EventKind.TOKENS, LegTiming(*e[5]))
                 ids = e[2]
-                if (not inline or e[3] is not None or not flight.streamed or flight.unsent
-                        or self._gaps or not ids):
+                if not inline or e[3] is not None or not flight.streamed or flight.unsent or not ids:
                     self._emit(w, flight, EventKind.TOKENS, ids,
                                None if e[3] is None else FINISH_OF[e[3]], out, now=now)
                     continue
