@@ -29,6 +29,7 @@ from cluster.convert import (
     usage_to_proto,
 )
 from cluster.delta_stream import DeltaStream, StreamWriter
+from cluster.generate_wire import common_message, id_field
 from cluster.intake import DEFAULT_MAX_PROMPT_BYTES, PromptIntake
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError
 from engine.detokenize import IncrementalDetokenizer
@@ -173,7 +174,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         write = getattr(context, "write", None)
         if not isinstance(stream, DeltaStream) or stream.sink is not None or write is None:
             return None
-        return StreamWriter(stream, write, partial(_common_message, rid))
+        return StreamWriter(stream, write, partial(common_message, id_field(rid)))
 
     def _expired_status(self, call: Call) -> tuple[grpc.StatusCode, str] | None:
         if not call.expired:
@@ -266,10 +267,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         return pb.ModelInfo(vocab_size=self.router.vocab_size,
                             max_model_len=self.router.max_model_len)
-
-
-def _common_message(rid: str, token_ids: list[int], text: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=rid, token_ids=token_ids, text=text)
 
 
 def _response(rid: str, delta, text: str) -> pb.GenerateResponse:
