@@ -3,9 +3,10 @@
 
 A worker with a control channel (`WorkerHandle.channel`, runtime/channel.py) sends one
 message per step with every leg's events and its load; `on_batch` applies it on the
-event loop with no task, Future or Ray call per event, and the step's token deltas go
-to the detokenizer thread in one batch (the router's `deliver`). A worker without one
-(a colocated pool, a test's fake) is long-polled over its actor's `poll()`.
+loop with no task, Future or Ray call per event: a common token (no finish or log-probs,
+stream_interval 1) of a byte-table tokenizer goes to its stream with its text at once,
+the rest to the detokenizer in one batch (`deliver`). A worker without a channel (a
+colocated pool, a test's fake) is long-polled over its actor's `poll()`.
 
 A re-dispatch (which may queue for decode admission) runs as its own task, so one
 preemption cannot delay the other streams of that worker. An event counts only when it
@@ -137,6 +138,10 @@ class EventPump:
             w.observe_load(load)
         out: Delivery = []
         legs = self.router.legs
+        now = time.monotonic()  # (the step's tokens arrived together)
+        detok = self._detok
+        inline = detok is not None and detok.inline and self._every_token and not self._gaps
+        metrics = self.router.metrics
         for e in entries:
             try:
                 if e[0] != "tokens":
@@ -150,8 +155,20 @@ class EventPump:
                     continue
                 if e[5] is not None:
                     flight.add_timing(EventKind.TOKENS, LegTiming(*e[5]))
-                self._emit(w, flight, EventKind.TOKENS, e[2],
-                           None if e[3] is None else FINISH_OF[e[3]], out)
+                ids = e[2]
+                if not inline or e[3] is not None or not flight.streamed or flight.unsent or not ids:
+                    self._emit(w, flight, EventKind.TOKENS, ids,
+                               None if e[3] is None else FINISH_OF[e[3]], out, now=now)
+                    continue
+                # the common token, inline: text from the byte table, straight to its stream
+                flight.generated += ids
+                flight.last_token_at = now
+                if metrics:
+                    metrics.observe_token(flight)
+                if out:  # what this batch released before it goes first
+                    self.deliver(out)
+                    out = []
+                flight.queue.put_text(ids, detok.push_now(flight, ids))
             except Exception:
                 log.exception("event %s of %s from %s failed", e[0], e[1], w.worker_id)
         if out:
@@ -212,9 +229,10 @@ class EventPump:
                 self._apply(src, later, out)
 
     def _emit(self, w: WorkerHandle, flight: Flight, kind: EventKind, token_ids,
-              finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None) -> None:
+              finish_reason, out: Delivery, logprobs=None, prompt_logprobs=None,
+              now: float | None = None) -> None:
         flight.generated.extend(token_ids)
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if (self._gaps and kind == EventKind.TOKENS
                 and flight.last_token_at is not None):  # read (and trimmed) only then
             self.upkeep.gaps.append((now, now - flight.last_token_at))

@@ -37,12 +37,13 @@ from grpc_reflection.v1alpha import reflection
 from cluster.auth import BearerTokenInterceptor, read_token, server_credentials
 from cluster.config import ServeConfig
 from cluster.front_door_loop import running_loop_name
+from cluster.generate_wire import add_generation
 from cluster.http_server import BindError, HttpServer
 from cluster.intake import PromptIntake
 from cluster.server_health import HealthReporter
 from cluster.servicer import GenerationServicer, ServingState
 from cluster.types import RouterAPI
-from proto.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from proto.pdserve.v1 import pdserve_pb2
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class GenerationServer:
                                       request_timeout_s=limits.request_timeout_s,
                                       intake=self.intake)
         self.servicer = servicer
-        pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        add_generation(servicer, server)  # (Generate's streamed messages go as bytes)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

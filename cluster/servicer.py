@@ -6,7 +6,8 @@ can see the end (the last response, or the error status), so a client may reuse 
 once. Whatever way a request ends (finished, client cancel, deadline, error), the
 `finally` aborts it in the router unless the router already ended it, so a vanished
 client never leaves work or KV blocks behind. Text prompts are size-checked first and
-tokenized off the event loop.
+tokenized off the event loop. After the first message, a Router's stream writes its own
+common messages (cluster/delta_stream.py StreamWriter); the handler writes the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import grpc
 
@@ -26,6 +28,8 @@ from cluster.convert import (
     stats_to_proto,
     usage_to_proto,
 )
+from cluster.delta_stream import DeltaStream, StreamWriter
+from cluster.generate_wire import common_message, id_field
 from cluster.intake import DEFAULT_MAX_PROMPT_BYTES, PromptIntake
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError
 from engine.detokenize import IncrementalDetokenizer
@@ -95,6 +99,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         status: tuple[grpc.StatusCode, str] | None = None  # the error to end with
         stream = None
         detok = None  # a backend that does not detokenize (LocalBackend) gets one
+        writer: StreamWriter | None = None  # writes the common messages after the first
         try:
             stream = self.router.generate(spec)
             async for delta in stream:
@@ -106,9 +111,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     if detok is None:
                         detok = IncrementalDetokenizer(self.router.detokenize)
                     text = detok.push(delta.token_ids, final=finished)
+                if writer is not None:
+                    await writer.pause()  # (its write in flight is out first)
                 if not finished and delta.logprobs is None and delta.prompt_logprobs is None:
                     yield pb.GenerateResponse(request_id=rid, token_ids=delta.token_ids,
                                               text=text)  # the common message
+                    if writer is None:
+                        writer = self._writer(rid, context)
+                    else:
+                        writer.resume()
                     continue
                 if finished:
                     call.ended = True
@@ -116,12 +127,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield _response(rid, delta, text)
                 if finished:
                     return
+                if writer is not None:
+                    writer.resume()
             if not call.expired:
                 log.error("router ended request %s without a final delta", rid)
             status = self._expired_status(call) or (
                 grpc.StatusCode.INTERNAL, "backend ended the stream early")
         except RouterError as e:
             call.ended = True  # the router is done with it
+            if writer is not None:
+                await writer.pause()
             if e.code == ErrorCode.CANCELLED and call.aborted and not call.expired:
                 # Abort RPC / drain: end like a backend that reports finish_reason "abort".
                 self.state.release(call)
@@ -138,6 +153,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             status = (grpc.StatusCode.INTERNAL, "internal error in the backend")
         finally:
             timer.cancel()
+            if writer is not None:
+                writer.close()
             if not call.ended and not call.aborted:  # client cancel or error: free it in
                 await self._abort_quietly(rid)  # the backend (Abort RPC / drain already did)
             self.state.release(call)
@@ -145,7 +162,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 await _aclose(stream)
             call.closed.set()
         # Outside the try: context.abort raises, and nothing may catch that and abort twice.
+        if writer is not None:
+            await writer.pause()
         await context.abort(*status)
+
+    def _writer(self, rid: str, context) -> StreamWriter | None:
+        """A writer for the request's common messages, when its router hands them over
+        as a DeltaStream (cluster/router.py's flights) and the context can write."""
+        flight = getattr(self.router, "flights", {}).get(rid)
+        stream = getattr(flight, "queue", None)
+        write = getattr(context, "write", None)
+        if not isinstance(stream, DeltaStream) or stream.sink is not None or write is None:
+            return None
+        return StreamWriter(stream, write, partial(common_message, id_field(rid)))
 
     def _expired_status(self, call: Call) -> tuple[grpc.StatusCode, str] | None:
         if not call.expired:

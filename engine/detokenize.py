@@ -24,7 +24,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-REPLACEMENT = "\ufffd"
+from engine.detokenize_table import REPLACEMENT, byte_level_table, whole_text
+
+__all__ = ["BatchDecoder", "DetokenizerThread", "IncrementalDetokenizer", "byte_level_table"]
 
 
 class IncrementalDetokenizer:
@@ -80,8 +82,8 @@ class IncrementalDetokenizer:
         bytes it decodes to): the same deltas with no window decoded. The bytes since
         the last delta are held while their text ends in U+FFFD (an incomplete UTF-8
         sequence), as push() holds a window that does; each delta starts at a character
-        boundary, so the deltas concatenate to the whole output's text."""
-        self._ids.extend(token_ids)
+        boundary, so the deltas concatenate to the whole output's text. A detokenizer fed
+        this way keeps only those held bytes (not its ids, nor `text`)."""
         try:
             new = b"".join([table[t] for t in token_ids])
         except IndexError:  # an id past the tokenizer's vocabulary decodes to nothing
@@ -94,8 +96,6 @@ class IncrementalDetokenizer:
             self._pending = pending
             return ""
         self._pending = b""
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self._emitted.append(text)
         return text
 
     def _finish(self, full: str) -> str:
@@ -127,6 +127,8 @@ class BatchDecoder:
         else:
             self._backend = None
         self._table = byte_level_table(tokenizer) if self._clean is None else None
+        # id -> its text when its bytes are whole UTF-8 characters (None: held or partial)
+        self._texts = None if self._table is None else [whole_text(b) for b in self._table]
 
     def _cleanup_fn(self) -> Callable[[str], str] | None:
         tok = self.tokenizer
@@ -153,6 +155,19 @@ class BatchDecoder:
         if not seqs:
             return []
         return self._fast(seqs) if self._backend is not None else self._slow(seqs)
+
+    def push_text(self, detok: IncrementalDetokenizer, token_ids: Sequence[int]) -> str:
+        """A non-final push of a byte-table decoder (the streaming hot path): a single
+        token whose bytes are whole characters, with nothing held before it, is its text
+        from the table; anything else goes through `push_bytes`."""
+        if len(token_ids) == 1 and not detok._pending:
+            try:
+                text = self._texts[token_ids[0]]
+            except IndexError:
+                text = None
+            if text is not None:
+                return text
+        return detok.push_bytes(self._table, token_ids, False)
 
     def push_many(self, items: Sequence[tuple[IncrementalDetokenizer, Sequence[int], bool]]
                   ) -> list[str]:
@@ -183,46 +198,6 @@ class BatchDecoder:
 log = logging.getLogger(__name__)
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, char -> the byte it stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable},
-            **{chr(256 + i): b for i, b in enumerate(extra)}}
-
-
-def byte_level_table(tokenizer: Any, probes: int = 300) -> list[bytes] | None:
-    """id -> the bytes its text is made of, for a byte-level BPE tokenizer (GPT-2, Llama 3,
-    Qwen, SmolLM) whose decode(ids, skip_special_tokens=True) is the lossy UTF-8 decode of
-    those bytes joined; None for any other tokenizer, or when that does not hold for every
-    single id and for random sequences of ids (checked here, once)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
-        return None
-    byte_of = _byte_decoder()
-    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-    n = backend.get_vocab_size(with_added_tokens=True)
-    table = []
-    for i in range(n):
-        tok = backend.id_to_token(i)
-        table.append(b"" if tok is None or i in special else b"".join(
-            bytes((byte_of[c],)) if c in byte_of else c.encode() for c in tok))
-    import random
-
-    rng = random.Random(0)
-    seqs = [[i] for i in range(n)] + [[n + 7]] + [
-        [rng.randrange(n) for _ in range(rng.randrange(2, 12))] for _ in range(probes)]
-    try:
-        got = [b"".join(table[t] if t < n else b"" for t in s).decode("utf-8", "replace")
-               for s in seqs]
-        if got != backend.decode_batch(seqs, skip_special_tokens=True):
-            return None
-    except Exception:  # any doubt: the tokenizer's own decode
-        return None
-    return table
-
-
 class DetokenizerThread:
     """Detokenizes the front door's token deltas, on its own thread unless `inline`.
 
@@ -251,6 +226,18 @@ class DetokenizerThread:
             deliver(items, self._push(items))
         else:
             self._queue.put((items, deliver))
+
+    def push_now(self, holder: Any, token_ids: Sequence[int]) -> str:
+        """`inline` only: one holder's non-final tokens, detokenized at once (the
+        streaming hot path: no item list, no callback)."""
+        d = holder.detok
+        if d is None:
+            d = holder.detok = IncrementalDetokenizer()
+        try:
+            return self.decoder.push_text(d, token_ids)
+        except Exception:  # as _push: a tokenizer failure must not stop the stream
+            log.exception("detokenizing %d token(s) failed", len(token_ids))
+            return ""
 
     def _push(self, items: list[tuple[Any, Sequence[int], bool]]) -> list[str]:
         for holder, _, _ in items:
