@@ -139,10 +139,11 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList norms, at::TensorList weights,
-                         c10::List<c10::optional<at::Tensor>> biases, at::TensorList k_caches,
-                         at::TensorList v_caches, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         at::IntArrayRef dims, double eps_d, double scale) {
+                         c10::List<c10::optional<at::Tensor>> biases, at::TensorList onednn,
+                         at::TensorList k_caches, at::TensorList v_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, at::IntArrayRef dims, double eps_d,
+                         double scale, int64_t gemv_rows) {
   using pdserve_rows::norm_row;
   TORCH_CHECK(dims.size() == 5, "decode_layers: dims [H, KVH, D, I, qk_norm]");
   const int64_t H = dims[0], KVH = dims[1], D = dims[2], I = dims[3];
@@ -158,6 +159,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const float eps = static_cast<float>(eps_d);
   const at::Tensor c = cos.reshape({T, D}).contiguous(), s = sin.reshape({T, D}).contiguous();
   TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat, "rotary fp32");
+  TORCH_CHECK(onednn.empty() || static_cast<int64_t>(onednn.size()) == 4 * L,
+              "decode_layers: 4 oneDNN weights per layer, or none");
+  // rows past gemv_rows multiply oneDNN's packed weights (a GEMM beats the GEMV there)
+  const bool gemm = !onednn.empty() && T > std::max<int64_t>(gemv_rows, 3);
   for (int64_t i = 0; i < L; ++i) {
     check_packed(weights[4 * i], hid, QKV, "qkv");
     check_packed(weights[4 * i + 1], H * D, hid, "o_proj");
@@ -187,6 +192,21 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   auto b_at = [&](int64_t j) -> const at::Tensor* {
     return held[j].has_value() && held[j]->defined() ? &*held[j] : nullptr;
   };
+  static auto linear = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        c10::string_view, c10::List<std::optional<at::Scalar>>,
+                        std::optional<c10::string_view>)>();
+  // y [T, n] = x [T, K] @ W_j.T + b_j, on whichever packed copy serves T rows
+  auto project = [&](const at::Tensor& in, int64_t j, int64_t n, float* y) {
+    if (!gemm) {
+      gemv_into(in.data_ptr<float>(), in.size(1), T, weights[j], b_at(j), n, y, n);
+      return;
+    }
+    const at::Tensor r = linear.call(in, onednn[j], held[j], "none",
+                                     c10::List<std::optional<at::Scalar>>(), "");
+    std::copy(r.data_ptr<float>(), r.data_ptr<float>() + T * n, y);
+  };
   auto add_norm = [&](const at::Tensor& w) {  // x += delta; h = norm(x)
     const float* wp = w.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
@@ -201,7 +221,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     norm_row(xp + t * hid, norms[0].data_ptr<float>(), eps, hid, hp + t * hid);
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor* nw = &norms[per_norm * i];
-    gemv_into(hp, hid, T, weights[4 * i], b_at(4 * i), QKV, qkvp, QKV);
+    project(h, 4 * i, QKV, qkvp);
     for (int64_t t = 0; t < T; ++t) {
       const float* ct = cp + t * D;
       const float* st = sp + t * D;
@@ -219,12 +239,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     at::Tensor kc = k_caches[i], vc = v_caches[i];
     write.call(k, v, kc, vc, slot_mapping);
     const at::Tensor o = attend.call(q, kc, vc, block_tables, seq_lens, scale);
-    gemv_into(o.data_ptr<float>(), H * D, T, weights[4 * i + 1], b_at(4 * i + 1), hid, dp, hid);
+    project(o.view({T, H * D}), 4 * i + 1, hid, dp);
     add_norm(nw[1]);
-    gemv_into(hp, hid, T, weights[4 * i + 2], b_at(4 * i + 2), 2 * I, gp, 2 * I);
+    project(h, 4 * i + 2, 2 * I, gp);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
-    gemv_into(ap, I, T, weights[4 * i + 3], b_at(4 * i + 3), hid, dp, hid);
+    project(act, 4 * i + 3, hid, dp);
     if (i + 1 < L) {
       add_norm(norms[per_norm * (i + 1)]);
     } else {
@@ -240,12 +260,18 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("pack_rows(Tensor w) -> Tensor");
   m.def("gemv(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, "
-        "Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, int[] dims, float eps, float scale) -> Tensor");
+        "Tensor?[] biases, Tensor[] onednn, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int[] dims, float eps, "
+        "float scale, int gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("pack_rows", &pack_rows);
   m.impl("gemv", &gemv);
+  m.impl("decode_layers", &decode_layers);
+}
+
+// oneDNN's packed weights are MkldnnCPU tensors: a step that takes them dispatches there
+TORCH_LIBRARY_IMPL(pdserve_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
 }

@@ -115,6 +115,21 @@ def test_a_batch_wider_than_the_stack_runs_the_layer_loop(ops, tiny_model, stack
     assert llm.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_wide_batches_in_the_stack_multiply_the_onednn_weights(model_dirs, arch, stack_calls,
+                                                               monkeypatch):
+    """Past GEMV_ROWS rows the stack's projections are oneDNN GEMMs (its packed copies)."""
+    monkeypatch.setattr(cpu_step, "GEMV_ROWS", 0)  # every batch of 4+ rows
+    d = model_dirs[arch]
+    llm = LLM(str(d), compile="none")
+    assert len(llm.runner.model.cpu_stack.onednn) == 4 * llm.runner.model.cfg.num_layers
+    prompts = [prompt(n, seed=n) for n in (2, 5, 9, 14, 20)]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert o.token_ids == hf_greedy(d, p, GREEDY.max_tokens)
+    assert stack_calls and min(stack_calls) == 5  # all five decode together
+    assert llm.block_manager.num_used_blocks == 0
+
+
 def test_smollm2_decodes_through_the_fused_stack_as_transformers(ops, stack_calls):
     from engine.model_fetch import ModelFetchError, ensure_real_model
 
