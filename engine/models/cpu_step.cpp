@@ -135,7 +135,26 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const c10::option
   return y;
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+// act [T, I] = silu(gate) * up for gu [T, 2I] = [gate | up]; silu(g) = g * sigmoid(g),
+// from e = exp(-|g|) on the vectorised exp (scalar std::exp cost ~5 ms a step at 16 rows)
+void silu_mul(const float* gu, int64_t T, int64_t I, float* act) {
+  at::parallel_for(0, T, 4, [&](int64_t a, int64_t b) {
+    std::vector<float> e(I);
+    for (int64_t t = a; t < b; ++t) {
+      const float* g = gu + t * 2 * I;
+      const float* u = g + I;
+      float* o = act + t * I;
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) e[j] = -std::fabs(g[j]);
+      pdserve_rows::exp_nonpositive(e.data(), I);
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) {
+        const float r = 1.f / (1.f + e[j]);
+        o[j] = g[j] * (g[j] >= 0.f ? r : e[j] * r) * u[j];
+      }
+    }
+  });
+}
 
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList norms, at::TensorList weights,
@@ -242,8 +261,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     project(o.view({T, H * D}), 4 * i + 1, hid, dp);
     add_norm(nw[1]);
     project(h, 4 * i + 2, 2 * I, gp);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < I; ++j) ap[t * I + j] = silu(gp[t * 2 * I + j]) * gp[t * 2 * I + I + j];
+    silu_mul(gp, T, I, ap);
     project(act, 4 * i + 3, hid, dp);
     if (i + 1 < L) {
       add_norm(norms[per_norm * (i + 1)]);
