@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ if __package__ in (None, ""):  # `python bench/attention_bw.py` from anywhere
 import torch
 import torch.nn.functional as F
 
+from bench.attention_bw_report import print_header, print_row, print_summary, summarize
 from bench.cuda_timing import copy_bandwidth_gbps, read_bandwidth_gbps, time_per_call_ms
 
 DEVICE = "cuda"  # module-level so a CPU dry run of the plumbing can swap it (tests/scratch)
@@ -185,47 +185,6 @@ def run_combo(args, batch: int, context: int, copy_gbps: float, l2_bytes: int,
     return row  # caches are freed on return; the caller empties the allocator cache
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def print_row(r: dict[str, Any]) -> None:
-    torch_ms = f"{r['torch_ms'] * 1e3:10.1f}" if "torch_ms" in r else f"{'-':>10}"
-    ratio = f"{r['ratio_vs_torch']:6.2f}x" if "ratio_vs_torch" in r else f"{'-':>7}"
-    print(f"{r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['triton_ms'] * 1e3:10.1f} "
-          f"{torch_ms} {r['triton_GBps']:9.0f} {r['fraction_of_copy_bw']:6.2f} {ratio}")
-    msg = f"  [batch={r['batch']} context={r['context']}]"
-    if "ratio_vs_torch" in r:
-        msg += f" ratio vs torch: {r['ratio_vs_torch']:.2f}"
-    if "fraction_of_read_bw" in r:
-        msg += f" fraction of read bw: {r['fraction_of_read_bw']:.2f}"
-    print(f"{msg} fraction of copy bw: {r['fraction_of_copy_bw']:.2f}")
-
-
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    long = [r for r in rows if r["context"] >= 4096 and "triton_ms" in r]
-    if not long:
-        return {}
-    fr = [r["fraction_of_copy_bw"] for r in long]
-    out: dict[str, Any] = {"contexts_ge_4k": len(long), "min_fraction_of_copy_bw": min(fr),
-                           "median_fraction_of_copy_bw": statistics.median(fr)}
-    rd = [r["fraction_of_read_bw"] for r in long if "fraction_of_read_bw" in r]
-    if rd:
-        out["min_fraction_of_read_bw"] = min(rd)
-        out["median_fraction_of_read_bw"] = statistics.median(rd)
-        fr = rd  # the goal is against what a read-only kernel reaches
-    ratios = [r["ratio_vs_torch"] for r in long if "ratio_vs_torch" in r]
-    if ratios:
-        out["min_ratio_vs_torch"] = min(ratios)
-        out["geomean_ratio_vs_torch"] = math.exp(statistics.mean(math.log(x) for x in ratios))
-    big = [r["fraction_of_copy_bw"] for r in long if r["kv_bytes"] >= 1 << 30]
-    if big:  # launch latency and the reduce pass weigh on small steps; report both
-        out["min_fraction_of_copy_bw_kv_ge_1GiB"] = min(big)
-    out["goal_fraction_ge_0.70"] = min(fr) >= 0.70  # of read bw when measured
-    if ratios:
-        out["goal_ratio_ge_2x"] = min(ratios) >= 2.0
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     return 0 if run(argv) is not None else 2
 
@@ -255,8 +214,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any] | None:
           f"copy bandwidth (read+write): {copy_gbps:.0f} GB/s; read-only: {read_gbps:.0f} GB/s")
     print(f"shape: {args.num_heads} q heads / {args.num_kv_heads} kv heads, head_dim "
           f"{args.head_dim}, block {args.block_size}, {args.dtype}")
-    print(f"{'batch':>5} {'ctx':>6} {'splits':>6} {'triton_us':>10} {'torch_us':>10} "
-          f"{'GB/s':>9} {'frac':>6} {'vs_torch':>7}")
+    print_header()
     rows = []
     for batch in args.batch_sizes:
         for context in args.contexts:
@@ -281,9 +239,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any] | None:
                       f"{v['GBps']:8.0f} GB/s ({v['GBps'] / copy_gbps:.2f} of copy)"
                       f"{'  <- best' if v is best else ''}")
     summary = summarize(rows)
-    if summary:
-        print("\ncontexts >= 4k: " + ", ".join(
-            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    print_summary(summary)
     doc = {"device": props.name, "sm_count": props.multi_processor_count,
            "l2_bytes": l2_bytes, "copy_bw_GBps": copy_gbps, "read_bw_GBps": read_gbps,
            "torch": torch.__version__, "triton": __import__("triton").__version__,

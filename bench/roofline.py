@@ -2,10 +2,12 @@
 
 - Decode at batch 1 must read every weight once: it cannot beat
   `weight bytes / bandwidth`, with bandwidth measured by a large memcpy (STREAM convention:
-  bytes read + bytes written per second). A decode step only reads, and on a machine
-  whose cores each sustain a bounded number of outstanding reads (2 cores here), a pure
-  read stream runs slower than memcpy's read + write count: the read-only rate (a sum over
-  a large tensor, `read_bandwidth`) gives the floor a GEMV could reach, printed beside it.
+  bytes read + bytes written per second): the median of probes taken between the timed
+  decode steps, so a busy moment of a shared machine moves the roof less. A decode step
+  only reads, and on a machine whose cores each sustain a bounded number of outstanding
+  reads (2 cores here), a pure read stream runs slower than memcpy's read + write count:
+  the read-only rate (a sum over the same bytes, probed alike) gives the floor a GEMV
+  could reach, printed beside it.
 - A prefill chunk must do its FLOPs: `2 x linear params` per token, the causal attention
   (QK^T and PV over the keys each query sees) and the logits of its one sampled row; it
   cannot beat `FLOPs / GEMM rate`, with the rate that of fp32 GEMMs measured here (the
@@ -32,33 +34,40 @@ from pathlib import Path
 from engine.quantiles import median
 
 
-def memcpy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Best-of-`repeats` copy bandwidth in bytes/s, counting read + write traffic."""
-    import torch
+class BandwidthProbe:
+    """Memory bandwidth of this process's threads, probed many times (between the timed
+    steps, `step_times`) rather than once: on a shared machine one probe read 28 GB/s in
+    one session and 50 GB/s in the next. Each probe is the best of `repeats` passes over
+    `nbytes`; the figures are the medians over probes."""
 
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    def __init__(self, nbytes: int = 512 << 20, repeats: int = 2):
+        import torch
 
+        self.nbytes, self.repeats = nbytes, repeats
+        self.src = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # fault the pages in
+        self.copy_rates: list[float] = []
+        self.read_rates: list[float] = []
 
-def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Best-of-`repeats` rate of reading `nbytes` once (a sum), in bytes/s."""
-    import torch
+    def _best(self, fn) -> float:
+        best = float("inf")
+        for _ in range(self.repeats):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
 
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    src.sum()  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    def probe(self) -> None:
+        """One memcpy probe (read + write bytes / s, STREAM convention) and one read-only
+        probe (a sum over the same bytes)."""
+        self.copy_rates.append(2 * self.nbytes / self._best(lambda: self.dst.copy_(self.src)))
+        self.read_rates.append(self.nbytes / self._best(self.src.sum))
+
+    def medians(self) -> tuple[float, float]:
+        if not self.copy_rates:
+            self.probe()
+        return median(self.copy_rates), median(self.read_rates)
 
 
 def gemm_rate(shapes: list[tuple[int, int, int]], repeats: int = 5) -> float:
@@ -97,16 +106,19 @@ class StepTimes:
     decode_b1_s: float
     prefill_chunk_s: float
     chunk: int
+    bandwidth: BandwidthProbe
 
 
 def step_times(llm, prompt: list[int], decode_steps: int = 8, chunk: int = 512) -> StepTimes:
     """Median batch-1 decode step (after a 16-token prompt) and the best of three prefill
     steps of one `chunk`-token prompt (one chunk: the engine's budget must allow it), all
-    through `llm.step()`; the engine must be idle."""
+    through `llm.step()`, with a bandwidth probe after every decode step (untimed); the
+    engine must be idle."""
     from engine import SamplingParams
 
     if llm.has_unfinished():
         raise ValueError("step_times needs an idle engine")
+    bandwidth = BandwidthProbe()
     r = llm.add_request(prompt[:16], SamplingParams(
         temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True))
     while r.status.name in ("WAITING", "PREFILLING"):
@@ -116,6 +128,7 @@ def step_times(llm, prompt: list[int], decode_steps: int = 8, chunk: int = 512) 
         t = time.perf_counter()
         llm.step()
         times.append(time.perf_counter() - t)
+        bandwidth.probe()
     decode = median(times)
     long = (prompt * (chunk // max(1, len(prompt)) + 1))[:chunk]
     best = float("inf")
@@ -128,19 +141,22 @@ def step_times(llm, prompt: list[int], decode_steps: int = 8, chunk: int = 512) 
             llm.abort(req.request_id)
             best = float("nan")
             break
-    return StepTimes(decode, best, chunk)
+    return StepTimes(decode, best, chunk, bandwidth)
 
 
 def roofs(llm, times: StepTimes) -> dict:
     """Both roofs for this engine's model, measured now, and the step times against them."""
     cfg = llm.config.model
     wbytes = weight_bytes(llm.runner.model)
-    bw, read = memcpy_bandwidth(), read_bandwidth()
+    bw, read = times.bandwidth.medians()
     flops = prefill_flops(cfg, times.chunk)
     rate = gemm_rate([(1024, 1024, 1024),
                       (times.chunk, cfg.hidden_size, 2 * cfg.intermediate_size)])
     decode_roof, prefill_roof = wbytes / bw, flops / rate
     return {"weight_bytes": wbytes, "memcpy_bytes_per_s": bw, "read_bytes_per_s": read,
+            "bandwidth_probes": len(times.bandwidth.copy_rates),
+            "memcpy_probe_range": [min(times.bandwidth.copy_rates),
+                                   max(times.bandwidth.copy_rates)],
             "decode_read_floor_s": wbytes / read,
             "decode_b1_step_s": times.decode_b1_s, "decode_roof_s": decode_roof,
             "decode_fraction_of_roof": decode_roof / times.decode_b1_s,
@@ -154,7 +170,9 @@ def lines(r: dict) -> list[str]:
     return [
         f"decode step at batch 1: {1e3 * r['decode_b1_step_s']:.1f} ms; roof "
         f"{1e3 * r['decode_roof_s']:.1f} ms ({r['weight_bytes'] / 1e9:.2f} GB of weights at "
-        f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s memcpy) -> "
+        f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s memcpy, median of {r['bandwidth_probes']} "
+        f"probes in {r['memcpy_probe_range'][0] / 1e9:.0f}..{r['memcpy_probe_range'][1] / 1e9:.0f})"
+        " -> "
         f"{100 * r['decode_fraction_of_roof']:.0f}% of the bandwidth roof "
         f"({1 / r['decode_fraction_of_roof']:.2f}x); read-only floor "
         f"{1e3 * r['decode_read_floor_s']:.1f} ms at {r['read_bytes_per_s'] / 1e9:.1f} GB/s "

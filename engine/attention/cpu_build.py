@@ -12,7 +12,8 @@ reference (engine/attention/registry.py).
 The ops, once loaded: `torch.ops.pdserve_cpu.paged_decode(q, k_cache, v_cache,
 block_tables, seq_lens, scale)` and `torch.ops.pdserve_cpu.write_kv(k, v, k_cache, v_cache,
 slot_mapping)`, with the contract of engine/attention/base.py; `rms_norm`, `add_rms_norm`
-and `rope` (engine/models/llama.py uses them on fp32 CPU steps).
+and `rope` (engine/models/llama.py uses them on fp32 CPU steps); `pack_rows`, `gemv` and
+`decode_layers` (engine/models/cpu_step.py: a decode step's layers as one call).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+_MODELS = Path(__file__).parents[1] / "models"
 SOURCES = (Path(__file__).with_name("cpu_kernels.cpp"),  # attention: decode, KV write
-           Path(__file__).parents[1] / "models" / "cpu_glue.cpp")  # norms, rotary
+           _MODELS / "cpu_glue.cpp",  # norms, rotary
+           _MODELS / "cpu_step.cpp")  # packed GEMV, the fused decode stack
+HEADERS = (_MODELS / "cpu_rows.h",)  # in the digest: a changed header rebuilds
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")  # built where it runs: see _digest
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else the failure
@@ -55,7 +59,7 @@ def _cpu_flags() -> str:
 def _digest() -> str:
     import torch
 
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     h.update(f"{torch.__version__} {CFLAGS} {_cpu_flags()}".encode())
     return h.hexdigest()[:16]
 
@@ -73,7 +77,7 @@ def _build() -> None:
     load_extension(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS), build_directory=str(where),
                    is_python_module=False, verbose=False)
     took = time.perf_counter() - t
-    if not all(hasattr(torch.ops.pdserve_cpu, op) for op in ("paged_decode", "rope")):
+    if not all(hasattr(torch.ops.pdserve_cpu, op) for op in ("paged_decode", "rope", "decode_layers")):
         raise RuntimeError(f"{where}: the library loaded but registered no pdserve_cpu ops")
     if cached:
         log.info("CPU attention ops loaded from %s in %.2f s", where, took)

@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "../models/cpu_rows.h"
+
 namespace {
 
 template <typename T>
@@ -60,29 +62,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
 }
 #endif
 
-// x[i] = exp(x[i]) for x[i] <= 0 (scores minus their max), vectorised: Cephes' expf
-// (range reduction by ln 2 in two parts, degree-6 polynomial, 2^k from the exponent
-// bits), within 2 ulp of std::exp; below -87 the result is the smallest normal float's
-// order (an exp(-87) weight next to a max of 1 is rounded away anyway).
-inline void exp_nonpositive(float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.0f);
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 0]
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof(two_k));
-    x[i] = p * two_k;
-  }
-}
+using pdserve_rows::exp_nonpositive;
 
 // Ask for n rows of D elements, `stride` apart, to be brought into cache (cold KV is
 // read from DRAM: without it each block's first touch stalls the walk).

@@ -14,31 +14,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <tuple>
+
+#include "cpu_rows.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-
-inline float sum_squares(const float* x, int64_t n) {
-  float part[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += x[i + j] * x[i + j];
-  }
-  for (; i < n; ++i) part[i % kLanes] += x[i] * x[i];
-  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
-    for (int64_t j = 0; j < w; ++j) part[j] += part[j + w];
-  }
-  return part[0];
-}
-
-inline void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
-  const float r = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
-}
+using pdserve_rows::norm_row;
+using pdserve_rows::rope_row;
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
@@ -85,23 +68,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-// Separate roundings of both products and the sum, as torch's three elementwise ops make.
-__attribute__((optimize("fp-contract=off")))
 void rope_rows(const float* x, int64_t lt, int64_t ln, const float* c, const float* s,
                int64_t lc, int64_t T, int64_t N, int64_t D, float* out) {
-  const int64_t half = D / 2;
   at::parallel_for(0, T, 8, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
-      const float* ct = c + t * lc;
-      const float* st = s + t * lc;
       for (int64_t h = 0; h < N; ++h) {
-        const float* xr = x + t * lt + h * ln;
-        float* o = out + (t * N + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float a1 = xr[d] * ct[d];
-          const float a2 = xr[d < half ? d + half : d - half] * st[d];
-          o[d] = a1 + a2;
-        }
+        rope_row(x + t * lt + h * ln, c + t * lc, s + t * lc, D, out + (t * N + h) * D);
       }
     }
   });

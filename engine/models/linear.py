@@ -55,6 +55,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_HINT)
 
 
+def pack_model(model) -> None:
+    """oneDNN-packed copies of every projection weight of a Llama-family model (after its
+    `fuse`; CPU fp32): every GEMM and GEMV reads them. `model.packed` lists them by key,
+    the names a compiled graph's ops use."""
+    model.packed = []
+
+    def add(weight: torch.Tensor) -> Packed:
+        model.packed.append(pack(weight))
+        return Packed(len(model.packed) - 1, model.packed[-1])
+
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_packed, a.o_packed = add(a.qkv_weight), add(a.o_proj.weight)
+        m.gate_up_packed, m.down_packed = add(m.gate_up_weight), add(m.down_proj.weight)
+    model.lm_head_packed = add(model.lm_head.weight)
+
+
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
     """`x @ W.T + bias` for x `[M, K]` on the packed W."""

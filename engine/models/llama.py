@@ -14,7 +14,8 @@ from torch import nn
 from engine.attention.base import AttentionMetadata, attend
 from engine.compile_ops import paged_attention
 from engine.config import ModelConfig
-from engine.models.linear import Packed, pack, project
+from engine.models.cpu_step import FUSED_ROWS, GEMV_ROWS, CpuDecodeStack
+from engine.models.linear import Packed, pack_model, project
 
 
 class RMSNorm(nn.Module):
@@ -188,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.packed: list[torch.Tensor] | None = None  # by key; see pack()
         self.lm_head_packed: Packed | None = None
-        self.cpu_glue = False  # by use_cpu_glue()
+        self.cpu_glue = False  # by use_cpu_glue(), with the fused decode stack:
+        self.cpu_stack: CpuDecodeStack | None = None
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Install checkpoint tensors as the parameters themselves (`assign=True`: no copy
@@ -222,20 +224,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def pack(self) -> None:
-        """oneDNN-packed copies of every projection weight (after `fuse`; CPU fp32): every
-        GEMM and GEMV reads them (models/linear.py). `self.packed` lists them by key, the
-        names a compiled graph's ops use."""
-        self.packed = []
-
-        def add(weight: torch.Tensor) -> Packed:
-            self.packed.append(pack(weight))
-            return Packed(len(self.packed) - 1, self.packed[-1])
-
-        for layer in self.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            a.qkv_packed, a.o_packed = add(a.qkv_weight), add(a.o_proj.weight)
-            m.gate_up_packed, m.down_packed = add(m.gate_up_weight), add(m.down_proj.weight)
-        self.lm_head_packed = add(self.lm_head.weight)
+        """oneDNN-packed copies of every projection weight (models/linear.py)."""
+        pack_model(self)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """`[head_dim / 2]` fp32 rotary inverse frequencies on `device` (as transformers)."""
@@ -274,13 +264,18 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def use_cpu_glue(self) -> None:
-        """Residual adds, RMSNorms, rotary as pdserve_cpu ops (loaded; fp32 on CPU)."""
+        """Residual adds, RMSNorms, rotary as pdserve_cpu ops, and small decode batches
+        through the fused stack (engine/models/cpu_step.py); the library is loaded, fp32
+        on CPU, after fuse()."""
         self.cpu_glue = True
         for layer in self.model.layers:
             layer.self_attn.cpu_glue = True
+        self.cpu_stack = CpuDecodeStack(self)
 
     def _forward_glued(self, x, cos, sin, k_caches, v_caches, meta) -> torch.Tensor:
         """The layer loop with each residual add fused into the next RMSNorm (one op)."""
+        if self.cpu_stack is not None and meta.num_decode_tokens == x.shape[0] <= FUSED_ROWS:
+            return self.cpu_stack(x, cos, sin, k_caches, v_caches, meta)
         ops, layers = torch.ops.pdserve_cpu, self.model.layers
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for i, layer in enumerate(layers):
@@ -295,5 +290,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project(self.model.norm(hidden), self.lm_head.weight, None,
-                       self.lm_head_packed).float()
+        h = self.model.norm(hidden)
+        if self.cpu_stack is not None and h.shape[0] <= GEMV_ROWS:
+            return torch.ops.pdserve_cpu.gemv(h, self.cpu_stack.lm_head, None,
+                                              self.cfg.vocab_size)
+        return project(h, self.lm_head.weight, None, self.lm_head_packed).float()

@@ -40,6 +40,7 @@ def test_single_row_projections_read_the_packed_weights(tiny_model, monkeypatch)
     llm = LLM(str(tiny_model), compile="none")
     model = llm.runner.model
     assert model.packed and model.lm_head_packed is not None
+    model.cpu_stack = None  # the layer loop: the fused stack's reference (test_cpu_fused_step)
     rows: list[int] = []
     packed_mm = linear.packed_mm
 

@@ -1,0 +1,145 @@
+"""The fused CPU decode stack (engine/models/cpu_step.py, cpu_step.cpp): its GEMV on the
+row-block packed weights is `F.linear` to float rounding and gives a row the same bits
+whatever it is batched with; the whole stack's step equals the layer loop's; and engines
+whose decode steps run through it (checked: the stack is called, not bypassed) produce
+transformers' greedy tokens over the chunk x block matrix, for llama, qwen2 (biases) and
+qwen3 (q/k norms), and on SmolLM2's real weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.attention import cpu_build, get_backend
+from engine.models import cpu_step
+from tests.unit.test_engine_exactness import hf_greedy, prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if get_backend("cpu", "cpu").name != "cpu":
+        pytest.skip(f"CPU ops unavailable: {cpu_build.load()}")
+    return torch.ops.pdserve_cpu
+
+
+@pytest.fixture
+def stack_calls(ops, monkeypatch) -> list[int]:
+    """Rows of every fused-stack call (the stack itself still runs)."""
+    calls: list[int] = []
+    real = cpu_step.CpuDecodeStack.__call__
+
+    def counting(self, x, *a):
+        calls.append(x.shape[0])
+        return real(self, x, *a)
+
+    monkeypatch.setattr(cpu_step.CpuDecodeStack, "__call__", counting)
+    return calls
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (37, 19), (960, 576), (5, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_is_linear_and_a_row_does_not_depend_on_its_batch(ops, n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = ops.pack_rows(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    x = torch.randn(9, k, generator=g)
+    for m in range(1, 10):
+        y = ops.gemv(x[:m], packed, b, n)
+        torch.testing.assert_close(y, F.linear(x[:m], w, b), rtol=1e-5, atol=1e-4)
+        for r in range(m):  # four rows at a time or one alone: the same bits
+            assert torch.equal(y[r], ops.gemv(x[r:r + 1], packed, b, n)[0])
+
+
+def test_gemv_rejects_a_weight_not_packed_for_its_input(ops):
+    packed = ops.pack_rows(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="pack_rows weight"):
+        ops.gemv(torch.randn(1, 63), packed, None, 32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_fused_step_equals_the_layer_loops(ops, model_dirs, arch, stack_calls):
+    """Same prompt, a few decode steps each way: hidden states agree to float rounding
+    and the caches receive the same K/V rows."""
+    llm = LLM(str(model_dirs[arch]), block_size=4, compile="none")
+    model = llm.runner.model
+    assert model.cpu_stack is not None
+    captured: dict[str, list[torch.Tensor]] = {"fused": [], "loop": []}
+    real_logits = model.compute_logits
+
+    def logits(hidden, key):
+        captured[key].append(hidden.clone())
+        return real_logits(hidden)
+
+    stack = model.cpu_stack
+    p = prompt(13, seed=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for key in ("fused", "loop"):
+        model.cpu_stack = stack if key == "fused" else None
+        model.compute_logits = lambda h, key=key: logits(h, key)
+        llm.generate([p], sp)
+    assert stack_calls == [1] * 3  # the three decode steps of the fused run
+    for a, b in zip(captured["fused"], captured["loop"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert llm.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(("arch", "block_size", "chunk"), [
+    ("llama", 1, 5), ("llama", 4, 3), ("llama", 16, 16), ("llama", 32, 7),
+    ("qwen2", 4, 3), ("qwen3", 16, 7)])  # the matrix on one, each variant once more
+def test_greedy_through_the_fused_stack_equals_transformers(model_dirs, arch, block_size,
+                                                           chunk, stack_calls):
+    d = model_dirs[arch]
+    llm = LLM(str(d), block_size=block_size, max_prefill_chunk=chunk,
+              max_num_batched_tokens=40, compile="none")
+    prompts = [prompt(n, seed=n) for n in (1, 6, 17, 33)]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert o.token_ids == hf_greedy(d, p, GREEDY.max_tokens)
+    assert stack_calls and max(stack_calls) <= cpu_step.FUSED_ROWS
+    assert llm.block_manager.num_used_blocks == 0
+    llm.block_manager.check_integrity()
+
+
+def test_a_batch_wider_than_the_stack_runs_the_layer_loop(ops, tiny_model, stack_calls,
+                                                          monkeypatch):
+    monkeypatch.setattr("engine.models.llama.FUSED_ROWS", 2)
+    llm = LLM(str(tiny_model), compile="none")
+    prompts = [prompt(n, seed=n) for n in (3, 5, 8)]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert o.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens)
+    assert stack_calls == []  # one prefill step, then 3-row decodes: all on the loop
+    assert llm.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_wide_batches_in_the_stack_multiply_the_onednn_weights(model_dirs, arch, stack_calls,
+                                                               monkeypatch):
+    """Past GEMV_ROWS rows the stack's projections are oneDNN GEMMs (its packed copies)."""
+    monkeypatch.setattr(cpu_step, "GEMV_ROWS", 0)  # every batch of 4+ rows
+    d = model_dirs[arch]
+    llm = LLM(str(d), compile="none")
+    assert len(llm.runner.model.cpu_stack.onednn) == 4 * llm.runner.model.cfg.num_layers
+    prompts = [prompt(n, seed=n) for n in (2, 5, 9, 14, 20)]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert o.token_ids == hf_greedy(d, p, GREEDY.max_tokens)
+    assert stack_calls and min(stack_calls) == 5  # all five decode together
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_smollm2_decodes_through_the_fused_stack_as_transformers(ops, stack_calls):
+    from engine.model_fetch import ModelFetchError, ensure_real_model
+
+    try:
+        d = ensure_real_model("smollm2")
+    except ModelFetchError as e:
+        pytest.skip(f"SmolLM2 real weights unavailable: {e}")
+    llm = LLM(str(d), block_size=8, max_prefill_chunk=37, num_blocks=64, compile="none")
+    prompts = [prompt(n, seed=n) for n in (5, 70)]
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert o.token_ids == hf_greedy(d, p, GREEDY.max_tokens)
+    assert stack_calls and llm.block_manager.num_used_blocks == 0
