@@ -113,6 +113,10 @@ class PoolsSection(Section):
         "prefix-affinity with prefix caching on, else least-outstanding)",
         choices=tuple(PREFILL_PLACEMENTS))
     trace: bool = opt(False, "record per-request trace events on every worker (studies)")
+    reserve_with_add: bool = opt(True, "send a request's decode reserve together with its "
+                                 "prefill add when nobody waits for admission (the first "
+                                 "token sooner; KV that overtakes the reserve is held on the "
+                                 "decode worker); off: reserve first, then add")
 
     def _check(self) -> None:
         if self.address is not None and not self.address.strip():

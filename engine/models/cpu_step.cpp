@@ -135,27 +135,6 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const c10::option
   return y;
 }
 
-// act [T, I] = silu(gate) * up for gu [T, 2I] = [gate | up]; silu(g) = g * sigmoid(g),
-// from e = exp(-|g|) on the vectorised exp (scalar std::exp cost ~5 ms a step at 16 rows)
-void silu_mul(const float* gu, int64_t T, int64_t I, float* act) {
-  at::parallel_for(0, T, 4, [&](int64_t a, int64_t b) {
-    std::vector<float> e(I);
-    for (int64_t t = a; t < b; ++t) {
-      const float* g = gu + t * 2 * I;
-      const float* u = g + I;
-      float* o = act + t * I;
-#pragma omp simd
-      for (int64_t j = 0; j < I; ++j) e[j] = -std::fabs(g[j]);
-      pdserve_rows::exp_nonpositive(e.data(), I);
-#pragma omp simd
-      for (int64_t j = 0; j < I; ++j) {
-        const float r = 1.f / (1.f + e[j]);
-        o[j] = g[j] * (g[j] >= 0.f ? r : e[j] * r) * u[j];
-      }
-    }
-  });
-}
-
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList norms, at::TensorList weights,
                          c10::List<c10::optional<at::Tensor>> biases, at::TensorList onednn,
@@ -204,7 +183,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   at::Tensor delta = at::empty({T, hid}, opts), tmp = at::empty({D}, opts);
   float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *gp = gu.data_ptr<float>();
-  float *ap = act.data_ptr<float>(), *dp = delta.data_ptr<float>(), *tp = tmp.data_ptr<float>();
+  float *dp = delta.data_ptr<float>(), *tp = tmp.data_ptr<float>();
   const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
   std::vector<c10::optional<at::Tensor>> held(4 * L);  // keeps bias() pointers alive
   for (int64_t j = 0; j < 4 * L; ++j) held[j] = biases.get(j);
@@ -261,7 +240,9 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     project(o.view({T, H * D}), 4 * i + 1, hid, dp);
     add_norm(nw[1]);
     project(h, 4 * i + 2, 2 * I, gp);
-    silu_mul(gp, T, I, ap);
+    // torch's own silu and mul on the same views as the layer loop: bit for bit its
+    // activations, so a decode row's tokens do not depend on the path its batch took
+    at::mul_out(act, at::silu(gu.narrow(1, 0, I)), gu.narrow(1, I, I));
     project(act, 4 * i + 3, hid, dp);
     if (i + 1 < L) {
       add_norm(norms[per_norm * (i + 1)]);

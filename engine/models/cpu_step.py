@@ -35,7 +35,6 @@ import torch
 
 if TYPE_CHECKING:
     from engine.attention.base import AttentionMetadata
-    from engine.models.llama import LlamaForCausalLM
 
 FUSED_ROWS = 256  # decode batches up to this many rows take the fused stack
 GEMV_ROWS = 16  # up to this many rows read the row-block copy; more: oneDNN's (a GEMM)
@@ -45,7 +44,7 @@ class CpuDecodeStack:
     """Every layer's norms, packed weights and biases, flattened once into the lists
     `decode_layers` takes (4 weights and 4 biases a layer; 2 norms, 4 with q/k norms)."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: torch.nn.Module):  # a fused engine.models.llama model
         cfg, ops = model.cfg, torch.ops.pdserve_cpu
         self.norms: list[torch.Tensor] = []
         self.weights: list[torch.Tensor] = []

@@ -70,7 +70,9 @@ def service(ray_session, tiny_model):
     cfg = ServeConfig.from_dict({
         "model": {"path": str(tiny_model), "device": "cpu"},
         # half a CPU each: modules before this one may still hold CPUs of the session's Ray
-        "pools": {"cpus_per_worker": 0.5},
+        # (reserve first: a reserve sent with the add leaves no "queued" phase to cancel in
+        # when the decode pool has room; test_pd_reserve_with_add covers that path)
+        "pools": {"cpus_per_worker": 0.5, "reserve_with_add": False},
         # a small decode cache (a long prompt takes over half of it): long prompts make
         # requests wait for admission, so cancels find requests queued even when the
         # per-step control channel reserves in well under the probe's 2 ms poll
