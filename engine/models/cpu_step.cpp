@@ -149,7 +149,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const int64_t L = static_cast<int64_t>(k_caches.size()), per_norm = qk_norm ? 4 : 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decode_layers: x fp32 [T, hidden]");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_norm * L &&
-                  static_cast<int64_t>(weights.size()) == 4 * L &&
+                  (weights.empty() || static_cast<int64_t>(weights.size()) == 4 * L) &&
                   static_cast<int64_t>(biases.size()) == 4 * L &&
                   static_cast<int64_t>(v_caches.size()) == L,
               "decode_layers: per layer 4 weights, 4 biases, ", per_norm, " norms, 2 caches");
@@ -160,8 +160,9 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   TORCH_CHECK(onednn.empty() || static_cast<int64_t>(onednn.size()) == 4 * L,
               "decode_layers: 4 oneDNN weights per layer, or none");
   // rows past gemv_rows multiply oneDNN's packed weights (a GEMM beats the GEMV there)
-  const bool gemm = !onednn.empty() && T > std::max<int64_t>(gemv_rows, 3);
-  for (int64_t i = 0; i < L; ++i) {
+  const bool gemm = !onednn.empty() && T > gemv_rows;
+  TORCH_CHECK(gemm || !weights.empty(), "decode_layers: no row-block weights for ", T, " rows");
+  for (int64_t i = 0; i < L && !gemm; ++i) {
     check_packed(weights[4 * i], hid, QKV, "qkv");
     check_packed(weights[4 * i + 1], H * D, hid, "o_proj");
     check_packed(weights[4 * i + 2], hid, 2 * I, "gate_up");

@@ -37,7 +37,11 @@ if TYPE_CHECKING:
     from engine.attention.base import AttentionMetadata
 
 FUSED_ROWS = 256  # decode batches up to this many rows take the fused stack
-GEMV_ROWS = 16  # up to this many rows read the row-block copy; more: oneDNN's (a GEMM)
+# Up to this many rows read the row-block copy (faster at 1 row than oneDNN's GEMV on
+# this machine's 2 cores, slower from ~4); more: oneDNN's packed copies, the layer loop's
+# own. 0: oneDNN for every row, so a decode row's bits never depend on whether its step
+# also ran a prefill chunk (colocated) or not (P/D), and no second copy of the weights.
+GEMV_ROWS = 0
 
 
 class CpuDecodeStack:
@@ -57,11 +61,12 @@ class CpuDecodeStack:
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if cfg.qk_norm:
                 self.norms += [a.q_norm.weight, a.k_norm.weight]
-            self.weights += [ops.pack_rows(w) for w in (a.qkv_weight, a.o_proj.weight,
-                                                        m.gate_up_weight, m.down_proj.weight)]
+            if GEMV_ROWS > 0 or not model.packed:  # (else oneDNN's copies serve every row)
+                self.weights += [ops.pack_rows(w) for w in (
+                    a.qkv_weight, a.o_proj.weight, m.gate_up_weight, m.down_proj.weight)]
             self.biases += [a.qkv_bias, a.o_proj.bias, m.gate_up_bias, m.down_proj.bias]
-        self.lm_head = ops.pack_rows(model.lm_head.weight)  # compute_logits reads it
-        self.onednn = list(model.packed[:len(self.weights)]) if model.packed else []
+        self.lm_head = ops.pack_rows(model.lm_head.weight) if GEMV_ROWS > 0 else None
+        self.onednn = list(model.packed[:4 * len(model.model.layers)]) if model.packed else []
         self.dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                      int(cfg.qk_norm)]
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
