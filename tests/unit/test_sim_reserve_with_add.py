@@ -18,7 +18,8 @@ RPC_S = 0.001
 
 
 def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
-         hold: tuple[str, float] = ("", 0.0)) -> tuple[Simulation, list]:
+         hold: tuple[str, float] = ("", 0.0), timeout_s: float = 600.0,
+         ) -> tuple[Simulation, list]:
     """1P/1D, every call RPC_S one way. Records (time, worker role, command, request,
     leg no.) of every add / reserve / abort as it reaches its worker, and every reserve's
     answer as ("answer", ok). ``hold`` (request, seconds): that request's first reserve
@@ -27,7 +28,8 @@ def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
                                 rpc_s=RPC_S)
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
-        "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048})
+        "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048,
+        "limits.request_timeout_s": timeout_s})
     sim = Simulation(cfg, load_costs(cal), SimOptions(reserve_with_add=reserve_with_add))
     log: list = []
     for w in sim.prefill + sim.decode:
@@ -165,3 +167,25 @@ def test_kv_held_for_a_refused_reserve_is_dropped_and_the_request_still_complete
     assert [e[5] for e in y if e[2] == "answer" and e[4] == 1] == [False]
     assert [e[5] for e in y if e[2] == "answer"][-1]
     assert all(not link._outstanding for link in sim.links)
+
+
+def test_kv_held_when_its_legs_abort_overtakes_the_reserve_is_dropped() -> None:
+    """The request's deadline (20 ms) ends it while its reserve is held back (50 ms): the
+    abort reaches decode first and drops the held KV; the late reserve is refused."""
+    sim, log = _sim(hold=("a", 0.050), timeout_s=0.020)
+    d = sim.decode[0]
+    dropped: list[int] = []
+    closed = d.early_closed
+
+    def spy(leg: str) -> None:
+        dropped.append(len(d.early.get(leg, ())))
+        closed(leg)
+
+    d.early_closed = spy
+    result = sim.run([_req("a", 40, max_tokens=8)])
+    sim.check_quiescent()  # no block, promise, held piece or unacked frame left
+    assert result.records()[0].error.startswith("DEADLINE_EXCEEDED")
+    assert dropped and dropped[0] > 0
+    assert [e[5] for e in log if e[2] == "answer"] == [False]  # its abort overtook it
+    decode_abort = next(e[0] for e in log if e[1:3] == ("decode", "abort"))
+    assert decode_abort < _at(log, "a", "answer")  # (the reserve ran after the abort)
