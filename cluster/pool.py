@@ -53,8 +53,7 @@ class WorkerHandle:
     def has_room(self, prompt_len: int) -> bool:
         """Does its last load message leave room for a prompt (True when it sent none)?"""
         load = self.load
-        return load is None or not self.block_size or \
-            load.kv_blocks_promisable * self.block_size > prompt_len
+        return load is None or has_room(load.kv_blocks_promisable, self.block_size, prompt_len)
 
     @property
     def prefill_load(self) -> int:
@@ -89,6 +88,12 @@ class WorkerHandle:
         return WorkerStats(self.worker_id, self.role, self.alive, s.num_running, s.num_waiting,
                            s.kv_blocks_used, s.kv_blocks_free, s.queue_depth,
                            s.send_queue_depth, s.figures())
+
+
+def has_room(promisable_blocks: int, block_size: int, prompt_len: int) -> bool:
+    """The rule of `WorkerHandle.has_room` (the router's and the simulator's): a decode
+    worker's unpromised free blocks hold the prompt (always, when it gave no block size)."""
+    return not block_size or promisable_blocks * block_size > prompt_len
 
 
 def check_fits(decode: list[WorkerHandle], prompt_len: int) -> None:

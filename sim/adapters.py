@@ -24,6 +24,7 @@ from cluster.admission import AdmissionCore, Waiter
 from cluster.config import ServeConfig
 from cluster.config_cli import add_cli_flags, config_from_args
 from cluster.flight import RouterConfig
+from cluster.pool import has_room
 from cluster.routing_policies import (
     BUCKET_NAMES,
     DECODE_ORDERS,
@@ -56,7 +57,7 @@ __all__ = [
     "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus",
     "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "Waiter", "WorkerPlan",
     "add_cli_flags", "config_from_args", "decode_order", "decode_task", "default_placement",
-    "engine_tools", "kv_bytes_per_token", "make_placement", "model_config", "piece_layout",
+    "engine_tools", "has_room", "kv_bytes_per_token", "make_placement", "model_config", "piece_layout",
     "plan_workers", "prefill_request", "resolve_model_dir", "simulated_token", "startable",
     "take_kv_piece", "weight_bytes",
 ]

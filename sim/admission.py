@@ -36,12 +36,16 @@ class SimAdmission:
     def __len__(self) -> int:
         return len(self.core)
 
-    def enqueue(self, flight: Flight) -> None:
+    def enqueue(self, flight: Flight, refused: tuple | None = None) -> None:
+        """DecodeAdmission.admit's start; ``refused``: the (worker, round) of a refused
+        reserve sent with the add (it counts in its round alone)."""
         req = flight.req
         task = decode_task(flight.leg_id, flight.leg_prompt_len,
                            req.max_tokens - flight.generated, req.tenant)
         wt = self.core.enqueue(flight, flight.arrival, task)
         wt.event = [0.0, False]  # [when its RETRY_S wait runs out, a wake-up is due]
+        if refused and refused[1] == self.core.round:
+            self.core._tried(wt).add(id(refused[0]))
         self.core.pump()
         self._wake_up(wt)
 

@@ -39,6 +39,9 @@ class Simulation:
         shape, dtype = cal.get("model"), cal.get("dtype")
         gpu = _gpu_memory(cal)
         self.plan = plan_workers(cfg, shape, dtype, gpu)
+        if options.reserve_with_add is not None:
+            self.plan = replace(self.plan, router=replace(
+                self.plan.router, reserve_with_add=options.reserve_with_add))
         s = cfg.scheduler
         link = options.interconnect or cfg.transfer.connector
         costs.check_covers(Limits(s.max_num_batched_tokens, s.max_num_seqs, s.max_num_seqs,
@@ -137,9 +140,10 @@ class Simulation:
                 problems.append(f"{w.worker_id}: {len(w.jobs)} jobs, "
                                 f"{w.bm.num_used_blocks} blocks in use")
         for w in self.decode:
-            if w.has_work or w.bm.num_used_blocks or w.sched.promises:
+            if w.has_work or w.bm.num_used_blocks or w.sched.promises or w.early or w.inbox:
                 problems.append(f"{w.worker_id}: {len(w.sched.pending)} pending, "
-                                f"{len(w.sched.running)} running, {w.bm.num_used_blocks} blocks")
+                                f"{len(w.sched.running)} running, {w.bm.num_used_blocks} blocks, "
+                                f"{len(w.early)} legs' early KV held")
         for w in self.prefill + self.decode:
             w.bm.check_integrity()
         for link in self.links:
@@ -148,7 +152,7 @@ class Simulation:
         r = self.router
         if r.flights or r.legs or any(r.outstanding.values()) or any(r.held.values()):
             problems.append("router: legs or outstanding tokens left")
-        if len(r.admission) or r.admission.core.busy:
+        if len(r.admission) or r.admission.core.busy or r.reserving:
             problems.append("router: decode admission still has waiters or reserves")
         if problems:
             raise AssertionError("simulation left state behind: " + "; ".join(problems))

@@ -30,18 +30,16 @@ from sim.adapters import (
     RequestStatus,
     ScheduledItem,
     simulated_token,
-    startable,
-    take_kv_piece,
 )
 from sim.costs import SMALL_RUN
-from sim.decode_runs import RunCutter
+from sim.decode_kv import KVIntake
 
 if TYPE_CHECKING:
     from sim.cluster import Simulation
     from sim.link import Piece
 
 
-class SimDecode(RunCutter):
+class SimDecode(KVIntake):
     role = "decode"
 
     def __init__(self, sim: Simulation, worker_id: str):
@@ -55,6 +53,8 @@ class SimDecode(RunCutter):
         self.kvb = plan.kv_bytes_per_token
         self.fast = sim.options.decode_stepping == "fast"
         self.inbox: list[Piece] = []
+        self.early: dict[str, list[Piece]] = {}  # KV that came before its reserve (decode_kv)
+        self.closed: set[str] = set()  # legs whose later KV is dropped here
         self.started: dict[str, float] = {}
         self.first_step: dict[str, int] = {}  # leg -> index of its first decode step
         self._aborted_early: set[str] = set()
@@ -96,18 +96,18 @@ class SimDecode(RunCutter):
         self.sched.touch(legs)
 
     def reserve(self, task: DecodeTask, reply) -> None:
-        if task.leg_id in self._aborted_early:
-            self._aborted_early.discard(task.leg_id)
-            reply(False, None)
-            return
-        try:
-            ok = self.sched.reserve(task)
-        except ValueError as e:  # can never fit: the router says so at once
-            reply(False, str(e))
-            return
+        leg, ok, error = task.leg_id, False, None
+        if leg in self._aborted_early:
+            self._aborted_early.discard(leg)
+        else:
+            try:
+                ok = self.sched.reserve(task)
+            except ValueError as e:  # can never fit: the router says so at once
+                error = str(e)
         if ok:
             self._arm_expiry()
-        reply(ok, None)
+        reply(ok, error)
+        self.early_reserved(leg, ok)  # KV that came before it: written next, or dropped
 
     # ---- KV-wait expiry -----------------------------------------------------------
     def _arm_expiry(self) -> None:
@@ -119,7 +119,10 @@ class SimDecode(RunCutter):
             return
         timeout = self.sched.config.kv_wait_timeout_s
         since = min(p.since for p in self.sched.pending.values())
-        self._expiry_at = max(math.nextafter(since + timeout, math.inf), self.loop.now)
+        at = since + timeout
+        while at - since <= timeout:  # the first time `expired()` sees it (float rounding:
+            at = math.nextafter(at, math.inf)  # one nextafter may not be enough)
+        self._expiry_at = max(at, self.loop.now)
         self.loop.at(self._expiry_at, self._expiry_check)
 
     def _expiry_check(self) -> None:
@@ -142,43 +145,20 @@ class SimDecode(RunCutter):
             for leg in self.sched.expired(now):
                 if self._end(leg):
                     self._failed.append(leg)
+                    self.early_closed(leg)
             self._arm_expiry()
 
     def abort(self, leg_id: str) -> None:
         if not self._end(leg_id):
             self._aborted_early.add(leg_id)
+        self.early_closed(leg_id)
 
     def _end(self, leg_id: str) -> bool:
         self.started.pop(leg_id, None)
         self.first_step.pop(leg_id, None)
         return self.sched.abort(leg_id) is not None
 
-    def deliver(self, pieces: list[Piece]) -> None:
-        self.inbox.extend(pieces)
-        self._cut()
-        self.wake()  # the KV doorbell ends a nap at once
-
     # ---- the step -----------------------------------------------------------------
-    def _take_kv(self, now: float) -> float:
-        """DecodeEngine._take_kv: write every arrived piece, return its credit, start the
-        legs whose KV is complete; returns the seconds the imports take."""
-        seconds = 0.0
-        inbox, self.inbox = self.inbox, []
-        for p in inbox:
-            kept = take_kv_piece(self.sched, p.leg_id, p.token_start, p.token_end,
-                                 p.layer_end, self.num_layers, p.first_token)
-            n = p.token_end - p.token_start
-            if kept and n:  # a piece split by layer carries a share of the tokens' bytes
-                seconds += self.costs.kv_import_s(max(1, round(p.nbytes / self.kvb)))
-            self.loop.at(now + p.link.ack_latency_s, p.link.ack, p, kept)
-        tracer = self.sim.tracer
-        for leg in startable(self.sched):
-            self.sched.start(leg)
-            self.started[leg] = now + seconds
-            if tracer is not None:
-                tracer.span(leg, "decode_admit", self.worker_id, now + seconds, now + seconds)
-        return seconds
-
     def start_step(self) -> tuple[float, bool] | None:
         now = self._t0 = self.loop.now
         import_s = self._take_kv(now) if self.inbox else 0.0
@@ -186,6 +166,7 @@ class SimDecode(RunCutter):
         if self._expiry_due or (at is not None and now >= at):
             self._expire(now)
         items, preempted = self.sched.schedule()
+        self.publish_load()
         for r in preempted:  # reported with the step's events, at its end
             self._out.append(self._leg_out(r.request_id, r, finished=False))
         if not items:
@@ -284,6 +265,11 @@ class SimDecode(RunCutter):
         for leg_id, first, count, finished, decode_s in out:
             self.loop.at(at + self.sim.rpc_s, self.sim.router.on_decode_end, self, leg_id,
                          first, count, finished, decode_s)
+
+    def publish_load(self) -> None:
+        """The load of the worker's channel message (decode_worker/worker.py load()) as
+        the router last heard it: its unpromised free blocks, at each step start."""
+        self.sim.router.promisable[self.worker_id] = self.sched.promised_free_blocks()
 
     def stats(self) -> dict[str, float]:
         return {"role": self.role, "steps": self.num_steps,

@@ -86,9 +86,10 @@ class RunCutter(SimWorker):
             held = [(it.request.num_cached_tokens, len(it.request.block_ids)) for it in items]
         for fn, args in commands:
             fn(*args)
+        self.publish_load()
         run = self._run
         need = sum(max(0, -(-(c + run) // bs) - nb) for c, nb in held)
-        if need > self.sched.promised_free_blocks():
+        if self.inbox or need > self.sched.promised_free_blocks():  # (a reserve's early KV)
             self._run = done
             self.reschedule_end(self.loop.now)
 

@@ -1,7 +1,7 @@
 """The simulated router: cluster/router.py's request lifecycle on the simulated clock.
 
 Reproduced: the bounded admission queue (sim/admission.py drives the router's own
-AdmissionCore); the first token from the prefill or decode's first step, whichever comes
+AdmissionCore); the reserve sent with the add when nobody waits (sim/router_reserve.py); the first token from the prefill or decode's first step, whichever comes
 first (cluster/router_events.py; timed in sim/results.py); prefill placement by a
 registered policy over outstanding prefill tokens (cluster/routing_policies.py); legs (a preemption or a failure
 starts a new leg that recomputes prompt + tokens so far); request deadlines; the
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from sim.adapters import DecodeLoad, PrefillLoad, simulated_token
 from sim.admission import SimAdmission
+from sim.router_reserve import ReserveWithAdd
 from sim.router_upkeep import RouterUpkeep
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class Flight:
     leg_first_seen: bool = False
 
 
-class SimRouter(RouterUpkeep):
+class SimRouter(RouterUpkeep, ReserveWithAdd):
     def __init__(self, sim: Simulation):
         self.sim, self.loop = sim, sim.loop
         self.cfg = sim.plan.router
@@ -68,6 +69,9 @@ class SimRouter(RouterUpkeep):
         self.outstanding = {w.worker_id: 0 for w in sim.prefill}
         self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
+        # each decode worker's unpromised free blocks as its last load message said
+        self.promisable = {w.worker_id: w.bm.num_blocks for w in sim.decode}
+        self.reserving: set[int] = set()  # id()s of decode workers asked with an add
         # the placement and decode-order policies' inputs, kept current (a NamedTuple per
         # worker is rebuilt when its figures change, not per decision)
         self.prefill_loads = [PrefillLoad(w.worker_id, 0) for w in sim.prefill]
@@ -120,7 +124,9 @@ class SimRouter(RouterUpkeep):
             self.loop.at(q[0].arrival + limit, self._deadline_tick)
 
     # ---- dispatch: admission queue, decode reservation, prefill placement -----------
-    def dispatch(self, flight: Flight) -> None:
+    def dispatch(self, flight: Flight, refused: tuple | None = None) -> None:
+        """A new leg: its reserve with its add (sim/router_reserve.py) when nobody waits,
+        else (or after such a reserve's refusal) it queues for admission."""
         if flight.done:
             return
         if flight.failures >= self.cfg.max_legs:
@@ -130,7 +136,10 @@ class SimRouter(RouterUpkeep):
         flight.leg_prompt_len = flight.req.prompt_len + flight.generated
         flight.prefill_done = flight.leg_first_seen = False
         self.legs[flight.leg_id] = flight
-        self.admission.enqueue(flight)
+        decode = None if refused else self.decode_at_once(flight.leg_prompt_len)
+        if decode is None:
+            return self.admission.enqueue(flight, refused)
+        self.reserve_with_add(flight, decode)
 
     def wake_head(self) -> None:
         self.admission.wake_head()

@@ -15,16 +15,19 @@ from sim.synthetic import synthetic_calibration
 RPC_S = 0.001
 
 
-def _sim(decode_workers: int, num_blocks: int = 256) -> tuple[Simulation, list]:
+def _sim(decode_workers: int, num_blocks: int = 256,
+         reserve_with_add: bool = False) -> tuple[Simulation, list]:
     """1P/nD, every call RPC_S one way; records (time, request, decode worker) of each
-    placement (a kept grant)."""
+    placement (a kept grant). The queued admission's tests send no reserve with the add
+    (as the router's: tests/unit/test_admission_parallel.py)."""
     cal = synthetic_calibration(prefill=lambda c, p: 0.010, decode=lambda b, L: 0.001,
                                 rpc_s=RPC_S)
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048,
         "pools.decode_workers": decode_workers})
-    sim = Simulation(cfg, load_costs(cal), SimOptions(decode_order="least-kv-usage"))
+    sim = Simulation(cfg, load_costs(cal), SimOptions(decode_order="least-kv-usage",
+                                                    reserve_with_add=reserve_with_add))
     placed: list = []
     place = sim.router.place
 

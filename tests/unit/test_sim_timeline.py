@@ -20,7 +20,8 @@ PROMPT = 32
 KV_BYTES = PROMPT * 2 * 2 * 2 * 16 * 4  # tiny shape: layers x K,V x kv heads x dim x fp32
 
 
-def one_request_sim(stepping: str, **transfer) -> Simulation:
+def one_request_sim(stepping: str, reserve_with_add: bool = False, **transfer) -> Simulation:
+    """The reserve-then-add path (RouterConfig.reserve_with_add off) unless asked."""
     cal = synthetic_calibration(prefill=lambda c, p: PREFILL_S, decode=lambda b, L: DECODE_S,
                                 rpc_s=RPC_S, link_latency_s=LINK_LAT_S,
                                 link_bytes_per_s=KV_BYTES / 0.001, idle_wait_s=IDLE_S)
@@ -28,7 +29,24 @@ def one_request_sim(stepping: str, **transfer) -> Simulation:
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": 256, "model.max_model_len": 2048,
         **{f"transfer.{k}": v for k, v in transfer.items()}})
-    return Simulation(cfg, load_costs(cal), SimOptions(decode_stepping=stepping))
+    return Simulation(cfg, load_costs(cal), SimOptions(decode_stepping=stepping,
+                                                       reserve_with_add=reserve_with_add))
+
+
+@pytest.mark.parametrize("stepping", ["fast", "exact"])
+def test_with_the_reserve_sent_with_the_add_the_first_token_waits_for_the_prefill_alone(
+        stepping: str) -> None:
+    """Reserve and add leave the router together: the prefill task arrives at 1 ms (not
+    after the reserve's round trip, at 3 ms), so every time is 2 ms earlier."""
+    sim = one_request_sim(stepping, reserve_with_add=True)
+    rec = sim.run([WorkloadRequest("r0", 0.0, list(range(1, PROMPT + 1)), max_tokens=4)]
+                  ).records()[0]
+    sim.check_quiescent()
+    prefill_end = RPC_S + PREFILL_S
+    tick = prefill_end + LINK_LAT_S + 0.001  # the KV is in; its reserve landed long ago
+    assert rec.token_times == pytest.approx(
+        (prefill_end + RPC_S, *(tick + k * DECODE_S + RPC_S for k in (1, 2, 3))), abs=1e-12)
+    assert rec.ttft == pytest.approx(0.012, abs=1e-12)
 
 
 @pytest.mark.parametrize("stepping", ["fast", "exact"])
@@ -100,7 +118,8 @@ def test_max_concurrency_holds_later_requests_until_one_ends_as_the_bench_client
                                 rpc_s=RPC_S, idle_wait_s=IDLE_S)
     cfg = ServeConfig().with_values({"transfer.connector": "inproc", "cache.num_blocks": 256,
                                      "model.max_model_len": 2048})
-    sim = Simulation(cfg, load_costs(cal), SimOptions(max_concurrency=1))
+    sim = Simulation(cfg, load_costs(cal), SimOptions(max_concurrency=1,
+                                                       reserve_with_add=False))
     reqs = [WorkloadRequest(f"r{i}", 0.0, list(range(1, PROMPT + 1)), max_tokens=3)
             for i in range(3)]
     recs = sim.run(reqs).records()

@@ -1,0 +1,67 @@
+"""The simulated router's reserve sent with the add (cluster/router.py ``_decode_at_once``
+and ``_reserve_reply`` on the simulated clock).
+
+With ``RouterConfig.reserve_with_add`` on and nobody waiting for admission, a new leg's
+decode ``reserve`` and prefill ``add`` go out at the same instant, to the first decode
+worker in the admission's order that has no reserve in flight (the admission's or one
+sent this way) and room for the prompt by its last load message (cluster/pool.py
+``has_room``, the router's rule; the view is what the simulated worker published at its
+last step start, sim/decode.py). The answer: granted, nothing more; cannot fit,
+RESOURCE_EXHAUSTED; refused, the leg ends on the prefill worker and a new leg queues for
+admission with the refusal counted in its round when no room was freed since it was
+asked. KV that overtakes its reserve waits on the decode worker (sim/decode.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from sim.adapters import decode_task, has_room
+
+if TYPE_CHECKING:
+    from sim.decode import SimDecode
+    from sim.router import Flight
+
+
+class ReserveWithAdd:
+    """SimRouter's reserve-with-add (a base class: it reads and sets the router's state)."""
+
+    def decode_at_once(self, prompt_len: int) -> SimDecode | None:
+        """cluster/router.py _decode_at_once (every simulated prefill worker is alive)."""
+        adm = self.admission
+        if not self.cfg.reserve_with_add or len(adm):
+            return None
+        busy, reserving, view = adm.core.busy, self.reserving, self.promisable
+        for w in adm.candidates()[0]:
+            if id(w) not in busy and id(w) not in reserving and \
+                    has_room(view[w.worker_id], w.bm.block_size, prompt_len):
+                return w
+        return None
+
+    def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
+        """Send the leg's reserve to ``decode`` and its add to a prefill worker, now."""
+        self.reserving.add(id(decode))
+        req = f.req
+        task = decode_task(f.leg_id, f.leg_prompt_len, req.max_tokens - f.generated,
+                           req.tenant)
+        reply = partial(self._reserve_answer, f, decode, f.leg_id, self.admission.core.round)
+        self.sim.emit(decode.command, decode.reserve, task, reply)
+        self.place(f, decode)
+
+    def _reserve_answer(self, f: Flight, w: SimDecode, leg: str, round_: int, ok: bool,
+                        error: str | None) -> None:  # (on the worker: it travels back)
+        self.sim.emit(self._reserve_reply, f, w, leg, round_, ok, error)
+
+    def _reserve_reply(self, f: Flight, w: SimDecode, leg: str, round_: int, ok: bool,
+                       error: str | None) -> None:
+        """cluster/router.py _reserve_reply (a simulated worker never dies)."""
+        self.reserving.discard(id(w))
+        if ok or f.leg_id != leg or f.done:
+            return  # (an ended leg's end aborted it on both workers)
+        self.held[w.worker_id].discard(leg)  # it holds nothing of the leg: no abort to it
+        fresh = round_ == self.admission.core.round  # no room freed since it was asked
+        self.end_leg(f)
+        if error is not None:
+            return self.fail(f, f"RESOURCE_EXHAUSTED: {error}")
+        self.dispatch(f, (w, self.admission.core.round if fresh else -1))
