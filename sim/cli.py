@@ -54,9 +54,6 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    "transfer.connector; analytic profiles: nvlink, infiniband)")
     s.add_argument("--decode-stepping", choices=("fast", "exact"), default="fast",
                    help="exact: the decode scheduler runs every step (slower, same result)")
-    s.add_argument("--reserve-with-add", action=argparse.BooleanOptionalAction, default=None,
-                   help="send a leg's decode reserve with its prefill add when nobody waits "
-                   "(RouterConfig.reserve_with_add; default: the router's)")
     s.add_argument("--trace-out", metavar="OUT", help="write a Perfetto trace of the run here "
                    "(engine/tracing.py events on the simulated clock)")
     b = p.add_argument_group("bench output")
@@ -107,7 +104,7 @@ def run_simulate_cmd(args: argparse.Namespace) -> int:
             length_buckets=tuple(int(x) for x in args.length_buckets.split(",") if x),
             interconnect=args.interconnect, decode_stepping=args.decode_stepping,
             stats_refresh_s=args.stats_refresh_s, trace=bool(args.trace_out),
-            max_concurrency=args.max_concurrency, reserve_with_add=args.reserve_with_add)
+            max_concurrency=args.max_concurrency)
         sim = Simulation(cfg, costs, opts)
         model = costs.calibration.get("model")
         spec = replace(workload_spec(args, model["vocab_size"], sim.plan.max_model_len),

@@ -5,7 +5,7 @@ router does today for the configuration: prefix affinity when prefix caching is 
 ``stats_refresh_s`` is how often the router's view of decode KV usage is refreshed
 (None: as the service does -- every second while ``server.metrics_port`` serves
 /metrics, otherwise never, so all decode workers look empty and are asked in order);
-``reserve_with_add`` overrides RouterConfig.reserve_with_add (None: the router's default).
+``reserve_with_add`` overrides pools.reserve_with_add (None: the config's).
 """
 
 from __future__ import annotations
