@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(hidden)
-        if self.cpu_stack is not None and h.shape[0] <= GEMV_ROWS:
+        if self.cpu_stack is not None and 0 < h.shape[0] <= GEMV_ROWS:
             return torch.ops.pdserve_cpu.gemv(h, self.cpu_stack.lm_head, None,
                                               self.cfg.vocab_size)
         return project(h, self.lm_head.weight, None, self.lm_head_packed).float()

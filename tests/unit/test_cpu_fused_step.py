@@ -87,6 +87,8 @@ def test_a_fused_step_equals_the_layer_loops(ops, model_dirs, arch, stack_calls)
     for a, b in zip(captured["fused"], captured["loop"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert llm.block_manager.num_used_blocks == 0
+    empty = model.compute_logits(torch.zeros(0, model.cfg.hidden_size))  # a prefill step
+    assert empty.shape == (0, model.cfg.vocab_size)  # that finished no prompt samples none
 
 
 @pytest.mark.parametrize(("arch", "block_size", "chunk"), [
