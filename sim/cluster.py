@@ -39,9 +39,6 @@ class Simulation:
         shape, dtype = cal.get("model"), cal.get("dtype")
         gpu = _gpu_memory(cal)
         self.plan = plan_workers(cfg, shape, dtype, gpu)
-        if options.reserve_with_add is not None:
-            self.plan = replace(self.plan, router=replace(
-                self.plan.router, reserve_with_add=options.reserve_with_add))
         s = cfg.scheduler
         link = options.interconnect or cfg.transfer.connector
         costs.check_covers(Limits(s.max_num_batched_tokens, s.max_num_seqs, s.max_num_seqs,

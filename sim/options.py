@@ -4,8 +4,7 @@
 router does today for the configuration: prefix affinity when prefix caching is on);
 ``stats_refresh_s`` is how often the router's view of decode KV usage is refreshed
 (None: as the service does -- every second while ``server.metrics_port`` serves
-/metrics, otherwise never, so all decode workers look empty and are asked in order);
-``reserve_with_add`` overrides pools.reserve_with_add (None: the config's).
+/metrics, otherwise never, so all decode workers look empty and are asked in order).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ class SimOptions:
     stats_refresh_s: float | None = None
     trace: bool = False
     max_concurrency: int | None = None  # the client's cap on requests in flight (bench's)
-    reserve_with_add: bool | None = None
     extra: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:

@@ -25,9 +25,8 @@ def _sim(decode_workers: int, num_blocks: int = 256,
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048,
-        "pools.decode_workers": decode_workers})
-    sim = Simulation(cfg, load_costs(cal), SimOptions(decode_order="least-kv-usage",
-                                                    reserve_with_add=reserve_with_add))
+        "pools.decode_workers": decode_workers, "pools.reserve_with_add": reserve_with_add})
+    sim = Simulation(cfg, load_costs(cal), SimOptions(decode_order="least-kv-usage"))
     placed: list = []
     place = sim.router.place
 

@@ -29,8 +29,9 @@ def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048,
-        "limits.request_timeout_s": timeout_s})
-    sim = Simulation(cfg, load_costs(cal), SimOptions(reserve_with_add=reserve_with_add))
+        "limits.request_timeout_s": timeout_s,
+        **({} if reserve_with_add is None else {"pools.reserve_with_add": reserve_with_add})})
+    sim = Simulation(cfg, load_costs(cal), SimOptions())
     log: list = []
     for w in sim.prefill + sim.decode:
         command = w.command

@@ -21,16 +21,16 @@ KV_BYTES = PROMPT * 2 * 2 * 2 * 16 * 4  # tiny shape: layers x K,V x kv heads x 
 
 
 def one_request_sim(stepping: str, reserve_with_add: bool = False, **transfer) -> Simulation:
-    """The reserve-then-add path (RouterConfig.reserve_with_add off) unless asked."""
+    """The reserve-then-add path (pools.reserve_with_add off) unless asked."""
     cal = synthetic_calibration(prefill=lambda c, p: PREFILL_S, decode=lambda b, L: DECODE_S,
                                 rpc_s=RPC_S, link_latency_s=LINK_LAT_S,
                                 link_bytes_per_s=KV_BYTES / 0.001, idle_wait_s=IDLE_S)
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": 256, "model.max_model_len": 2048,
+        "pools.reserve_with_add": reserve_with_add,
         **{f"transfer.{k}": v for k, v in transfer.items()}})
-    return Simulation(cfg, load_costs(cal), SimOptions(decode_stepping=stepping,
-                                                       reserve_with_add=reserve_with_add))
+    return Simulation(cfg, load_costs(cal), SimOptions(decode_stepping=stepping))
 
 
 @pytest.mark.parametrize("stepping", ["fast", "exact"])
@@ -117,9 +117,9 @@ def test_max_concurrency_holds_later_requests_until_one_ends_as_the_bench_client
     cal = synthetic_calibration(prefill=lambda c, p: PREFILL_S, decode=lambda b, L: DECODE_S,
                                 rpc_s=RPC_S, idle_wait_s=IDLE_S)
     cfg = ServeConfig().with_values({"transfer.connector": "inproc", "cache.num_blocks": 256,
-                                     "model.max_model_len": 2048})
-    sim = Simulation(cfg, load_costs(cal), SimOptions(max_concurrency=1,
-                                                       reserve_with_add=False))
+                                     "model.max_model_len": 2048,
+                                     "pools.reserve_with_add": False})
+    sim = Simulation(cfg, load_costs(cal), SimOptions(max_concurrency=1))
     reqs = [WorkloadRequest(f"r{i}", 0.0, list(range(1, PROMPT + 1)), max_tokens=3)
             for i in range(3)]
     recs = sim.run(reqs).records()
