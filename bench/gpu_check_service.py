@@ -45,8 +45,15 @@ class _Flight:
     prompt: list[int]
     start: float
     first: float | None = None
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the decode worker's, in order
     done: bool = False
+    # the prefill worker's: its event may be polled after the decode worker's first
+    # tokens (two loops, polled in turn), so it is kept apart and put first
+    first_token: list[int] = field(default_factory=list)
+
+    @property
+    def output(self) -> list[int]:
+        return self.first_token + self.tokens
 
 
 def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> dict[str, Any]:
@@ -103,7 +110,8 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
                     continue
                 if ev.kind in (EventKind.FIRST_TOKEN, EventKind.TOKENS):
                     f.first = f.first or time.monotonic()
-                    f.tokens.extend(ev.token_ids)
+                    (f.first_token if ev.kind == EventKind.FIRST_TOKEN else f.tokens).extend(
+                        ev.token_ids)
                     if ev.finish_reason is not None:
                         f.done = True
                         if ev.kind == EventKind.FIRST_TOKEN:  # ended at its first token
@@ -126,12 +134,12 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
         "layout": "in-process 1P+1D (WorkerLoop threads, tcp connector; no Ray)",
         "gpu_share": share["decode"], "plan_note": plan.note,
         "kv_blocks": {"prefill": pblocks, "decode": dblocks},
-        "output_tokens": sum(len(f.tokens) for f in flights.values()),
-        "wall_s": wall, "output_tok_s": sum(len(f.tokens) for f in flights.values()) / wall,
+        "output_tokens": sum(len(f.output) for f in flights.values()),
+        "wall_s": wall, "output_tok_s": sum(len(f.output) for f in flights.values()) / wall,
         "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "failures": failures[:10],
         "kv_blocks_used_at_end": {"prefill": stats[0].kv_blocks_used,
                                   "decode": stats[1].kv_blocks_used},
-        "tokens": [flights[f"r{i}"].tokens for i in range(len(wl.prompts))],
+        "tokens": [flights[f"r{i}"].output for i in range(len(wl.prompts))],
     }
 
 

@@ -12,13 +12,16 @@ namespace pdserve_rows {
 
 constexpr int64_t kLanes = 16;
 
+// Explicit FMAs and no contraction: the same bits in every translation unit that inlines
+// it (the compiler may otherwise fuse `+= x * x` in one loop and not in another).
+__attribute__((optimize("fp-contract=off")))
 inline float sum_squares(const float* x, int64_t n) {
   float part[kLanes] = {0.f};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += x[i + j] * x[i + j];
+    for (int64_t j = 0; j < kLanes; ++j) part[j] = std::fma(x[i + j], x[i + j], part[j]);
   }
-  for (; i < n; ++i) part[i % kLanes] += x[i] * x[i];
+  for (; i < n; ++i) part[i % kLanes] = std::fma(x[i], x[i], part[i % kLanes]);
   for (int64_t w = kLanes / 2; w > 0; w /= 2) {
     for (int64_t j = 0; j < w; ++j) part[j] += part[j + w];
   }

@@ -1,21 +1,23 @@
 // A whole decode step's decoder stack as one CPU op (pdserve issue 16), fp32, built with
-// engine/attention/cpu_kernels.cpp by engine/attention/cpu_build.py.
+// engine/attention/cpu_kernels.cpp by engine/attention/cpu_build.py, and the batch-
+// invariant GEMM every decode row is projected with.
 //
 // At batch 1 a step is a walk over every weight once; what it costs beyond that walk is
 // per-op overhead (dozens of torch ops and Python per layer) and a GEMV slower than the
 // memory. Here each projection weight is kept once more in a layout read as one
-// sequential stream (`pack_rows`: blocks of 16 output rows, k-major, [ceil(N/16), K, 16]),
+// sequential stream (`pack_rows`: blocks of 64 outputs, k-major, [ceil(N/64), K, 64]),
 // and the layers run back to back in C++: norm, QKV GEMV, rotary, KV write, paged
 // attention (the pdserve_cpu ops, through the dispatcher), o GEMV, residual + norm,
 // gate/up GEMV, silu * up, down GEMV.
-//   pack_rows(w [N, K]) -> [ceil(N/16), K, 16]
+//   pack_rows(w [N, K]) -> [ceil(N/64), K, 64]
 //   gemv(x [M, K], packed, bias?, n) -> [M, n]            x @ w.T + bias
 //   decode_layers(x, cos, sin, norms, weights, biases, k_caches, v_caches, slot_mapping,
 //                 block_tables, seq_lens, dims [H, KVH, D, I, qk_norm], eps, scale)
 //     -> the residual stream after the last layer (before the final norm)
-// Every output row's dot products run in the same order whatever the batch (rows are
-// taken four at a time, each with its own accumulators): a sequence's numbers do not
-// depend on what it is batched with.
+// Batch invariance: every output of `gemv` is one fused multiply-add chain over k in
+// order, whatever the number of rows, the register tile or the thread that computes it,
+// so a sequence's numbers do not depend on what it is batched with (oneDNN's GEMMs give
+// a row other bits at 1 row than at 2+ for some shapes).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,76 +35,113 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;  // output rows per block of the packed layout
-constexpr int64_t kUnroll = 4;  // independent partial sums over k per output row
+constexpr int64_t kVec = 16;  // outputs per vector (a zmm of floats)
+constexpr int64_t kTileRows = 6;  // input rows per register tile
+constexpr int64_t kTileBlocks = 4;  // vectors per register tile
+constexpr int64_t kBlock = kVec * kTileBlocks;  // outputs per block of the packed layout
+constexpr int64_t kPiece = 64;  // k per piece when several row tiles share the weights
 
-// Rows [0, M) (M <= 4) of y[:, b*16 .. b*16+16) for one packed block `w` [K, 16].
-template <int M>
-inline void block_rows(const float* w, const float* x, int64_t ldx, int64_t K, float* y,
-                       int64_t ldy, int64_t valid) {
+// y[r][c*16 + j] for r < R, c < C, j < valid(c) of one register tile, over k in
+// [k0, k1): every output is one fused multiply-add chain over k = 0, 1, ..., K-1 from
+// zero (then + bias), whatever R and C the tile has and however K is cut into pieces
+// (a piece's partial sums wait in y, exactly), so a row's bits do not depend on its batch.
+// `w` is the tile's first vector in a packed block [K, 64]: its next vectors follow it.
+template <int R, int C>
+inline void tile(const float* w, const float* x, int64_t ldx, int64_t k0, int64_t k1,
+                 float* y, int64_t ldy, int64_t last_valid, bool first, const float* bias) {
+  auto valid = [&](int c) { return c + 1 == C ? last_valid : kVec; };
 #if defined(__AVX512F__)
-  __m512 acc[M][kUnroll];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < kUnroll; ++u) acc[m][u] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + kUnroll <= K; k += kUnroll) {
-    for (int u = 0; u < kUnroll; ++u) {
-      const __m512 wv = _mm512_load_ps(w + (k + u) * kBlock);
-      for (int m = 0; m < M; ++m)
-        acc[m][u] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * ldx + k + u]), acc[m][u]);
+  auto mask = [&](int c) {
+    const int64_t v = valid(c);
+    return v >= kVec ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << v) - 1);
+  };
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps()
+                        : _mm512_maskz_loadu_ps(mask(c), y + r * ldy + c * kVec);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + k * kBlock + c * kVec);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xb, acc[r][c]);
     }
   }
-  for (; k < K; ++k) {
-    const __m512 wv = _mm512_load_ps(w + k * kBlock);
-    for (int m = 0; m < M; ++m)
-      acc[m][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * ldx + k]), acc[m][0]);
-  }
-  const __mmask16 mask = valid >= kBlock ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
-  for (int m = 0; m < M; ++m) {
-    const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
-                                   _mm512_add_ps(acc[m][2], acc[m][3]));
-    _mm512_mask_storeu_ps(y + m * ldy, mask, s);
+  for (int c = 0; c < C; ++c) {
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask(c), bias + c * kVec) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c];
+      _mm512_mask_storeu_ps(y + r * ldy + c * kVec, mask(c), v);
+    }
   }
 #else
-  float acc[M][kUnroll][kBlock] = {};
-  int64_t k = 0;
-  for (; k + kUnroll <= K; k += kUnroll)
-    for (int u = 0; u < kUnroll; ++u)
-      for (int m = 0; m < M; ++m)
-        for (int64_t j = 0; j < kBlock; ++j)
-          acc[m][u][j] += w[(k + u) * kBlock + j] * x[m * ldx + k + u];
-  for (; k < K; ++k)
-    for (int m = 0; m < M; ++m)
-      for (int64_t j = 0; j < kBlock; ++j) acc[m][0][j] += w[k * kBlock + j] * x[m * ldx + k];
-  for (int m = 0; m < M; ++m)
-    for (int64_t j = 0; j < valid && j < kBlock; ++j)
-      y[m * ldy + j] = (acc[m][0][j] + acc[m][1][j]) + (acc[m][2][j] + acc[m][3][j]);
+  float acc[R][C][kVec] = {};
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int64_t j = 0; j < valid(c) && !first; ++j) acc[r][c][j] = y[r * ldy + c * kVec + j];
+  for (int64_t k = k0; k < k1; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int64_t j = 0; j < kVec; ++j)
+          acc[r][c][j] = std::fma(w[k * kBlock + c * kVec + j], x[r * ldx + k], acc[r][c][j]);
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < valid(c); ++j)
+        y[r * ldy + c * kVec + j] = bias ? acc[r][c][j] + bias[c * kVec + j] : acc[r][c][j];
 #endif
 }
 
-// y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W.T (+ bias), W packed.
+template <int C>
+inline void tile_rows(int64_t R, const float* w, const float* x, int64_t ldx, int64_t k0,
+                      int64_t k1, float* y, int64_t ldy, int64_t last_valid, bool first,
+                      const float* bias) {
+  switch (R) {
+    case 1: tile<1, C>(w, x, ldx, k0, k1, y, ldy, last_valid, first, bias); break;
+    case 2: tile<2, C>(w, x, ldx, k0, k1, y, ldy, last_valid, first, bias); break;
+    case 3: tile<3, C>(w, x, ldx, k0, k1, y, ldy, last_valid, first, bias); break;
+    case 4: tile<4, C>(w, x, ldx, k0, k1, y, ldy, last_valid, first, bias); break;
+    case 5: tile<5, C>(w, x, ldx, k0, k1, y, ldy, last_valid, first, bias); break;
+    default: tile<6, C>(w, x, ldx, k0, k1, y, ldy, last_valid, first, bias); break;
+  }
+}
+
+// y [M, n] (row stride ldy) = x [M, K] (row stride ldx) @ W.T (+ bias), W packed. The
+// threads split the output vectors evenly; each walks its vectors up to four at a time
+// (within a packed block) and, for each group, every input row six at a time (the
+// group's weights stay in L2).
 void gemv_into(const float* x, int64_t ldx, int64_t M, const at::Tensor& packed,
                const at::Tensor* bias, int64_t n, float* y, int64_t ldy) {
-  const int64_t blocks = packed.size(0), K = packed.size(1);
+  const int64_t K = packed.size(1), vecs = (n + kVec - 1) / kVec;
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* w = wp + b * K * kBlock;
-      const int64_t col = b * kBlock, valid = std::min(kBlock, n - col);
-      for (int64_t m = 0; m < M; m += 4) {
-        const float* xm = x + m * ldx;
-        float* ym = y + m * ldy + col;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 1: block_rows<1>(w, xm, ldx, K, ym, ldy, valid); break;
-          case 2: block_rows<2>(w, xm, ldx, K, ym, ldy, valid); break;
-          case 3: block_rows<3>(w, xm, ldx, K, ym, ldy, valid); break;
-          default: block_rows<4>(w, xm, ldx, K, ym, ldy, valid); break;
+  // at least ~64K multiply-adds a task, so a tiny projection stays on one thread
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kVec));
+  at::parallel_for(0, vecs, grain, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1;) {
+      const int64_t c0 = v % kTileBlocks, nv = std::min(kTileBlocks - c0, v1 - v);
+      const int64_t col = v * kVec, last_valid = std::min(kVec, n - (v + nv - 1) * kVec);
+      const float* w = wp + (v / kTileBlocks) * K * kBlock + c0 * kVec;
+      const float* bb = bp ? bp + col : nullptr;
+      // more than one tile of rows: K in pieces whose weights (kPiece x 64 floats) stay
+      // in L1 while every row tile passes over them
+      const int64_t piece = M > kTileRows ? kPiece : K;
+      for (int64_t k0 = 0; k0 < K; k0 += piece) {
+        const int64_t k1 = std::min(K, k0 + piece);
+        const float* bk = k1 == K ? bb : nullptr;
+        for (int64_t m = 0; m < M; m += kTileRows) {
+          const int64_t R = std::min(kTileRows, M - m);
+          const float* xm = x + m * ldx;
+          float* ym = y + m * ldy + col;
+          switch (nv) {
+            case 1: tile_rows<1>(R, w, xm, ldx, k0, k1, ym, ldy, last_valid, k0 == 0, bk); break;
+            case 2: tile_rows<2>(R, w, xm, ldx, k0, k1, ym, ldy, last_valid, k0 == 0, bk); break;
+            case 3: tile_rows<3>(R, w, xm, ldx, k0, k1, ym, ldy, last_valid, k0 == 0, bk); break;
+            default: tile_rows<4>(R, w, xm, ldx, k0, k1, ym, ldy, last_valid, k0 == 0, bk); break;
+          }
         }
-        if (bp)
-          for (int64_t r = m; r < std::min(M, m + 4); ++r)
-            for (int64_t j = 0; j < valid; ++j) y[r * ldy + col + j] += bp[col + j];
       }
+      v += nv;
     }
   });
 }
@@ -110,7 +149,7 @@ void gemv_into(const float* x, int64_t ldx, int64_t M, const at::Tensor& packed,
 void check_packed(const at::Tensor& p, int64_t K, int64_t n, const char* what) {
   TORCH_CHECK(p.scalar_type() == at::kFloat && p.dim() == 3 && p.size(2) == kBlock &&
                   p.is_contiguous() && p.size(1) == K && p.size(0) * kBlock >= n,
-              what, ": a pack_rows weight [ceil(", n, "/16), ", K, ", 16] was expected, got ",
+              what, ": a pack_rows weight [ceil(", n, "/64), ", K, ", 64] was expected, got ",
               p.sizes());
 }
 
@@ -137,11 +176,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const c10::option
 
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList norms, at::TensorList weights,
-                         c10::List<c10::optional<at::Tensor>> biases, at::TensorList onednn,
-                         at::TensorList k_caches, at::TensorList v_caches,
+                         c10::List<c10::optional<at::Tensor>> biases, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, at::IntArrayRef dims, double eps_d,
-                         double scale, int64_t gemv_rows) {
+                         double scale) {
   using pdserve_rows::norm_row;
   TORCH_CHECK(dims.size() == 5, "decode_layers: dims [H, KVH, D, I, qk_norm]");
   const int64_t H = dims[0], KVH = dims[1], D = dims[2], I = dims[3];
@@ -149,7 +187,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const int64_t L = static_cast<int64_t>(k_caches.size()), per_norm = qk_norm ? 4 : 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decode_layers: x fp32 [T, hidden]");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per_norm * L &&
-                  (weights.empty() || static_cast<int64_t>(weights.size()) == 4 * L) &&
+                  static_cast<int64_t>(weights.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L &&
                   static_cast<int64_t>(v_caches.size()) == L,
               "decode_layers: per layer 4 weights, 4 biases, ", per_norm, " norms, 2 caches");
@@ -157,12 +195,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const float eps = static_cast<float>(eps_d);
   const at::Tensor c = cos.reshape({T, D}).contiguous(), s = sin.reshape({T, D}).contiguous();
   TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat, "rotary fp32");
-  TORCH_CHECK(onednn.empty() || static_cast<int64_t>(onednn.size()) == 4 * L,
-              "decode_layers: 4 oneDNN weights per layer, or none");
-  // rows past gemv_rows multiply oneDNN's packed weights (a GEMM beats the GEMV there)
-  const bool gemm = !onednn.empty() && T > gemv_rows;
-  TORCH_CHECK(gemm || !weights.empty(), "decode_layers: no row-block weights for ", T, " rows");
-  for (int64_t i = 0; i < L && !gemm; ++i) {
+  for (int64_t i = 0; i < L; ++i) {
     check_packed(weights[4 * i], hid, QKV, "qkv");
     check_packed(weights[4 * i + 1], H * D, hid, "o_proj");
     check_packed(weights[4 * i + 2], hid, 2 * I, "gate_up");
@@ -191,20 +224,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   auto b_at = [&](int64_t j) -> const at::Tensor* {
     return held[j].has_value() && held[j]->defined() ? &*held[j] : nullptr;
   };
-  static auto linear = c10::Dispatcher::singleton()
-      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        c10::string_view, c10::List<std::optional<at::Scalar>>,
-                        std::optional<c10::string_view>)>();
-  // y [T, n] = x [T, K] @ W_j.T + b_j, on whichever packed copy serves T rows
-  auto project = [&](const at::Tensor& in, int64_t j, int64_t n, float* y) {
-    if (!gemm) {
-      gemv_into(in.data_ptr<float>(), in.size(1), T, weights[j], b_at(j), n, y, n);
-      return;
-    }
-    const at::Tensor r = linear.call(in, onednn[j], held[j], "none",
-                                     c10::List<std::optional<at::Scalar>>(), "");
-    std::copy(r.data_ptr<float>(), r.data_ptr<float>() + T * n, y);
+  auto project = [&](const at::Tensor& in, int64_t j, int64_t n, float* y) {  // y = in @ W_j.T + b_j
+    gemv_into(in.data_ptr<float>(), in.size(1), T, weights[j], b_at(j), n, y, n);
   };
   auto add_norm = [&](const at::Tensor& w) {  // x += delta; h = norm(x)
     const float* wp = w.data_ptr<float>();
@@ -260,18 +281,13 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("pack_rows(Tensor w) -> Tensor");
   m.def("gemv(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, "
-        "Tensor?[] biases, Tensor[] onednn, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int[] dims, float eps, "
-        "float scale, int gemv_rows) -> Tensor");
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("pack_rows", &pack_rows);
   m.impl("gemv", &gemv);
-  m.impl("decode_layers", &decode_layers);
-}
-
-// oneDNN's packed weights are MkldnnCPU tensors: a step that takes them dispatches there
-TORCH_LIBRARY_IMPL(pdserve_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
 }

@@ -8,8 +8,9 @@ thread, SmolLM2's 30 layers of projections, weights streamed from memory):
     oneDNN (ms) 31.6  37.6  26.5  44.6   137  1012   (W packed once, hint 16 rows)
 
 MKL repacks the weight on every call of a small-M GEMM; a weight packed once by oneDNN
-streams at about the speed of one GEMV for up to ~8 rows, and 2..3 rows are padded to 4
-(cheaper than their own oneDNN kernels). With two threads (the deployment's setting) the
+streams at about the speed of one GEMV for up to ~8 rows, and 1..3 rows are padded to 4
+(cheaper than their own oneDNN kernels; and oneDNN's 1-row kernel gives a row other bits
+than its kernels for 2+ rows on some shapes, SmolLM2's down projection among them). With two threads (the deployment's setting) the
 single row is faster on the packed weight too: SmolLM2's batch-1 projections and logits
 take 23.8-26.2 ms packed against 30.1-32.2 ms on MKL's GEMV (interleaved medians, 0.54 GB
 of weights: 20-27 GB/s against 12-26 GB/s), so every row count reads the packed copy. The
@@ -20,19 +21,29 @@ Packed tensors are opaque to `torch.compile`: a compiled forward calls the op
 `pdserve::packed_linear`, which takes the packed weight by key from the step context
 (engine/compile_ops.py), as attention takes the KV caches. The eager forward reads the
 packed tensor straight from its `Packed` handle.
+
+Decode rows are batch-invariant where the `pdserve_cpu` library is loaded (the "cpu"
+attention backend, fp32, eager): `add_row_blocks` gives each projection a second copy in
+the library's row-block layout, and the leading decode rows of any step (decode-only or
+mixed with prompt chunks) are multiplied by its GEMM, which gives a row the same bits at
+any row count (engine/models/cpu_step.cpp). oneDNN gives a row other bits at 1 row than
+at 2+ for some shapes (SmolLM2's down projection), so on oneDNN alone a decode row's
+tokens could depend on whether it ran alone (a P/D decode worker at batch 1) or beside
+others (colocated). Prompt rows stay on oneDNN, whose GEMMs are faster at many rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.compile_ops import current_context
 
 PACK_HINT = 16  # rows oneDNN chooses its blocked layout for (best over 1..512, above)
-MIN_ROWS = 4  # 2..3 rows are padded to this
+MIN_ROWS = 4  # 1..3 rows are padded to this
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,27 @@ class Packed:
 
     key: int
     weight: torch.Tensor
+    rows: torch.Tensor | None = None  # the row-block copy for decode rows (add_row_blocks)
+
+
+def fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
+    """Concatenate the `name` parameters of `linears` along dim 0 and re-point each one
+    at its slice of the result (a view: no second copy of the weights is kept).
+
+    A fused weight `[N, K]` is stored transposed (`[K, N]` contiguous, seen through
+    `.t()`), so `F.linear` runs a plain `x @ W_t` GEMM: on CPU BLAS this skips the
+    per-call repacking of the transposed operand that makes small-batch (decode) GEMMs
+    cost several times a GEMV.
+    """
+    fused = torch.cat([getattr(m, name).detach() for m in linears])
+    if fused.dim() == 2:
+        fused = fused.t().contiguous().t()
+    start = 0
+    for m in linears:
+        n = getattr(m, name).shape[0]
+        setattr(m, name, nn.Parameter(fused[start : start + n], requires_grad=False))
+        start += n
+    return fused
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -72,23 +104,45 @@ def pack_model(model) -> None:
     model.lm_head_packed = add(model.lm_head.weight)
 
 
+def add_row_blocks(model) -> None:
+    """A row-block copy (`pdserve_cpu::pack_rows`) beside every oneDNN-packed projection
+    of a packed model; the library must be loaded."""
+    pack_rows = torch.ops.pdserve_cpu.pack_rows
+
+    def rows(p: Packed, weight: torch.Tensor) -> Packed:
+        return replace(p, rows=pack_rows(weight))
+
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_packed, a.o_packed = rows(a.qkv_packed, a.qkv_weight), rows(a.o_packed, a.o_proj.weight)
+        m.gate_up_packed = rows(m.gate_up_packed, m.gate_up_weight)
+        m.down_packed = rows(m.down_packed, m.down_proj.weight)
+    model.lm_head_packed = rows(model.lm_head_packed, model.lm_head.weight)
+
+
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
     """`x @ W.T + bias` for x `[M, K]` on the packed W."""
     m = x.shape[0]
-    if 1 < m < MIN_ROWS:
+    if m < MIN_ROWS:
         x = torch.cat((x, x.new_zeros(MIN_ROWS - m, x.shape[1])))
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:m]
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            packed: Packed | None) -> torch.Tensor:
-    """`x @ weight.T + bias`, on the packed copy where there is one."""
+            packed: Packed | None, decode_rows: int = 0) -> torch.Tensor:
+    """`x @ weight.T + bias`, on the packed copy where there is one; the leading
+    `decode_rows` rows on the row-block copy where there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return packed_linear(x, bias, packed.key, weight.shape[0])
+    if decode_rows and packed.rows is not None:
+        y = torch.ops.pdserve_cpu.gemv(x[:decode_rows], packed.rows, bias, weight.shape[0])
+        if decode_rows >= x.shape[0]:
+            return y
+        return torch.cat((y, packed_mm(x[decode_rows:], packed.weight, bias)))
     return packed_mm(x, packed.weight, bias)
 
 

@@ -14,8 +14,8 @@ from torch import nn
 from engine.attention.base import AttentionMetadata, attend
 from engine.compile_ops import paged_attention
 from engine.config import ModelConfig
-from engine.models.cpu_step import FUSED_ROWS, GEMV_ROWS, CpuDecodeStack
-from engine.models.linear import Packed, pack_model, project
+from engine.models.cpu_step import FUSED_ROWS, CpuDecodeStack
+from engine.models.linear import Packed, add_row_blocks, fuse_params, pack_model, project
 
 
 class RMSNorm(nn.Module):
@@ -34,32 +34,18 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
-def _fuse_params(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
-    """Concatenate the `name` parameters of `linears` along dim 0 and re-point each one
-    at its slice of the result (a view: no second copy of the weights is kept).
-
-    A fused weight `[N, K]` is stored transposed (`[K, N]` contiguous, seen through
-    `.t()`), so `F.linear` runs a plain `x @ W_t` GEMM: on CPU BLAS this skips the
-    per-call repacking of the transposed operand that makes small-batch (decode) GEMMs
-    cost several times a GEMV.
-    """
-    fused = torch.cat([getattr(m, name).detach() for m in linears])
-    if fused.dim() == 2:
-        fused = fused.t().contiguous().t()
-    start = 0
-    for m in linears:
-        n = getattr(m, name).shape[0]
-        setattr(m, name, nn.Parameter(fused[start : start + n], requires_grad=False))
-        start += n
-    return fused
-
-
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """transformers' `x * cos + rotate_half(x) * sin`, bit for bit, in four ops:
     rotate_half(x) = [-x2, x1], and [-x2, x1] * [s1, s2] == roll(x) * [-s1, s2] = [x2, x1] *
     [-s1, s2] (a sign flip is exact), with the signed sin made once per step."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
+
+
+def _glued_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """`norm` over the last dim of `[T, N, D]` heads by the pdserve_cpu op."""
+    return torch.ops.pdserve_cpu.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight,
+                                          norm.eps).view(x.shape)
 
 
 class Attention(nn.Module):
@@ -88,9 +74,9 @@ class Attention(nn.Module):
         """One `[(H + 2 KVH) * D, hidden]` GEMM instead of three; the q/k/v parameters
         become views into the fused tensor, so names and state_dict are unchanged."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse_params(projs, "weight")
+        self.qkv_weight = fuse_params(projs, "weight")
         if self.q_proj.bias is not None:
-            self.qkv_bias = _fuse_params(projs, "bias")
+            self.qkv_bias = fuse_params(projs, "bias")
 
     def forward(
         self,
@@ -103,13 +89,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        dec = meta.num_decode_tokens if meta is not None else 0
         if self.qkv_weight is not None:
-            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, dec).view(
                 t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
             qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
-            if self.qk_norm:
-                qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
             glue = self.cpu_glue and not torch.compiler.is_compiling()  # the op: bit-equal
+            if self.qk_norm:
+                q, k = qk[:, :h], qk[:, h:]
+                if glue:  # the fused stack's norm op: both paths give the same bits
+                    q, k = _glued_norm(q, self.q_norm), _glued_norm(k, self.k_norm)
+                qk = torch.cat((q, k) if glue else (self.q_norm(q), self.k_norm(k)), dim=1)
             qk = torch.ops.pdserve_cpu.rope(qk, cos, sin) if glue else _rope(qk, cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         else:
@@ -125,7 +115,7 @@ class Attention(nn.Module):
             out = attend(meta, q, k, v, k_cache, v_cache, self.scale)
         o = self.o_proj
         return project(out.reshape(t, self.num_heads * self.head_dim), o.weight, o.bias,
-                       self.o_packed)
+                       self.o_packed, dec)
 
 
 class MLP(nn.Module):
@@ -142,17 +132,17 @@ class MLP(nn.Module):
     @torch.no_grad()
     def fuse(self) -> None:
         """One `[2 * intermediate, hidden]` GEMM for gate and up (their weights view it)."""
-        self.gate_up_weight = _fuse_params((self.gate_proj, self.up_proj), "weight")
+        self.gate_up_weight = fuse_params((self.gate_proj, self.up_proj), "weight")
         if self.gate_proj.bias is not None:
-            self.gate_up_bias = _fuse_params((self.gate_proj, self.up_proj), "bias")
+            self.gate_up_bias = fuse_params((self.gate_proj, self.up_proj), "bias")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = project(x, self.gate_up_weight, self.gate_up_bias,
-                           self.gate_up_packed).chunk(2, dim=-1)
+                           self.gate_up_packed, decode_rows).chunk(2, dim=-1)
         d = self.down_proj
-        return project(F.silu(gate) * up, d.weight, d.bias, self.down_packed)
+        return project(F.silu(gate) * up, d.weight, d.bias, self.down_packed, decode_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -165,7 +155,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x),
+                            meta.num_decode_tokens if meta is not None else 0)
 
 
 class Backbone(nn.Module):
@@ -209,15 +200,15 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse(self) -> None:
         """Fuse q/k/v and gate/up projections into single GEMMs and store every
-        projection weight transposed (see `_fuse_params`). Call once the weights are
+        projection weight transposed (see models/linear.fuse_params). Call once the weights are
         final (after loading and any `.to()`); parameter names and values stay the same."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-            _fuse_params((layer.self_attn.o_proj,), "weight")
-            _fuse_params((layer.mlp.down_proj,), "weight")
+            fuse_params((layer.self_attn.o_proj,), "weight")
+            fuse_params((layer.mlp.down_proj,), "weight")
         tied = self.lm_head.weight is self.model.embed_tokens.weight
-        _fuse_params((self.lm_head,), "weight")
+        fuse_params((self.lm_head,), "weight")
         if tied:  # the embedding reads its rows from the same, transposed, storage:
             # a strided gather of T rows costs little next to a logits GEMV at 2x speed
             self.model.embed_tokens.weight = self.lm_head.weight
@@ -264,12 +255,13 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def use_cpu_glue(self) -> None:
-        """Residual adds, RMSNorms, rotary as pdserve_cpu ops, and small decode batches
-        through the fused stack (engine/models/cpu_step.py); the library is loaded, fp32
-        on CPU, after fuse()."""
+        """Residual adds, RMSNorms, rotary as pdserve_cpu ops, decode rows on the
+        batch-invariant GEMM (models/linear.py) and decode batches through the fused stack
+        (engine/models/cpu_step.py); the library is loaded, fp32 on CPU, after pack()."""
         self.cpu_glue = True
         for layer in self.model.layers:
             layer.self_attn.cpu_glue = True
+        add_row_blocks(self)
         self.cpu_stack = CpuDecodeStack(self)
 
     def _forward_glued(self, x, cos, sin, k_caches, v_caches, meta) -> torch.Tensor:
@@ -282,16 +274,15 @@ class LlamaForCausalLM(nn.Module):
             a, post = layer.self_attn(h, cos, sin, k_caches[i], v_caches[i], meta), \
                 layer.post_attention_layernorm
             x, h = ops.add_rms_norm(x, a, post.weight, post.eps)
-            m = layer.mlp(h)
+            m = layer.mlp(h, meta.num_decode_tokens)
             if i + 1 == len(layers):
                 return x + m
             nxt = layers[i + 1].input_layernorm
             x, h = ops.add_rms_norm(x, m, nxt.weight, nxt.eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+        """Logits `[R, vocab]` (fp32) of the rows to sample, whose first `decode_rows`
+        are decode rows (batch-invariant on the row-block copy where there is one)."""
         h = self.model.norm(hidden)
-        if self.cpu_stack is not None and 0 < h.shape[0] <= GEMV_ROWS:
-            return torch.ops.pdserve_cpu.gemv(h, self.cpu_stack.lm_head, None,
-                                              self.cfg.vocab_size)
-        return project(h, self.lm_head.weight, None, self.lm_head_packed).float()
+        return project(h, self.lm_head.weight, None, self.lm_head_packed, decode_rows).float()

@@ -37,10 +37,12 @@ def test_rope_in_four_ops_is_bit_equal_to_transformers(tiny_model):
 
 
 def test_single_row_projections_read_the_packed_weights(tiny_model, monkeypatch):
-    llm = LLM(str(tiny_model), compile="none")
+    # the torch backend: no pdserve_cpu library, so no row-block copies for decode rows
+    # (those are test_cpu_fused_step's); oneDNN's packed copies serve every row count
+    llm = LLM(str(tiny_model), compile="none", attention_backend="torch")
     model = llm.runner.model
     assert model.packed and model.lm_head_packed is not None
-    model.cpu_stack = None  # the layer loop: the fused stack's reference (test_cpu_fused_step)
+    assert model.cpu_stack is None and model.lm_head_packed.rows is None
     rows: list[int] = []
     packed_mm = linear.packed_mm
 
