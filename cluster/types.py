@@ -9,10 +9,13 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.logprobs import PromptLogprobs, TokenLogprobs
 from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.delta_stream import DeltaStream
 
 
 class ErrorCode(str, enum.Enum):
@@ -114,6 +117,11 @@ class RouterAPI(Protocol):
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         """Stream deltas; raises RouterError (RESOURCE_EXHAUSTED, UNAVAILABLE, ...)."""
+        ...
+
+    def stream(self, request_id: str) -> DeltaStream | None:
+        """The live request's stream, when the backend hands its common messages over to
+        a writer (cluster/delta_stream.py StreamWriter); None: the server writes them all."""
         ...
 
     async def abort(self, request_id: str) -> bool: ...
