@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from bench.scripted_workers import collect, make_router, until
 from cluster.convert import build_request
 from cluster.delta_stream import DeltaStream
 from cluster.servicer import GenerationServicer, ServingState
@@ -14,7 +15,6 @@ from cluster.types import GenerateSpec, RouterAPI
 from engine import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from runtime.messages import EventKind
-from tests.router_fakes import collect, make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 API = {n for n in dir(RouterAPI) if not n.startswith("_")} | set(RouterAPI.__annotations__)
