@@ -75,7 +75,7 @@ SOAK = SoakConfig(requests=200, rate=5.0, cancel_rate=0.3, kill_every_s=6.0, max
 
 
 @pytest.fixture(scope="module")
-def queued_ids(tiny_model) -> dict:
+def queued_fault(tiny_model) -> dict:
     """The refuse_admission fault that holds SOAK's "queued" targets in the admission
     queue (the plan is the one the soak builds: same config and model limits)."""
     m = load_model_config(tiny_model)
@@ -83,7 +83,7 @@ def queued_ids(tiny_model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def service(ray_session, tiny_model, queued_ids):
+def service(ray_session, tiny_model, queued_fault):
     cfg = ServeConfig.from_dict({
         "model": {"path": str(tiny_model), "device": "cpu"},
         # half a CPU each: modules before this one may still hold CPUs of the session's Ray
@@ -99,7 +99,7 @@ def service(ray_session, tiny_model, queued_ids):
         "limits": {"request_timeout_s": 170, "kv_wait_timeout_s": 40, "restart_grace_s": 60},
         "server": {"port": 0},
     })
-    chaos = {**CHAOS, "faults": [*CHAOS["faults"], queued_ids]}
+    chaos = {**CHAOS, "faults": [*CHAOS["faults"], queued_fault]}
     router = build_disaggregated_router(cfg, LaunchOptions(fault_injection=chaos))
     router.metrics = ServiceMetrics()
     port = serve_metrics(router.metrics, 0)
@@ -111,7 +111,7 @@ def service(ray_session, tiny_model, queued_ids):
     srv.stop(drain_timeout_s=0)
 
 
-def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model, queued_ids):
+def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model, queued_fault):
     srv, router, metrics_url = service
     tag = service_tag(router.prefill[0].handle)
     assert {w.role for w in find_worker_actors(tag)} == {"prefill", "decode"}
@@ -126,10 +126,9 @@ def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model, queu
     assert s["outcomes"]["finished"] > 0 and s["tokens_checked"] > 0
     assert sum(s["outcomes"].values()) == 200
     # the fault named the run's own "queued" targets (the fixture's plan is the soak's)
-    refused = re.compile(queued_ids["request_filter"])
-    assert {r["cancel_planned"] == "queued" for r in report.requests if refused.search(
-        r["request_id"] + "#")} == {True} and s["cancel_phases"]["queued"]["planned"] == len(
-        [r for r in report.requests if refused.search(r["request_id"] + "#")])
+    refused = re.compile(queued_fault["request_filter"])
+    assert {r["request_id"] for r in report.requests if refused.search(r["request_id"] + "#")
+            } == {r["request_id"] for r in report.requests if r["cancel_planned"] == "queued"}
     for phase in ("queued", "prefill", "transfer", "decode"):
         assert s["cancel_phases"][phase]["cancelled"] > 0, (phase, s["cancel_phases"])
 
