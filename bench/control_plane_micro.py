@@ -1,4 +1,4 @@
-"""The front door alone: a real Router over scripted fake workers (tests/router_fakes.py)
+"""The front door alone: a real Router over scripted fake workers (bench/scripted_workers.py)
 with the tiny model's tokenizer, its decode steps fed to the event pump as a control
 channel delivers them (one encoded step message per step: encode_batch -> decode_batch ->
 on_batch), and its streams read through the real gRPC front door by the load client of
@@ -26,6 +26,7 @@ STEP_S = 0.004  # a decode step's period: the front door idles between steps, as
 async def _fake_cluster(interval: int):
     """A router whose workers are scripted: every leg gets its first token at the next
     step and one token per step after it, until its max_tokens."""
+    from bench.scripted_workers import make_router
     from cluster.config import ServeConfig
     from cluster.server import GenerationServer
     from engine.loader import load_tokenizer
@@ -33,7 +34,6 @@ async def _fake_cluster(interval: int):
     from engine.tiny_model import ensure_model
     from runtime.batch_codec import decode_batch, encode_batch
     from runtime.messages import EventKind, WorkerEvent
-    from tests.router_fakes import make_router
 
     router, prefill, [decode] = make_router(stream_interval=interval, max_queue_len=4096)
     router.tokenizer = load_tokenizer(str(ensure_model("tiny", "llama")))

@@ -14,6 +14,7 @@ the ids of requests that ended, and a drain that the last arrivals run into.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -164,6 +165,22 @@ def build_plan(cfg: SoakConfig, vocab_size: int, max_model_len: int) -> list[Soa
             cancel_frac=rng.uniform(0.2, 0.9)))
         t += rng.expovariate(cfg.rate)
     return _with_pressure_events(cfg, plan) if cfg.pressure else plan
+
+
+def queued_refusal(plan: list[SoakRequest]) -> dict[str, Any]:
+    """A ``refuse_admission`` fault (kv_transfer/faults.py) for the requests whose cancel
+    or abort aims at "queued": the decode workers answer "no room" to every reserve of
+    their legs, so each one waits in the router's admission queue until the soak acts
+    on it. A decode pool with room admits a request in one reserve round trip (under a
+    millisecond over the control channel), faster than the phase probe polls, so without
+    this a "queued" cancel lands there only when the pool happens to be full. Requests
+    whose id a later one reuses are left out (the later one would never be admitted)."""
+    reused = {r.request_id for r in plan if r.reuses is not None}
+    ids = sorted({r.request_id for r in plan if r.aimed_phase == "queued"} - reused)
+    if not ids:
+        raise ValueError("the plan aims no cancel or abort at 'queued'")
+    return {"kind": "refuse_admission",
+            "request_filter": "^(?:" + "|".join(map(re.escape, ids)) + ")#"}
 
 
 def _pressure_sizes(rng: random.Random, kind: str, pool: int, prefixes: list[list[int]],

@@ -20,14 +20,12 @@ from typing import Any, ClassVar
 
 from cluster.config_fields import Section, did_you_mean, opt
 from cluster.config_front_door import LimitsSection, ServerSection
+from cluster.config_transfer import TransferSection
 from cluster.routing_policies import PREFILL_PLACEMENTS
 from engine.attention.registry import ATTENTION_BACKENDS
 from engine.config import COMPILE_MODES, DTYPES
 from engine.logprobs import LOGPROBS_MODES
 from engine.model_fetch import REAL_MODELS
-from kv_transfer.pacing import SEND_POLICIES
-from kv_transfer.registry import CONNECTORS
-from kv_transfer.send_queue import SEND_QUEUES
 from prefill_worker.policies import CHUNK_POLICIES, FAIRNESS_POLICIES
 
 # (none of these imports loads torch: `pdserve --help` stays instant)
@@ -171,36 +169,6 @@ class SchedulerSection(Section):
                          "every other (the starvation guard of every fairness policy)", gt=0)
     enable_chunked_prefill: bool = opt(True, "chunked prefill (colocated backend only; the "
                                        "prefill pool always chunks)")
-
-
-@dataclass(frozen=True)
-class TransferSection(Section):
-    NAME: ClassVar[str] = "transfer"
-    connector: str = opt("tcp", "KV transfer connector", choices=CONNECTORS)
-    send_policy: str = opt("eager", "when chunk KV leaves", choices=SEND_POLICIES)
-    rate_gbps: float | None = opt(None, "pacing rate per link in Gbit/s (required by the "
-                                  "pacing send policies, e.g. paced)", gt=0)
-    burst_mb: float = opt(4.0, "pacing burst (token-bucket depth) in MiB", gt=0)
-    credit_window_mb: float = opt(64.0, "unacknowledged KV bytes per link in MiB", gt=0)
-    credit_window_chunks: float = opt(2.0, "credit window floor, in the KV bytes of one "
-                                      "prefill chunk of the model (max_prefill_chunk tokens "
-                                      "x its KV bytes per token); 0 = credit_window_mb alone",
-                                      ge=0)
-    send_queue: str = opt("fcfs", "order of queued KV sends", choices=SEND_QUEUES)
-    link_gbps: float | None = opt(None, "emulated link rate in Gbit/s beneath every send "
-                                  "policy (studies; kv_transfer/emulated_link.py)", gt=0)
-    link_latency_us: float = opt(0.0, "emulated link one-way latency in microseconds "
-                                 "(frames and acks)", ge=0)
-    bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")
-    failure_timeout_s: float = opt(10.0, "a silent peer fails its requests after this", gt=0)
-
-    def _check(self) -> None:
-        paced = SEND_POLICIES.get(self.send_policy).needs_rate
-        if paced and self.rate_gbps is None:
-            raise self._bad("rate_gbps", f"must be set when send_policy is {self.send_policy!r}")
-        if not paced and self.rate_gbps is not None:
-            raise self._bad("rate_gbps", f"paces a pacing send_policy only, not "
-                            f"{self.send_policy!r} (link_gbps emulates the link beneath every policy)")
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from cluster.types import RouterError, TokenDelta
+from cluster.types import CommonStream, RouterError, TokenDelta
 from engine.logprobs import PromptLogprobs, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class StreamWriter:
     __slots__ = ("stream", "_write", "_message", "_coro", "_idle", "_held", "closed",
                  "_sink")
 
-    def __init__(self, stream: DeltaStream, write: Callable, message: Callable):
+    def __init__(self, stream: CommonStream, write: Callable, message: Callable):
         self.stream = stream
         self._write = write  # async (message) -> None
         self._message = message  # (token ids, text) -> message

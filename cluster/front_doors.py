@@ -82,7 +82,7 @@ class PeerServer:
                 if op == "abort":
                     await _send(writer, await self.servicer.abort_local(arg))
                 elif op == "stats":
-                    await _send(writer, [len(self.router.flights), self.router.waiting_admission])
+                    await _send(writer, [self.router.num_inflight, self.router.waiting_admission])
                 else:
                     await _send(writer, None)
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -152,6 +152,10 @@ class LocalBackend:
                 ErrorCode.UNAVAILABLE
             self._close(stream, RouterError(code, str(e)))
 
+    def stream(self, request_id: str) -> None:
+        """Its deltas go through the handler alone (an asyncio.Queue, no DeltaStream)."""
+        return None
+
     async def abort(self, request_id: str) -> bool:
         with self._lock:
             stream = self._active.get(request_id)

@@ -100,6 +100,11 @@ class Router(RouterAdmin):
             timer.cancel()
             self._close_flight(flight)
 
+    def stream(self, request_id: str) -> DeltaStream | None:
+        """The request's DeltaStream while it lives (None once it ended)."""
+        flight = self.flights.get(request_id)
+        return None if flight is None else flight.queue
+
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background (kept referenced; cancelled by shutdown)."""
         task = asyncio.ensure_future(coro)

@@ -32,6 +32,11 @@ class RouterAdmin:
     def waiting_admission(self) -> int:
         return len(self.admission)
 
+    @property
+    def num_inflight(self) -> int:
+        """Requests this router serves now (admitted or waiting)."""
+        return len(self.flights)
+
     async def abort(self, request_id: str) -> bool:
         flight = self.flights.get(request_id)
         if flight is None:
@@ -56,7 +61,7 @@ class RouterAdmin:
         workers = await self.pump.collect_stats()
         return ClusterStats(
             tuple(workers), router_queue_depth=len(self.admission),
-            num_inflight=len(self.flights), serving=self.healthy(),
+            num_inflight=self.num_inflight, serving=self.healthy(),
         )
 
     async def drain_traces(self) -> list[dict]:

@@ -28,7 +28,7 @@ from cluster.convert import (
     stats_to_proto,
     usage_to_proto,
 )
-from cluster.delta_stream import DeltaStream, StreamWriter
+from cluster.delta_stream import StreamWriter
 from cluster.generate_wire import common_message, id_field
 from cluster.intake import DEFAULT_MAX_PROMPT_BYTES, PromptIntake
 from cluster.types import ErrorCode, GenerateSpec, RouterAPI, RouterError
@@ -168,11 +168,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _writer(self, rid: str, context) -> StreamWriter | None:
         """A writer for the request's common messages, when its router hands them over
-        as a DeltaStream (cluster/router.py's flights) and the context can write."""
-        flight = getattr(self.router, "flights", {}).get(rid)
-        stream = getattr(flight, "queue", None)
+        (RouterAPI.stream) and the context can write."""
+        stream = self.router.stream(rid)
         write = getattr(context, "write", None)
-        if not isinstance(stream, DeltaStream) or stream.sink is not None or write is None:
+        if stream is None or stream.sink is not None or write is None:
             return None
         return StreamWriter(stream, write, partial(common_message, id_field(rid)))
 

@@ -7,7 +7,7 @@ The gRPC server (cluster/server.py) talks only to a `RouterAPI`: the disaggregat
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,6 +102,19 @@ class ClusterStats:
     serving: bool = True
 
 
+class CommonStream(Protocol):
+    """A live request's outgoing deltas as a front door's writer takes them over: it sets
+    `sink`, takes the common ones, detaches (cluster/delta_stream.py: DeltaStream is one,
+    StreamWriter the writer)."""
+
+    request_id: str
+    sink: Callable[[], None] | None
+
+    def take_common(self) -> tuple[list[int], str] | None: ...
+
+    def detach(self) -> None: ...
+
+
 class RouterAPI(Protocol):
     """What the gRPC server needs from a serving backend."""
 
@@ -114,6 +127,11 @@ class RouterAPI(Protocol):
 
     def generate(self, spec: GenerateSpec) -> AsyncIterator[TokenDelta]:
         """Stream deltas; raises RouterError (RESOURCE_EXHAUSTED, UNAVAILABLE, ...)."""
+        ...
+
+    def stream(self, request_id: str) -> CommonStream | None:
+        """The live request's stream, when the backend hands its common messages over to
+        a writer (cluster/delta_stream.py StreamWriter); None: the server writes them all."""
         ...
 
     async def abort(self, request_id: str) -> bool: ...

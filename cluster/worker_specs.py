@@ -15,6 +15,7 @@ from typing import Any
 
 from cluster.config import ServeConfig
 from cluster.placement import PoolPlan
+from decode_worker.early_kv import EarlyKVConfig
 from decode_worker.scheduler import DecodeSchedulerConfig
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, torch_dtype
 from engine.kv_cache import KVCache
@@ -59,7 +60,18 @@ def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:
 def decode_config(cfg: ServeConfig, max_model_len: int) -> DecodeSchedulerConfig:
     return DecodeSchedulerConfig(max_num_seqs=cfg.scheduler.max_num_seqs,
                                  max_model_len=max_model_len,
-                                 kv_wait_timeout_s=cfg.limits.kv_wait_timeout_s)
+                                 kv_wait_timeout_s=cfg.limits.kv_wait_timeout_s,
+                                 early_kv=early_kv_config(cfg))
+
+
+def early_kv_config(cfg: ServeConfig) -> EarlyKVConfig:
+    """`transfer.early_kv_*`: what a decode worker holds of KV that came before its leg's
+    reserve (MiB -> bytes, rounded up: a positive size never becomes 0)."""
+    t = cfg.transfer
+    return EarlyKVConfig(max_leg_bytes=math.ceil(t.early_kv_leg_mb * (1 << 20)),
+                         max_leg_chunks=t.early_kv_leg_chunks,
+                         max_total_bytes=math.ceil(t.early_kv_total_mb * (1 << 20)),
+                         max_total_chunks=t.early_kv_total_chunks, ttl_s=t.early_kv_ttl_s)
 
 
 def credit_window_bytes(cfg: ServeConfig, model: ModelConfig) -> int:

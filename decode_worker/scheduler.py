@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from decode_worker.early_kv import EarlyKVConfig
 from engine.block_manager import BlockManager
 from engine.execute import ScheduledItem
 from engine.request import Request, RequestStatus
@@ -35,6 +36,7 @@ class DecodeSchedulerConfig:
     headroom_tokens: int = 64  # decode room promised beyond the prompt
     max_model_len: int = 2048
     kv_wait_timeout_s: float = 60.0
+    early_kv: EarlyKVConfig = field(default_factory=EarlyKVConfig)  # (the engine's EarlyKV)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.headroom_tokens < 0 or self.max_model_len < 2:

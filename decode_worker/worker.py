@@ -22,7 +22,8 @@ class DecodeWorker(WorkerBase):
         super().__init__(spec)
         self.receiver = make_receiver(spec.transfer, **spec.connector_kwargs())
         engine = DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
-                              self.num_blocks, self.tracer, faults=self.faults)
+                              self.num_blocks, self.tracer, faults=self.faults,
+                              early=spec.scheduler.early_kv)
         if self.ranks:  # a TP group: every rank receives its own heads (runtime/tp_links)
             m = self.cfg.model
             self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1, 0))

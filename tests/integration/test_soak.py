@@ -1,7 +1,9 @@
 """A short soak of the disaggregated service on the tiny model (1 prefill + 1 decode
 worker, tcp KV link, light KV chaos: duplicated, reordered and delayed frames): 200
 requests over gRPC, 30% cancelled at every phase, one decode and one prefill worker
-killed through Ray mid-run. Every request ends with one terminal status, nothing hangs
+killed through Ray mid-run. The requests whose cancel aims at the admission queue are
+refused by the decode worker until cancelled (bench.soak_plan.queued_refusal), so that
+phase is reached by construction, not by a full pool at the right moment. Every request ends with one terminal status, nothing hangs
 or leaks (workers, router and metrics endpoint), and greedy tokens equal engine.LLM's.
 Then the same service answers malformed requests with INVALID_ARGUMENT and keeps
 serving exact tokens.
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import pytest
 
 from bench.soak import SoakConfig, router_phase_probe, run_soak
-from bench.soak_plan import ABORT_PHASES, TERMINAL
+from bench.soak_plan import ABORT_PHASES, TERMINAL, build_plan, queued_refusal
 from bench.soak_service import PressureService, PressureServiceSpec
 from cluster.client import PdserveClient
 from cluster.config import ServeConfig
@@ -32,6 +35,7 @@ from cluster.launcher import LaunchOptions, build_disaggregated_router
 from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
 from cluster.server import BackgroundServer
 from engine import LLM, SamplingParams
+from engine.loader import load_model_config
 from tests.integration.test_grpc_fuzz import MALFORMED, assert_rejected
 
 CHAOS = {"seed": 11, "faults": [
@@ -65,17 +69,29 @@ def test_pressure_soak_on_small_pools_ends_clean(ray_session, tiny_model):
     assert set(report.summary["outcomes"]) <= set(TERMINAL), report.summary["outcomes"]
 
 
+SOAK = SoakConfig(requests=200, rate=5.0, cancel_rate=0.3, kill_every_s=6.0, max_kills=2,
+                  deadline_s=170.0, quiesce_timeout_s=90.0, seed=0, output_scale=0.5,
+                  prompt_scale=0.8)
+
+
 @pytest.fixture(scope="module")
-def service(ray_session, tiny_model):
+def queued_fault(tiny_model) -> dict:
+    """The refuse_admission fault that holds SOAK's "queued" targets in the admission
+    queue (the plan is the one the soak builds: same config and model limits)."""
+    m = load_model_config(tiny_model)
+    return queued_refusal(build_plan(SOAK, m.vocab_size, m.max_position_embeddings))
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, tiny_model, queued_fault):
     cfg = ServeConfig.from_dict({
         "model": {"path": str(tiny_model), "device": "cpu"},
         # half a CPU each: modules before this one may still hold CPUs of the session's Ray
-        # (reserve first: a reserve sent with the add leaves no "queued" phase to cancel in
-        # when the decode pool has room; test_pd_reserve_with_add covers that path)
+        # (reserve first: a reserve sent with the add puts a refused request on a prefill
+        # worker until its refusal returns, where the probe sees "prefill", not "queued";
+        # test_pd_reserve_with_add covers that path)
         "pools": {"cpus_per_worker": 0.5, "reserve_with_add": False},
-        # a small decode cache (a long prompt takes over half of it): long prompts make
-        # requests wait for admission, so cancels find requests queued even when the
-        # per-step control channel reserves in well under the probe's 2 ms poll
+        # a small decode cache (a long prompt takes over half of it): some pool pressure
         "cache": {"num_blocks": 128},
         "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256},
         "transfer": {"connector": "tcp"},
@@ -83,7 +99,8 @@ def service(ray_session, tiny_model):
         "limits": {"request_timeout_s": 170, "kv_wait_timeout_s": 40, "restart_grace_s": 60},
         "server": {"port": 0},
     })
-    router = build_disaggregated_router(cfg, LaunchOptions(fault_injection=CHAOS))
+    chaos = {**CHAOS, "faults": [*CHAOS["faults"], queued_fault]}
+    router = build_disaggregated_router(cfg, LaunchOptions(fault_injection=chaos))
     router.metrics = ServiceMetrics()
     port = serve_metrics(router.metrics, 0)
     srv = BackgroundServer(router, cfg, health_poll_s=0.2)
@@ -94,15 +111,12 @@ def service(ray_session, tiny_model):
     srv.stop(drain_timeout_s=0)
 
 
-def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model):
+def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model, queued_fault):
     srv, router, metrics_url = service
     tag = service_tag(router.prefill[0].handle)
     assert {w.role for w in find_worker_actors(tag)} == {"prefill", "decode"}
-    cfg = SoakConfig(
-        addr=srv.address, requests=200, rate=5.0, cancel_rate=0.3, kill_every_s=6.0,
-        max_kills=2, actor_tag=tag, model=str(tiny_model), metrics_url=metrics_url,
-        deadline_s=170.0, quiesce_timeout_s=90.0, seed=0, output_scale=0.5,
-        prompt_scale=0.8)
+    cfg = dataclasses.replace(SOAK, addr=srv.address, actor_tag=tag, model=str(tiny_model),
+                              metrics_url=metrics_url)
     report = asyncio.run(run_soak(cfg, phase_probe=router_phase_probe(router)))
     print(report.table())
     assert report.ok, report.table()
@@ -111,11 +125,11 @@ def test_soak_with_cancels_and_worker_kills_ends_clean(service, tiny_model):
     assert s["kills_survived"] == 2 and all(w.restarts >= 1 for w in router.workers)
     assert s["outcomes"]["finished"] > 0 and s["tokens_checked"] > 0
     assert sum(s["outcomes"].values()) == 200
-    # (cancels in the admission queue: since this session's router changes this soak
-    # reaches that phase only by chance (0 of 15 in two CI runs); it is not required here
-    # until it is reached by construction again. Admission-queue aborts are covered by
-    # tests/unit/test_router_pressure.py and test_router_reserve_with_add.py.)
-    for phase in ("prefill", "transfer", "decode"):
+    # the fault named the run's own "queued" targets (the fixture's plan is the soak's)
+    refused = re.compile(queued_fault["request_filter"])
+    assert {r["request_id"] for r in report.requests if refused.search(r["request_id"] + "#")
+            } == {r["request_id"] for r in report.requests if r["cancel_planned"] == "queued"}
+    for phase in ("queued", "prefill", "transfer", "decode"):
         assert s["cancel_phases"][phase]["cancelled"] > 0, (phase, s["cancel_phases"])
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+from bench.scripted_workers import collect, make_router, until
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
 from runtime.messages import EventKind
-from tests.router_fakes import collect, make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 SP = SamplingParams(temperature=0.0, max_tokens=2)

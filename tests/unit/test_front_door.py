@@ -64,6 +64,9 @@ class FakeRouter:
                              Usage(prompt_tokens=len(ids), completion_tokens=len(ids)) if last
                              else None)
 
+    def stream(self, request_id: str) -> None:  # the handler writes every message
+        return None
+
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
         if self.abort_gate is not None:

@@ -47,6 +47,7 @@ def test_every_import_contract_is_kept() -> None:
     ("bench/workload.py", "import bench.studies.common", "entry points"),
     ("sim/costs.py", "import sim.cluster", "at run time"),
     ("cluster/types.py", "import sim.loop", "import downward only"),
+    ("bench/control_plane_micro.py", "import tests.conftest", "not installed"),
 ])
 def test_a_back_import_breaks_a_contract(tmp_path: Path, file: str, line: str,
                                          broken: str) -> None:

@@ -1,4 +1,4 @@
-"""The router at capacity, with scripted fake workers (tests/router_fakes.py): request-id
+"""The router at capacity, with scripted fake workers (bench/scripted_workers.py): request-id
 reuse after every way a request can end, decode admission in arrival order until the
 deadline, preemption storms. States (full pool, reused id) are built on purpose."""
 
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from bench.scripted_workers import collect, make_router, serve_leg, until
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
 from runtime.messages import EventKind
-from tests.router_fakes import collect, make_router, serve_leg, until
 from tests.unit.test_router_races import assert_router_clean
 
 SP = SamplingParams(temperature=0.0, max_tokens=2)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from bench.scripted_workers import make_router, until
 from cluster.flight import RouterConfig
 from cluster.types import GenerateSpec
 from engine import SamplingParams
@@ -16,7 +17,6 @@ from engine.logprobs import TokenLogprobs
 from engine.request import FinishReason
 from runtime.batch_codec import decode_batch, encode_batch
 from runtime.messages import EventKind, WorkerEvent
-from tests.router_fakes import make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from bench.scripted_workers import make_router
 from cluster.client import PdserveClient
 from cluster.config import ServeConfig
 from cluster.delta_stream import DeltaStream, StreamWriter
@@ -22,7 +23,6 @@ from engine.detokenize import BatchDecoder, IncrementalDetokenizer
 from engine.loader import load_tokenizer
 from runtime.batch_codec import decode_batch, encode_batch
 from runtime.messages import EventKind, WorkerEvent
-from tests.router_fakes import make_router
 from tests.unit.test_router_races import assert_router_clean
 
 

@@ -1,4 +1,7 @@
-"""Scripted fake worker actors for Router unit tests (no Ray, no model).
+"""Scripted fake worker actors: a real Router with no Ray and no model. The router's
+unit tests (tests/unit/test_router_*.py and others) script races with them, and
+bench/control_plane_micro.py measures the front door alone over them, so they live here,
+where both may import them (bench may not import tests/, which is not a package of pdserve).
 
 A FakeActor answers the calls the router makes (`reserve`, `add`, `abort`, `poll`, ...)
 the way a worker actor does, including the parts that decide router races: a decode
@@ -146,9 +149,11 @@ async def until(cond, what: str, bound_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + bound_s
     while not cond():
-        assert loop.time() < end, f"never happened: {what}"
+        if loop.time() >= end:
+            raise AssertionError(f"never happened: {what}")
         await asyncio.sleep(0.002)
 
 
 async def collect(agen) -> list[int]:
+    """Every token of a stream of TokenDeltas, read to its end."""
     return [t for d in [d async for d in agen] for t in d.token_ids]
