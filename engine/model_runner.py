@@ -239,8 +239,7 @@ class ModelRunner:
         logits = self._forward(fn, buf, ids, pos, slots, dtables, [c.end for c in decodes],
                                [c.block_ids for c in prefills],
                                [len(c.token_ids) for c in prefills],
-                               [c.end for c in prefills], sample_rows + full_rows, width,
-                               sum(c.sample for c in decodes))
+                               [c.end for c in prefills], sample_rows + full_rows, width)
         if not full_ids:
             return StepLogits(sample_ids, logits, {})
         full, at = {}, len(sample_rows)
@@ -250,13 +249,12 @@ class ModelRunner:
         return StepLogits(sample_ids, logits[:len(sample_rows)], full)
 
     def _forward(self, fn, buf: _StepBuffer, ids, pos, slots, dtables, dlens, ptables, qlens,
-                 plens, rows, width, decode_rows=0) -> torch.Tensor:
+                 plens, rows, width) -> torch.Tensor:
         """Pack, upload and run one step (compiled `fn`, or eager when None); returns the
-        logits of `rows` (the sampled rows, the first `decode_rows` of them decodes, then
-        those of all_logits chunks; padding rows follow the real ones, so no row index
-        moves). The segments the forward reads come first, in a fixed order: a padded
-        decode batch of one bucket always has the same layout (a CUDA graph reads it in
-        place); `rows`, read outside the graph, comes last."""
+        logits of `rows` (the sampled rows, then those of all_logits chunks; padding rows
+        follow the real ones, so no row index moves). The segments the forward reads come
+        first, in a fixed order: a padded decode batch of one bucket always has the same
+        layout (a CUDA graph reads it in place); `rows`, read outside the graph, comes last."""
         dlens = dlens + [1] * (len(dtables) - len(dlens))  # padding rows see one key
         q_starts = [0]
         for n in qlens:
@@ -285,7 +283,8 @@ class ModelRunner:
             prefill_query_start_loc=view("qsl"),
             prefill_seq_lens=view("plens"),
         )
-        model, hidden = self.model, None
+        model = self.model
+        hidden = None
         if fn is not None:  # the compiled ops read the caches and weights from the context
             with step_context(meta, self.kv.k, self.kv.v, model.packed):
                 try:
@@ -294,7 +293,7 @@ class ModelRunner:
                     self.compiled.disable(e)
         if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
             hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
-        return model.compute_logits(hidden.index_select(0, view("rows")), decode_rows)
+        return model.compute_logits(hidden.index_select(0, view("rows")))
 
     def warmup(self) -> None:  # every attention kernel variant serving launches, compiled
         warm_kernels(self, SeqChunk)

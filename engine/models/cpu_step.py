@@ -8,12 +8,12 @@ copies (blocks of 64 outputs read as one sequential stream, models/linear.py
 `add_row_blocks`): the step costs the weights' walk plus one op call.
 
 Its GEMM is batch-invariant (every output one multiply-add chain over k in order, at any
-row count), and the layer loop multiplies the decode rows of mixed steps by the same
-kernel, so a decode row gets the same bits alone, beside other decodes, or beside a
-prompt chunk: P/D and colocated serving compute a sequence's tokens alike. Measured on
-the 2-core development machine (SmolLM2's 121 weights, one thread, CPU time, oneDNN's
-packed GEMMs beside it): 21.9 against 42.2 ms at 1 row, 25.3 against 35.9 at 4, then
-1.07-1.13x oneDNN's time from 16 to 256 rows (`python -m bench.gemm_rows`).
+row count), and the layer loop multiplies every row of the other steps by the same
+kernel, so a row gets the same bits alone, beside other decodes, or beside a prompt
+chunk: P/D and colocated serving compute a sequence's tokens alike. Measured on the
+2-core development machine (SmolLM2's 121 weights, one thread, CPU time, oneDNN's packed
+GEMMs beside it): 0.59x oneDNN's time at 1 row, 0.84x at 16, 0.95x at 64, 1.00x at 256
+and 512 (`python -m bench.gemm_rows`).
 
 The stack serves decode-only batches of up to `FUSED_ROWS` rows; wider batches and any
 prefill run the layer loop of engine/models/llama.py, the reference it is tested against
@@ -22,7 +22,8 @@ prefill run the layer loop of engine/models/llama.py, the reference it is tested
 with the reason logged, and no stack is made.
 
 The row-block copies cost one more copy of the projection weights and the lm_head in
-memory (a decode step reads them instead of oneDNN's, so bytes per step do not grow).
+memory (steps read them instead of oneDNN's, so bytes per step do not grow; oneDNN's
+copies stay for compiled steps).
 """
 
 from __future__ import annotations

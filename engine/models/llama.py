@@ -89,9 +89,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        dec = meta.num_decode_tokens if meta is not None else 0
         if self.qkv_weight is not None:
-            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, dec).view(
+            qkv = project(x, self.qkv_weight, self.qkv_bias, self.qkv_packed).view(
                 t, h + 2 * kvh, d)  # [T, H + 2 KVH, D]
             qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
             glue = self.cpu_glue and not torch.compiler.is_compiling()  # the op: bit-equal
@@ -115,7 +114,7 @@ class Attention(nn.Module):
             out = attend(meta, q, k, v, k_cache, v_cache, self.scale)
         o = self.o_proj
         return project(out.reshape(t, self.num_heads * self.head_dim), o.weight, o.bias,
-                       self.o_packed, dec)
+                       self.o_packed)
 
 
 class MLP(nn.Module):
@@ -136,13 +135,13 @@ class MLP(nn.Module):
         if self.gate_proj.bias is not None:
             self.gate_up_bias = fuse_params((self.gate_proj, self.up_proj), "bias")
 
-    def forward(self, x: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = project(x, self.gate_up_weight, self.gate_up_bias,
-                           self.gate_up_packed, decode_rows).chunk(2, dim=-1)
+                           self.gate_up_packed).chunk(2, dim=-1)
         d = self.down_proj
-        return project(F.silu(gate) * up, d.weight, d.bias, self.down_packed, decode_rows)
+        return project(F.silu(gate) * up, d.weight, d.bias, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -155,8 +154,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x),
-                            meta.num_decode_tokens if meta is not None else 0)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
@@ -255,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def use_cpu_glue(self) -> None:
-        """Residual adds, RMSNorms, rotary as pdserve_cpu ops, decode rows on the
+        """Residual adds, RMSNorms, rotary as pdserve_cpu ops, every row on the
         batch-invariant GEMM (models/linear.py) and decode batches through the fused stack
         (engine/models/cpu_step.py); the library is loaded, fp32 on CPU, after pack()."""
         self.cpu_glue = True
@@ -274,15 +272,13 @@ class LlamaForCausalLM(nn.Module):
             a, post = layer.self_attn(h, cos, sin, k_caches[i], v_caches[i], meta), \
                 layer.post_attention_layernorm
             x, h = ops.add_rms_norm(x, a, post.weight, post.eps)
-            m = layer.mlp(h, meta.num_decode_tokens)
+            m = layer.mlp(h)
             if i + 1 == len(layers):
                 return x + m
             nxt = layers[i + 1].input_layernorm
             x, h = ops.add_rms_norm(x, m, nxt.weight, nxt.eps)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
-        """Logits `[R, vocab]` (fp32) of the rows to sample, whose first `decode_rows`
-        are decode rows (batch-invariant on the row-block copy where there is one)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(hidden)
-        return project(h, self.lm_head.weight, None, self.lm_head_packed, decode_rows).float()
+        return project(h, self.lm_head.weight, None, self.lm_head_packed).float()

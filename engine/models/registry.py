@@ -9,7 +9,7 @@ q/k norms). A new architecture is its model module plus one `register_model` cal
 
 The class is built as `cls(model_config)` on the meta device and must offer what
 engine.models.llama.LlamaForCausalLM offers (load_hf_weights, fuse, forward,
-compute_logits(hidden, decode_rows)).
+compute_logits).
 """
 
 from __future__ import annotations
