@@ -32,7 +32,11 @@ SOURCES = (Path(__file__).with_name("cpu_kernels.cpp"),  # attention: decode, KV
            _MODELS / "cpu_glue.cpp",  # norms, rotary
            _MODELS / "cpu_step.cpp")  # packed GEMV, the fused decode stack
 HEADERS = (_MODELS / "cpu_rows.h",)  # in the digest: a changed header rebuilds
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")  # built where it runs: see _digest
+CFLAGS = ("-O3", "-march=native", "-fopenmp")  # built where it runs: see _digest
+# -fopenmp: at::parallel_for is a header template that runs serially unless the including
+# code is compiled with OpenMP (with -fopenmp-simd alone every kernel ran on one thread);
+# the library's libgomp.so.1 is torch's own, already loaded, so there is one thread pool
+LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, str | None] = {}  # "error": None once loaded, else the failure
 
@@ -60,7 +64,7 @@ def _digest() -> str:
     import torch
 
     h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
-    h.update(f"{torch.__version__} {CFLAGS} {_cpu_flags()}".encode())
+    h.update(f"{torch.__version__} {CFLAGS} {LDFLAGS} {_cpu_flags()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -74,7 +78,8 @@ def _build() -> None:
     name = f"pdserve_cpu_{digest}"
     cached = (where / f"{name}.so").exists()
     t = time.perf_counter()
-    load_extension(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS), build_directory=str(where),
+    load_extension(name, [str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
+                   extra_ldflags=list(LDFLAGS), build_directory=str(where),
                    is_python_module=False, verbose=False)
     took = time.perf_counter() - t
     if not all(hasattr(torch.ops.pdserve_cpu, op) for op in ("paged_decode", "rope", "decode_layers")):
