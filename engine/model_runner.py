@@ -28,7 +28,7 @@ from engine.device import ThreadBinder, pinned_empty
 from engine.kv_cache import KVCache, slots_for
 from engine.loader import load_model
 from engine.memory import check_kv_fits, device_memory, num_kv_blocks
-from engine.models.linear import can_pack
+from engine.models.linear import can_pack, drop_onednn
 from engine.parallel.loader import load_shard
 from engine.parallel.state import rank_shard
 from engine.runner_warmup import run_padding, warm_kernels
@@ -160,9 +160,8 @@ class ModelRunner:
         # in a compiled / CUDA-graph step are not yet checked on a multi-GPU machine
         mode = "none" if self.group is not None and config.compile == "auto" else config.compile
         compiled = CompiledStep(self.model, self.device, mode, config.scheduler.max_num_seqs)
-        # a CUDA-graph decode step's block tables: as wide as the longest sequence that fits
         max_len = min(config.scheduler.max_model_len, num_blocks * self.block_size)
-        self._graph_width = -(-max_len // self.block_size)
+        self._graph_width = -(-max_len // self.block_size)  # a CUDA graph's block tables
         if compiled.buckets:
             rows = compiled.buckets[-1]
             # ids, pos, slots, dlens, tables, and up to 2 rows of logits per decode (sampled +
@@ -172,6 +171,8 @@ class ModelRunner:
         compiled.warmup(functools.partial(run_padding, self))
         # compile "none" (or a failed start-up): steps never consult engine.compile
         self._compiling = compiled.mode != "none"
+        if not self._compiling and self.model.cpu_stack is not None:
+            drop_onednn(self.model)  # its row-block copies serve every row
 
     @staticmethod
     def _table(buf: _StepBuffer, tables: list[tuple[int, ...]], width: int | None = None

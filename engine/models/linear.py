@@ -54,7 +54,7 @@ class Packed:
     the model's list) for a compiled one, whose graph names weights by position."""
 
     key: int
-    weight: torch.Tensor
+    weight: torch.Tensor | None  # None once drop_onednn freed it (rows serve every row)
     rows: torch.Tensor | None = None  # the row-block copy every row reads (add_row_blocks)
 
 
@@ -120,6 +120,18 @@ def add_row_blocks(model) -> None:
         m.gate_up_packed = rows(m.gate_up_packed, m.gate_up_weight)
         m.down_packed = rows(m.down_packed, m.down_proj.weight)
     model.lm_head_packed = rows(model.lm_head_packed, model.lm_head.weight)
+
+
+def drop_onednn(model) -> None:
+    """Free oneDNN's copies of a model whose row-block copies serve every row: eager steps
+    never read them (a compiled step reads them by key: a compiling runner keeps them)."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_packed, a.o_packed = replace(a.qkv_packed, weight=None), replace(a.o_packed, weight=None)
+        m.gate_up_packed = replace(m.gate_up_packed, weight=None)
+        m.down_packed = replace(m.down_packed, weight=None)
+    model.lm_head_packed = replace(model.lm_head_packed, weight=None)
+    model.packed = None
 
 
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None

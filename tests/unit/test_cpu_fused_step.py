@@ -153,6 +153,9 @@ def test_a_decode_rows_numbers_do_not_depend_on_its_batch(ops, model_dirs, arch,
     d = _smollm2() if arch == "smollm2" else model_dirs[arch]
     llm = LLM(str(d), block_size=4, max_prefill_chunk=6, num_blocks=128,  # A's prompt: the
               max_num_batched_tokens=16, compile="none", enable_prefix_caching=False)  # same rows
+    model = llm.runner.model  # eager: the row-block copies serve every row, oneDNN's freed
+    assert model.packed is None and model.lm_head_packed.weight is None
+    assert model.lm_head_packed.rows is not None
     alone = _decode_logprobs(llm, [], False)
     assert stack_calls and max(stack_calls) == 1
     stack_calls.clear()
