@@ -76,6 +76,9 @@ class BlockManager:
         # request_id -> the hashes of its leading full blocks, so far: a chunk hashes only
         # the blocks it filled, chained from the last one
         self._chains: dict[str, list[bytes]] = {}
+        # request_id -> the hashes of its leading full blocks as far as they were hashed
+        # (request_hashes, or given by note_hashes): each block is hashed once per request
+        self._known: dict[str, list[bytes]] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -101,16 +104,46 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
 
     # ---- prefix cache ---------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def note_hashes(self, request_id: str, hashes: list[bytes]) -> None:
+        """Hashes of a request's leading full blocks (`block_hashes` of its prompt with this
+        manager's block size) already computed elsewhere, e.g. for placement: lookups and
+        publishing take them instead of hashing again. Kept until `free`."""
+        if self.enable_prefix_caching:
+            self._known[request_id] = hashes
+
+    def request_hashes(self, request: Request, token_ids: Sequence[int]) -> list[bytes]:
+        """The hashes of the full blocks of `token_ids` (the request's leading tokens),
+        hashed once per request: the list kept for it, extended as far as `token_ids`
+        reaches (it may hold more). Empty with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return []
+        known = self._known.get(request.request_id)
+        if known is None:
+            known = self._known[request.request_id] = []
+        have, bs = len(known), self.block_size
+        n = len(token_ids) // bs
+        if n > have:
+            known.extend(iter_block_hashes(token_ids[have * bs : n * bs], bs,
+                                           known[-1] if known else _ROOT))
+        return known
+
+    def match_prefix(self, token_ids: Sequence[int],
+                     hashes: Sequence[bytes] | None = None) -> list[int]:
         """Cached blocks holding a prefix of `token_ids`; always leaves >= 1 token to compute.
+        `hashes`: the full-block hashes of `token_ids` if known (`request_hashes`).
 
         A lookup only: nothing is taken and no statistic counts it (`take_prefix` does)."""
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
+        if hashes is None:
+            hashes = iter_block_hashes(token_ids[: usable * self.block_size], self.block_size)
+        elif len(hashes) > usable:
+            hashes = hashes[:usable]
         hit: list[int] = []
-        for h in iter_block_hashes(token_ids[: usable * self.block_size], self.block_size):
-            b = self._hash_to_block.get(h)
+        get = self._hash_to_block.get
+        for h in hashes:
+            b = get(h)
             if b is None:
                 break
             hit.append(b)
@@ -178,8 +211,12 @@ class BlockManager:
         full = min(len(token_ids) // bs, len(request.block_ids))
         if full <= done:
             return
-        chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
-                                       chain[-1] if chain else _ROOT))
+        known = self._known.get(request.request_id)
+        if known is not None and len(known) >= full:
+            chain.extend(known[done:full])
+        else:
+            chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
+                                           chain[-1] if chain else _ROOT))
         for i in range(done, full):
             b, h = request.block_ids[i], chain[i]
             if h not in self._hash_to_block and b not in self._block_to_hash:
@@ -190,6 +227,7 @@ class BlockManager:
         """Drop the request's references; cached blocks go to the LRU, tail first."""
         blocks = self._owners.pop(request.request_id, None)
         self._chains.pop(request.request_id, None)
+        self._known.pop(request.request_id, None)
         if blocks is None:
             request.block_ids.clear()
             return

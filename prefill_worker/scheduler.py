@@ -137,8 +137,11 @@ class PrefillScheduler:
         could leave an admitted prefill short of its promise forever."""
         while self.waiting and len(self.active) < self.config.max_num_seqs:
             r, s = self.waiting[0]
-            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len]) \
-                if r.may_use_prefix_cache else []
+            if r.may_use_prefix_cache:  # (hashed once per request, kept while it waits)
+                tokens = r.all_token_ids[: r.prefill_len]
+                hit = self.bm.match_prefix(tokens, self.bm.request_hashes(r, tokens))
+            else:
+                hit = []
             cost = self.bm.admission_cost(hit, r.prefill_len)
             if cost > self.bm.num_free_blocks - self._promised_blocks():
                 return

@@ -65,7 +65,8 @@ class SimPrefill(SimWorker):
 
     # ---- commands ------------------------------------------------------------------
     def add(self, leg_id: str, prompt: list[int], max_tokens: int, tenant: str,
-            decode: SimDecode, deadline_s: float | None) -> None:
+            decode: SimDecode, deadline_s: float | None,
+            hashes: list[bytes] | None = None) -> None:
         if leg_id in self._aborted_early:
             self._aborted_early.discard(leg_id)
             return
@@ -75,6 +76,8 @@ class SimPrefill(SimWorker):
         except ValueError as e:  # it can never fit this worker: the router rejects it
             self.sim.emit(self.sim.router.on_add_rejected, self, leg_id, str(e))
             return
+        if hashes is not None:  # hashed by the router's placement
+            self.bm.note_hashes(leg_id, hashes)
         self.jobs[leg_id] = Job(leg_id, tenant, decode, self.loop.now)
 
     def abort(self, leg_id: str) -> None:

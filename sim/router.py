@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sim.adapters import DecodeLoad, PrefillLoad, simulated_token
+from sim.adapters import DecodeLoad, PrefillLoad, block_hashes, simulated_token
 from sim.admission import SimAdmission
 from sim.router_reserve import ReserveWithAdd
 from sim.router_upkeep import RouterUpkeep
@@ -66,6 +66,11 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         self.legs: dict[str, Flight] = {}
         self.finished: list[Flight] = []
         self.placement = sim.placement
+        # a prompt is hashed once, at placement, for the placement and its prefill
+        # worker's prefix cache (BlockManager.note_hashes)
+        bs = sim.plan.prefill_block_size
+        self._hash_bs = bs if sim.plan.prefix_caching else 0
+        self._pick_hashes = getattr(self.placement, "block_size", bs) == bs
         self.outstanding = {w.worker_id: 0 for w in sim.prefill}
         self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
@@ -153,14 +158,16 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         prompt = list(req.prompt_token_ids)
         if flight.generated:
             prompt += [simulated_token()] * flight.generated
-        wid = self.placement.pick(self.prefill_loads, prompt)
+        hashes = block_hashes(prompt, self._hash_bs) if self._hash_bs else None
+        wid = self.placement.pick(self.prefill_loads, prompt,
+                                  hashes if self._pick_hashes else None)
         p = self.sim.prefill_by_id[wid]
         flight.prefill = p
         self.held[wid].add(flight.leg_id)
         self._add_outstanding(wid, len(prompt))
         deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
         self.sim.emit(p.command, p.add, flight.leg_id, prompt, req.max_tokens - flight.generated,
-                      req.tenant, decode, deadline)
+                      req.tenant, decode, deadline, hashes)
 
     def _add_outstanding(self, wid: str, tokens: int) -> None:
         n = self.outstanding[wid] = max(0, self.outstanding[wid] + tokens)
