@@ -217,11 +217,11 @@ class BlockManager:
         else:
             chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
                                            chain[-1] if chain else _ROOT))
-        for i in range(done, full):
-            b, h = request.block_ids[i], chain[i]
-            if h not in self._hash_to_block and b not in self._block_to_hash:
-                self._hash_to_block[h] = b
-                self._block_to_hash[b] = h
+        by_hash, hashed = self._hash_to_block, self._block_to_hash
+        for b, h in zip(request.block_ids[done:full], chain[done:full]):
+            if h not in by_hash and b not in hashed:
+                by_hash[h] = b
+                hashed[b] = h
 
     def free(self, request: Request) -> None:
         """Drop the request's references; cached blocks go to the LRU, tail first."""
@@ -232,6 +232,14 @@ class BlockManager:
             request.block_ids.clear()
             return
         ref, hashed, cached, free = self._ref, self._block_to_hash, self._cached_free, self._free
+        if not hashed:  # no block holds a hash (prefix caching off): all go to the free list
+            for b in reversed(blocks):
+                left = ref[b] = ref[b] - 1
+                assert left >= 0, f"block {b} refcount below zero"
+                if left == 0:
+                    free.append(b)
+            blocks.clear()
+            return
         for b in reversed(blocks):
             left = ref[b] = ref[b] - 1
             assert left >= 0, f"block {b} refcount below zero"

@@ -138,7 +138,7 @@ class PrefillScheduler:
         while self.waiting and len(self.active) < self.config.max_num_seqs:
             r, s = self.waiting[0]
             if r.may_use_prefix_cache:  # (hashed once per request, kept while it waits)
-                tokens = r.all_token_ids[: r.prefill_len]
+                tokens = _leading(r, r.prefill_len)
                 hit = self.bm.match_prefix(tokens, self.bm.request_hashes(r, tokens))
             else:
                 hit = []
@@ -182,7 +182,7 @@ class PrefillScheduler:
             r = item.request
             r.num_computed_tokens = r.num_cached_tokens = item.start + item.num_tokens
             self.active[r.request_id][1].remaining = r.remaining_prefill
-            self.bm.cache_full_blocks(r, r.all_token_ids[: r.num_cached_tokens])
+            self.bm.cache_full_blocks(r, _leading(r, r.num_cached_tokens))
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Prefill done (its KV exported): release the blocks (cached ones go to the LRU)."""
@@ -192,3 +192,11 @@ class PrefillScheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.active)
+
+
+def _leading(r: Request, n: int) -> list[int]:
+    """r's first n tokens (read only): the prompt itself when it holds them, no copy."""
+    prompt = r.prompt_token_ids
+    if n == len(prompt):
+        return prompt
+    return prompt[:n] if n < len(prompt) else r.all_token_ids[:n]
