@@ -218,7 +218,7 @@ class BlockManager:
             chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
                                            chain[-1] if chain else _ROOT))
         by_hash, hashed = self._hash_to_block, self._block_to_hash
-        for b, h in zip(request.block_ids[done:full], chain[done:full]):
+        for b, h in zip(request.block_ids[done:full], chain[done:full], strict=True):
             if h not in by_hash and b not in hashed:
                 by_hash[h] = b
                 hashed[b] = h

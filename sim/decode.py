@@ -165,8 +165,9 @@ class SimDecode(KVIntake):
         at = self._expiry_at  # nothing can expire before the armed check (see _arm_expiry)
         if self._expiry_due or (at is not None and now >= at):
             self._expire(now)
-        items, preempted = self.sched.schedule()
-        self.publish_load()
+        sched = self.sched
+        items, preempted = sched.schedule()
+        self.sim.router.promisable[self.worker_id] = sched.promised_free_blocks()  # publish_load
         for r in preempted:  # reported with the step's events, at its end
             self._out.append(self._leg_out(r.request_id, r, finished=False))
         if not items:
@@ -196,9 +197,8 @@ class SimDecode(KVIntake):
             self._ends = list(accumulate(durations))
         else:
             durations = np.asarray(run) + fixed
-            durations[0] += import_s
-            durations[0] += now
-            self._ends = durations.cumsum()
+            durations[0] = float(durations[0]) + import_s + now  # (two additions, in order)
+            self._ends = np.cumsum(durations, out=durations)
         if self._out or self._failed:  # reported with the first step's events
             self._flush(float(self._ends[0]))
         self._items, self._run = items, k

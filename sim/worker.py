@@ -97,7 +97,9 @@ class SimWorker:
             return
         duration, self._ran = began
         self.stepping = True
-        self.reschedule_end(self.loop.now + duration)
+        t = self.step_end = self.loop.now + duration  # (reschedule_end, inlined)
+        self._end_version += 1
+        self.loop.at(t, self._finish_if, self._end_version)
 
     def _finish_step(self) -> None:
         self.end_step()
