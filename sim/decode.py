@@ -198,7 +198,7 @@ class SimDecode(KVIntake):
         else:
             durations = np.asarray(run) + fixed
             durations[0] = float(durations[0]) + import_s + now  # (two additions, in order)
-            self._ends = np.cumsum(durations, out=durations)
+            self._ends = durations.cumsum(out=durations)
         if self._out or self._failed:  # reported with the first step's events
             self._flush(float(self._ends[0]))
         self._items, self._run = items, k
