@@ -12,6 +12,8 @@ import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from struct import Struct
+from struct import error as StructError
 from typing import TYPE_CHECKING
 
 from xxhash import xxh3_128_digest
@@ -22,9 +24,22 @@ if TYPE_CHECKING:  # hints only: prefix hashing (routing policies, --help) needs
 _ROOT = bytes(16)  # the parent of a sequence's first block
 
 
+_INT32: dict[int, Struct] = {}  # n -> the packer of n little-endian int32 (a few lengths)
+
+
 def _pack(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian int32 (int64 if one does not fit: a block then has twice
     the bytes, so the two packings can never give the same hash input)."""
+    n = len(tokens)
+    packer = _INT32.get(n)
+    if packer is None:
+        packer = Struct(f"<{n}i")
+        if len(_INT32) < 1024:
+            _INT32[n] = packer
+    try:  # (a Struct packs a list ~2.5x faster than array() converts it)
+        return packer.pack(*tokens)
+    except StructError:  # out of int32 (or not ints): as array() packs them, or its error
+        pass
     try:
         packed = array("i", tokens)
     except OverflowError:
@@ -53,7 +68,7 @@ def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes =
     n = len(token_ids) // block_size
     if n == 0:
         return
-    data = memoryview(_pack(token_ids[: n * block_size]))
+    data = _pack(token_ids[: n * block_size])
     step = len(data) // n  # bytes per block
     for off in range(0, n * step, step):
         parent = xxh3_128_digest(parent + data[off : off + step])

@@ -5,6 +5,9 @@ Every test that holds blocks ends with a leak check."""
 
 from __future__ import annotations
 
+import sys
+from array import array
+
 import pytest
 
 import engine.block_manager as bmod
@@ -116,3 +119,21 @@ def test_prefix_affinity_keys_on_the_given_first_block_hash():
     assert list(hashed._last) == list(plain._last) == [block_hashes(prompt, 16)[0]]
     busy = [PrefillLoad("p0", 0), PrefillLoad("p1", 0)][::-1]  # p1 first: least-loaded tie
     assert hashed.pick(busy, prompt, block_hashes(prompt, 16)) == "p0"  # sticky
+
+
+@pytest.mark.parametrize("tokens", [[], [5], list(range(3, 200, 7)), [2**31 - 1, -(2**31), 0],
+                                    [2**40, 1, 2], [True, 7]])
+def test_packing_is_little_endian_int32_else_int64_as_array_packs(tokens):
+    wide = any(not -(2**31) <= t < 2**31 for t in tokens)
+    want = array("q" if wide else "i", tokens)
+    if sys.byteorder == "big":
+        want.byteswap()
+    assert bmod._pack(tokens) == want.tobytes()
+    assert bmod._pack(tuple(tokens)) == want.tobytes()
+
+
+@pytest.mark.parametrize(("tokens", "error"), [([1.5], TypeError), ([2**70], OverflowError),
+                                               (["7"], TypeError)])
+def test_packing_refuses_what_array_refuses(tokens, error):
+    with pytest.raises(error):
+        bmod._pack(tokens)
