@@ -143,7 +143,7 @@ class PrefillScheduler:
             else:
                 hit = []
             cost = self.bm.admission_cost(hit, r.prefill_len)
-            if cost > self.bm.num_free_blocks - self._promised_blocks():
+            if cost > self.bm.num_free_blocks - (self._promised_blocks() if self.active else 0):
                 return
             self.waiting.popleft()
             self._queued.discard(r.request_id)
@@ -156,7 +156,8 @@ class PrefillScheduler:
 
     # ---- steps --------------------------------------------------------------------
     def schedule(self) -> list[ScheduledItem]:
-        self.served.tick(s.tenant for _, s in self.active.values())
+        if self.active:  # (no one running: the tick would find no least service)
+            self.served.tick(s.tenant for _, s in self.active.values())
         self._admit()
         now = self.clock()
         budget = self.config.max_num_batched_tokens
