@@ -54,6 +54,10 @@ class SimPrefill(SimWorker):
         self._t0 = self._compute = 0.0
         self.chunk_sizes: dict[int, int] = {}
         self._one_chunk: dict[tuple[int, int], float] = {}  # (C, P) -> prefill_s
+        # pure functions of their argument, asked once per value: tokens -> kv_export_s,
+        # chunks in the step -> step_overhead_s
+        self._export: dict[int, float] = {}
+        self._overhead: dict[int, float] = {}
         self.kv_bytes_sent = 0
 
     @property
@@ -131,7 +135,7 @@ class SimPrefill(SimWorker):
         if not items:
             return None
         now = self._t0 = self.loop.now
-        costs = self.costs
+        costs, export = self.costs, self._export
         exported = 0.0
         finals = 0
         for item in items:
@@ -140,7 +144,10 @@ class SimPrefill(SimWorker):
                 job.first_scheduled = now
             if job.seq_no == 0 and item.start > 0:  # a prefix hit's KV travels too
                 exported += costs.kv_export_s(item.start)
-            exported += costs.kv_export_s(item.num_tokens)
+            t = export.get(item.num_tokens)
+            if t is None:
+                t = export[item.num_tokens] = costs.kv_export_s(item.num_tokens)
+            exported += t
             finals += item.completes_prefill
         if len(items) == 1:  # a pure function of (C, P): asked once per pair
             key = (items[0].num_tokens, items[0].start)
@@ -150,7 +157,10 @@ class SimPrefill(SimWorker):
             self._compute = t
         else:
             self._compute = costs.prefill_s([(i.num_tokens, i.start) for i in items])
-        duration = (self._compute + exported + costs.step_overhead_s("prefill", len(items))
+        overhead = self._overhead.get(len(items))
+        if overhead is None:
+            overhead = self._overhead[len(items)] = costs.step_overhead_s("prefill", len(items))
+        duration = (self._compute + exported + overhead
                     + (costs.sample_s(finals) if finals else 0.0))
         self._items = items
         self.num_steps += 1

@@ -256,10 +256,13 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         p = f.prefill
         if p is not None and leg in self.held[p.worker_id] and not f.prefill_done:
             self._add_outstanding(p.worker_id, -f.leg_prompt_len)
-        for w in dict.fromkeys(x for x in (p, f.decode) if x is not None):
-            if leg in self.held[w.worker_id] and not any(w is e for e in ended):
+        for w in (p, f.decode):  # (a prefill and a decode worker: never the same one)
+            if w is None:
+                continue
+            held = self.held[w.worker_id]
+            if leg in held and w not in ended:  # (workers compare by identity)
                 self.abort_on(w, leg)
-            self.held[w.worker_id].discard(leg)
+            held.discard(leg)
         if f.decode is not None:
             self._decode_load(f.decode.worker_id)
         f.prefill = f.decode = None

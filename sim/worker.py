@@ -104,9 +104,10 @@ class SimWorker:
     def _finish_step(self) -> None:
         self.end_step()
         self.stepping = False
-        commands, self._commands = self._commands, []
-        for fn, args in commands:
-            fn(*args)
+        if self._commands:
+            commands, self._commands = self._commands, []
+            for fn, args in commands:
+                fn(*args)
         if self._ran:
             self._run_step()
         else:  # nothing ran: nap; I/O that came meanwhile is taken at the first tick
