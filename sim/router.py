@@ -155,9 +155,9 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         self.held[decode.worker_id].add(flight.leg_id)
         self._decode_load(decode.worker_id)
         req = flight.req
-        prompt = list(req.prompt_token_ids)
-        if flight.generated:
-            prompt += [simulated_token()] * flight.generated
+        prompt = req.prompt_token_ids  # (nothing downstream writes to a prompt: shared)
+        if flight.generated or type(prompt) is not list:
+            prompt = [*prompt, *[simulated_token()] * flight.generated]
         hashes = block_hashes(prompt, self._hash_bs) if self._hash_bs else None
         wid = self.placement.pick(self.prefill_loads, prompt,
                                   hashes if self._pick_hashes else None)
