@@ -259,10 +259,13 @@ class SimDecode(KVIntake):
 
     def _flush(self, at: float) -> None:
         """Report the legs that left with the events of the step ending ``at``."""
-        failed, self._failed = self._failed, []
-        for leg_id in failed:
-            self.loop.at(at + self.sim.rpc_s, self.sim.router.on_failed, self, leg_id,
-                         "timed out waiting for KV from the prefill worker")
+        if self._failed:
+            failed, self._failed = self._failed, []
+            for leg_id in failed:
+                self.loop.at(at + self.sim.rpc_s, self.sim.router.on_failed, self, leg_id,
+                             "timed out waiting for KV from the prefill worker")
+        if not self._out:
+            return
         out, self._out = self._out, []
         for leg_id, first, count, finished, decode_s in out:
             self.loop.at(at + self.sim.rpc_s, self.sim.router.on_decode_end, self, leg_id,
