@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from sim.link import SimLink
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: lighter, faster attributes)
 class Job:
     leg_id: str
     tenant: str
