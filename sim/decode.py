@@ -169,7 +169,7 @@ class SimDecode(KVIntake):
             self._expire(now)
         sched = self.sched
         items, preempted = sched.schedule()
-        self.sim.router.promisable[self.worker_id] = sched.promised_free_blocks()  # publish_load
+        free = self.sim.router.promisable[self.worker_id] = sched.promised_free_blocks()  # (publish_load)
         for r in preempted:  # reported with the step's events, at its end
             self._out.append(self._leg_out(r.request_id, r, finished=False))
         if not items:
@@ -187,7 +187,7 @@ class SimDecode(KVIntake):
             if rid not in first:
                 first[rid] = n
         ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
-        k = self._run_length(items) if self.fast else 1
+        k = self._run_length(items, free) if self.fast else 1
         fixed = self._fixed.get(b)
         if fixed is None:  # the costs are pure functions of the batch: asked once per size
             fixed = self._fixed[b] = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
@@ -271,10 +271,11 @@ class SimDecode(KVIntake):
             self.loop.at(at + self.sim.rpc_s, self.sim.router.on_decode_end, self, leg_id,
                          first, count, finished, decode_s)
 
-    def publish_load(self) -> None:
+    def publish_load(self) -> int:
         """The load of the worker's channel message (decode_worker/worker.py load()) as
         the router last heard it: its unpromised free blocks, at each step start."""
-        self.sim.router.promisable[self.worker_id] = self.sched.promised_free_blocks()
+        free = self.sim.router.promisable[self.worker_id] = self.sched.promised_free_blocks()
+        return free
 
     def stats(self) -> dict[str, float]:
         return {"role": self.role, "steps": self.num_steps,
