@@ -22,8 +22,6 @@ if TYPE_CHECKING:  # hints only: prefix hashing (routing policies, --help) needs
     from engine.request import Request
 
 _ROOT = bytes(16)  # the parent of a sequence's first block
-
-
 _INT32: dict[int, Struct] = {}  # n -> the packer of n little-endian int32 (a few lengths)
 
 
@@ -58,15 +56,7 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Chained hashes of every *full* block of `token_ids` (stable across processes and
     machines: no Python `hash()`, a fixed byte order)."""
-    n = len(token_ids) // block_size
-    if n == 0:
-        return []
-    data = _pack(token_ids[: n * block_size])
-    step, parent, out = len(data) // n, _ROOT, []
-    for off in range(0, n * step, step):  # (iter_block_hashes' loop, without a generator)
-        parent = xxh3_128_digest(parent + data[off : off + step])
-        out.append(parent)
-    return out
+    return list(iter_block_hashes(token_ids, block_size))
 
 
 def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = _ROOT
