@@ -70,8 +70,11 @@ class PrefillPlacement(ABC):
     name = ""
 
     @abstractmethod
-    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int]) -> str:
-        """The worker_id of the chosen worker among ``loads`` (the live workers)."""
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
+        """The worker_id of the chosen worker among ``loads`` (the live workers).
+        ``hashes``: the prompt's ``block_hashes`` at the placement's block size, if the
+        caller has them (the simulator hashes a prompt once for placement and prefill)."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
@@ -80,7 +83,8 @@ class PrefillPlacement(ABC):
 class LeastOutstanding(PrefillPlacement):
     name = "least-outstanding"
 
-    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int]) -> str:
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
         return least_outstanding(loads).worker_id
 
 
@@ -101,11 +105,13 @@ class PrefixAffinity(PrefillPlacement):
     def __len__(self) -> int:
         return len(self._last)
 
-    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int]) -> str:
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
         best = least_outstanding(loads)
         if len(prompt) <= self.block_size:
             return best.worker_id
-        key = block_hashes(prompt[: self.block_size], self.block_size)[0]
+        key = hashes[0] if hashes else block_hashes(prompt[: self.block_size],
+                                                    self.block_size)[0]
         last = self._last.get(key)
         sticky = next((w for w in loads if w.worker_id == last), None)
         if sticky and sticky.outstanding_tokens <= best.outstanding_tokens + self.slack_tokens:
@@ -157,7 +163,8 @@ class LengthBuckets(PrefillPlacement):
         lo = bucket * n // b
         return range(lo, max(lo + 1, (bucket + 1) * n // b))
 
-    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int]) -> str:
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
         if not loads:
             raise ValueError("no prefill worker to place on")
         mine = self.members(self.bucket(len(prompt)), len(loads))

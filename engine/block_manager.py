@@ -12,6 +12,8 @@ import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from struct import Struct
+from struct import error as StructError
 from typing import TYPE_CHECKING
 
 from xxhash import xxh3_128_digest
@@ -20,11 +22,22 @@ if TYPE_CHECKING:  # hints only: prefix hashing (routing policies, --help) needs
     from engine.request import Request
 
 _ROOT = bytes(16)  # the parent of a sequence's first block
+_INT32: dict[int, Struct] = {}  # n -> the packer of n little-endian int32 (a few lengths)
 
 
 def _pack(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian int32 (int64 if one does not fit: a block then has twice
     the bytes, so the two packings can never give the same hash input)."""
+    n = len(tokens)
+    packer = _INT32.get(n)
+    if packer is None:
+        packer = Struct(f"<{n}i")
+        if len(_INT32) < 1024:
+            _INT32[n] = packer
+    try:  # (a Struct packs a list ~2.5x faster than array() converts it)
+        return packer.pack(*tokens)
+    except StructError:  # out of int32 (or not ints): as array() packs them, or its error
+        pass
     try:
         packed = array("i", tokens)
     except OverflowError:
@@ -53,7 +66,7 @@ def iter_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes =
     n = len(token_ids) // block_size
     if n == 0:
         return
-    data = memoryview(_pack(token_ids[: n * block_size]))
+    data = _pack(token_ids[: n * block_size])
     step = len(data) // n  # bytes per block
     for off in range(0, n * step, step):
         parent = xxh3_128_digest(parent + data[off : off + step])
@@ -76,6 +89,9 @@ class BlockManager:
         # request_id -> the hashes of its leading full blocks, so far: a chunk hashes only
         # the blocks it filled, chained from the last one
         self._chains: dict[str, list[bytes]] = {}
+        # request_id -> the hashes of its leading full blocks as far as they were hashed
+        # (request_hashes, or given by note_hashes): each block is hashed once per request
+        self._known: dict[str, list[bytes]] = {}
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -101,16 +117,46 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(request.block_ids))
 
     # ---- prefix cache ---------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def note_hashes(self, request_id: str, hashes: list[bytes]) -> None:
+        """Hashes of a request's leading full blocks (`block_hashes` of its prompt with this
+        manager's block size) already computed elsewhere, e.g. for placement: lookups and
+        publishing take them instead of hashing again. Kept until `free`."""
+        if self.enable_prefix_caching:
+            self._known[request_id] = hashes
+
+    def request_hashes(self, request: Request, token_ids: Sequence[int]) -> list[bytes]:
+        """The hashes of the full blocks of `token_ids` (the request's leading tokens),
+        hashed once per request: the list kept for it, extended as far as `token_ids`
+        reaches (it may hold more). Empty with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return []
+        known = self._known.get(request.request_id)
+        if known is None:
+            known = self._known[request.request_id] = []
+        have, bs = len(known), self.block_size
+        n = len(token_ids) // bs
+        if n > have:
+            known.extend(iter_block_hashes(token_ids[have * bs : n * bs], bs,
+                                           known[-1] if known else _ROOT))
+        return known
+
+    def match_prefix(self, token_ids: Sequence[int],
+                     hashes: Sequence[bytes] | None = None) -> list[int]:
         """Cached blocks holding a prefix of `token_ids`; always leaves >= 1 token to compute.
+        `hashes`: the full-block hashes of `token_ids` if known (`request_hashes`).
 
         A lookup only: nothing is taken and no statistic counts it (`take_prefix` does)."""
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
+        if hashes is None:
+            hashes = iter_block_hashes(token_ids[: usable * self.block_size], self.block_size)
+        elif len(hashes) > usable:
+            hashes = hashes[:usable]
         hit: list[int] = []
-        for h in iter_block_hashes(token_ids[: usable * self.block_size], self.block_size):
-            b = self._hash_to_block.get(h)
+        get = self._hash_to_block.get
+        for h in hashes:
+            b = get(h)
             if b is None:
                 break
             hit.append(b)
@@ -178,22 +224,35 @@ class BlockManager:
         full = min(len(token_ids) // bs, len(request.block_ids))
         if full <= done:
             return
-        chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
-                                       chain[-1] if chain else _ROOT))
-        for i in range(done, full):
-            b, h = request.block_ids[i], chain[i]
-            if h not in self._hash_to_block and b not in self._block_to_hash:
-                self._hash_to_block[h] = b
-                self._block_to_hash[b] = h
+        known = self._known.get(request.request_id)
+        if known is not None and len(known) >= full:
+            chain.extend(known[done:full])
+        else:
+            chain.extend(iter_block_hashes(token_ids[done * bs : full * bs], bs,
+                                           chain[-1] if chain else _ROOT))
+        by_hash, hashed = self._hash_to_block, self._block_to_hash
+        for b, h in zip(request.block_ids[done:full], chain[done:full], strict=True):
+            if h not in by_hash and b not in hashed:
+                by_hash[h] = b
+                hashed[b] = h
 
     def free(self, request: Request) -> None:
         """Drop the request's references; cached blocks go to the LRU, tail first."""
         blocks = self._owners.pop(request.request_id, None)
         self._chains.pop(request.request_id, None)
+        self._known.pop(request.request_id, None)
         if blocks is None:
             request.block_ids.clear()
             return
         ref, hashed, cached, free = self._ref, self._block_to_hash, self._cached_free, self._free
+        if not hashed:  # no block holds a hash (prefix caching off): all go to the free list
+            for b in reversed(blocks):
+                left = ref[b] = ref[b] - 1
+                assert left >= 0, f"block {b} refcount below zero"
+                if left == 0:
+                    free.append(b)
+            blocks.clear()
+            return
         for b in reversed(blocks):
             left = ref[b] = ref[b] - 1
             assert left >= 0, f"block {b} refcount below zero"

@@ -137,10 +137,13 @@ class PrefillScheduler:
         could leave an admitted prefill short of its promise forever."""
         while self.waiting and len(self.active) < self.config.max_num_seqs:
             r, s = self.waiting[0]
-            hit = self.bm.match_prefix(r.all_token_ids[: r.prefill_len]) \
-                if r.may_use_prefix_cache else []
+            if r.may_use_prefix_cache:  # (hashed once per request, kept while it waits)
+                tokens = _leading(r, r.prefill_len)
+                hit = self.bm.match_prefix(tokens, self.bm.request_hashes(r, tokens))
+            else:
+                hit = []
             cost = self.bm.admission_cost(hit, r.prefill_len)
-            if cost > self.bm.num_free_blocks - self._promised_blocks():
+            if cost > self.bm.num_free_blocks - (self._promised_blocks() if self.active else 0):
                 return
             self.waiting.popleft()
             self._queued.discard(r.request_id)
@@ -153,7 +156,8 @@ class PrefillScheduler:
 
     # ---- steps --------------------------------------------------------------------
     def schedule(self) -> list[ScheduledItem]:
-        self.served.tick(s.tenant for _, s in self.active.values())
+        if self.active:  # (no one running: the tick would find no least service)
+            self.served.tick(s.tenant for _, s in self.active.values())
         self._admit()
         now = self.clock()
         budget = self.config.max_num_batched_tokens
@@ -179,7 +183,7 @@ class PrefillScheduler:
             r = item.request
             r.num_computed_tokens = r.num_cached_tokens = item.start + item.num_tokens
             self.active[r.request_id][1].remaining = r.remaining_prefill
-            self.bm.cache_full_blocks(r, r.all_token_ids[: r.num_cached_tokens])
+            self.bm.cache_full_blocks(r, _leading(r, r.num_cached_tokens))
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Prefill done (its KV exported): release the blocks (cached ones go to the LRU)."""
@@ -189,3 +193,11 @@ class PrefillScheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.active)
+
+
+def _leading(r: Request, n: int) -> list[int]:
+    """r's first n tokens (read only): the prompt itself when it holds them, no copy."""
+    prompt = r.prompt_token_ids
+    if n == len(prompt):
+        return prompt
+    return prompt[:n] if n < len(prompt) else r.all_token_ids[:n]

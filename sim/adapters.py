@@ -37,7 +37,7 @@ from cluster.routing_policies import (
 )
 from cluster.worker_specs import decode_config, engine_config, prefill_config, transfer_config
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, block_hashes
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.execute import ScheduledItem
 from engine.memory import num_kv_blocks
@@ -53,7 +53,7 @@ from runtime.messages import DecodeTask
 
 __all__ = [
     "ADMISSION_RETRY_S", "AdmissionCore", "BUCKET_NAMES", "DECODE_ORDERS", "IDLE_WAIT_S", "PREFILL_PLACEMENTS",
-    "BlockManager", "DecodeLoad", "DecodeScheduler", "DecodeTask", "LinkScheduler",
+    "BlockManager", "block_hashes", "DecodeLoad", "DecodeScheduler", "DecodeTask", "LinkScheduler",
     "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus",
     "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "Waiter", "WorkerPlan",
     "add_cli_flags", "config_from_args", "decode_order", "decode_task", "default_placement",

@@ -131,6 +131,7 @@ def analytic_calibration(profile: str, shape: Mapping[str, Any] | str, dtype: st
 # a term that beats the others by this factor at both ends of a run beats them at every step
 # between (they are linear in the context), far beyond the few ulps of float rounding
 _WIN = 1 + 1e-9
+_TABLE_MAX = 1 << 22  # attended-token counts the decode bytes-term table covers (32 MiB)
 
 
 class RooflineCosts(CostModel):
@@ -153,6 +154,7 @@ class RooflineCosts(CostModel):
         self.kv_bytes = L * 2 * nkv * d * elem  # per token
         self.floor = L * self.a["kernels_per_layer"] * self.a["launch_s"]
         self.max_len = m("max_position_embeddings")
+        self._bytes_s = np.empty(0)  # x -> a decode step's bytes term with x tokens attended
 
     def _step(self, flops: float, nbytes: float) -> float:
         return max(flops / self.flops, nbytes / self.bw, self.floor)
@@ -191,16 +193,28 @@ class RooflineCosts(CostModel):
         return np.maximum(nbytes, floor, out=nbytes)
 
     def _memory_bound(self, batch: int, context: int, steps: int) -> Sequence[float]:
-        """``decode_run_s`` where the bytes term is the max of every step: that term alone."""
+        """``decode_run_s`` where the bytes term is the max of every step: that term alone.
+        A long run reads it from a table of the term per attended-token count (the same
+        element-wise operations on the same exact integers, computed once)."""
         m0, kvb, bw = self.dense_bytes + self.head_bytes, self.kv_bytes, self.bw
         if steps <= SMALL_RUN:
             return [(m0 + (ctx + batch) * kvb) / bw
                     for ctx in map(float, range(context, context + batch * steps, batch))]
-        nbytes = np.arange(context + batch, context + batch * (steps + 1), batch, dtype=float)
-        nbytes *= kvb
-        nbytes += m0
-        nbytes /= bw
-        return nbytes
+        stop = context + batch * (steps + 1)
+        table = self._bytes_s
+        if stop > len(table):  # grown by doubling (a few times per simulation), bounded
+            if stop > _TABLE_MAX:
+                nbytes = np.arange(context + batch, stop, batch, dtype=float)
+            else:
+                nbytes = np.arange(min(max(stop, 2 * len(table), 4096), _TABLE_MAX),
+                                   dtype=float)
+            nbytes *= kvb
+            nbytes += m0
+            nbytes /= bw
+            if stop > _TABLE_MAX:
+                return nbytes
+            table = self._bytes_s = nbytes
+        return table[context + batch : stop : batch].copy()
 
     def sample_s(self, rows: int) -> float:
         return self.a["sample_fixed_s"] + rows * self.a["sample_per_row_s"]

@@ -86,16 +86,17 @@ class RunCutter(SimWorker):
             held = [(it.request.num_cached_tokens, len(it.request.block_ids)) for it in items]
         for fn, args in commands:
             fn(*args)
-        self.publish_load()
+        free = self.publish_load()
         run = self._run
         need = sum(max(0, -(-(c + run) // bs) - nb) for c, nb in held)
-        if self.inbox or need > self.sched.promised_free_blocks():  # (a reserve's early KV)
+        if self.inbox or need > free:  # (a reserve's early KV)
             self._run = done
             self.reschedule_end(self.loop.now)
 
-    def _run_length(self, items: list[ScheduledItem]) -> int:
+    def _run_length(self, items: list[ScheduledItem], free: int) -> int:
         """Steps that can go as one after this one: none finishes a leg before the last,
-        and their blocks fit what nobody was promised (so no preemption can happen)."""
+        and their blocks fit ``free``, what nobody was promised (so no preemption can
+        happen): ``promised_free_blocks()`` as the step start published it."""
         k, max_len, bs = MAX_RUN, self.max_len, self.bm.block_size
         held = []
         for it in items:
@@ -108,7 +109,6 @@ class RunCutter(SimWorker):
             held.append((r.num_cached_tokens, len(r.block_ids)))
         if k <= 1:
             return 1
-        free = self.sched.promised_free_blocks()
 
         def need(steps: int) -> int:  # BlockManager.blocks_needed over the items
             n = 0

@@ -10,8 +10,8 @@ ties), so a run is a pure function of its inputs: no wall clock, no hash order.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
+from heapq import heappop, heappush
 from typing import Any
 
 
@@ -33,18 +33,18 @@ class EventLoop:
         if t < self.now:
             raise ValueError(f"cannot schedule at {t!r}, before now ({self.now!r})")
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, fn, args))
+        heappush(self._heap, (t, self._seq, fn, args))
 
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` ``dt`` >= 0 seconds from now."""
         if not dt >= 0:
             raise ValueError(f"cannot schedule {dt!r} s from now")
         self._seq += 1
-        heapq.heappush(self._heap, (self.now + dt, self._seq, fn, args))
+        heappush(self._heap, (self.now + dt, self._seq, fn, args))
 
     def run(self, until: float = float("inf")) -> None:
         """Run events in time order until none is left or the next is after ``until``."""
-        heap, pop = self._heap, heapq.heappop
+        heap, pop = self._heap, heappop
         n = 0
         if until == float("inf"):  # (the whole run: no bound to check per event)
             while heap:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from sim.link import SimLink
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: lighter, faster attributes)
 class Job:
     leg_id: str
     tenant: str
@@ -54,6 +54,10 @@ class SimPrefill(SimWorker):
         self._t0 = self._compute = 0.0
         self.chunk_sizes: dict[int, int] = {}
         self._one_chunk: dict[tuple[int, int], float] = {}  # (C, P) -> prefill_s
+        # pure functions of their argument, asked once per value: tokens -> kv_export_s,
+        # chunks in the step -> step_overhead_s
+        self._export: dict[int, float] = {}
+        self._overhead: dict[int, float] = {}
         self.kv_bytes_sent = 0
 
     @property
@@ -65,7 +69,8 @@ class SimPrefill(SimWorker):
 
     # ---- commands ------------------------------------------------------------------
     def add(self, leg_id: str, prompt: list[int], max_tokens: int, tenant: str,
-            decode: SimDecode, deadline_s: float | None) -> None:
+            decode: SimDecode, deadline_s: float | None,
+            hashes: list[bytes] | None = None) -> None:
         if leg_id in self._aborted_early:
             self._aborted_early.discard(leg_id)
             return
@@ -75,6 +80,8 @@ class SimPrefill(SimWorker):
         except ValueError as e:  # it can never fit this worker: the router rejects it
             self.sim.emit(self.sim.router.on_add_rejected, self, leg_id, str(e))
             return
+        if hashes is not None:  # hashed by the router's placement
+            self.bm.note_hashes(leg_id, hashes)
         self.jobs[leg_id] = Job(leg_id, tenant, decode, self.loop.now)
 
     def abort(self, leg_id: str) -> None:
@@ -128,7 +135,7 @@ class SimPrefill(SimWorker):
         if not items:
             return None
         now = self._t0 = self.loop.now
-        costs = self.costs
+        costs, export = self.costs, self._export
         exported = 0.0
         finals = 0
         for item in items:
@@ -137,7 +144,10 @@ class SimPrefill(SimWorker):
                 job.first_scheduled = now
             if job.seq_no == 0 and item.start > 0:  # a prefix hit's KV travels too
                 exported += costs.kv_export_s(item.start)
-            exported += costs.kv_export_s(item.num_tokens)
+            t = export.get(item.num_tokens)
+            if t is None:
+                t = export[item.num_tokens] = costs.kv_export_s(item.num_tokens)
+            exported += t
             finals += item.completes_prefill
         if len(items) == 1:  # a pure function of (C, P): asked once per pair
             key = (items[0].num_tokens, items[0].start)
@@ -147,7 +157,10 @@ class SimPrefill(SimWorker):
             self._compute = t
         else:
             self._compute = costs.prefill_s([(i.num_tokens, i.start) for i in items])
-        duration = (self._compute + exported + costs.step_overhead_s("prefill", len(items))
+        overhead = self._overhead.get(len(items))
+        if overhead is None:
+            overhead = self._overhead[len(items)] = costs.step_overhead_s("prefill", len(items))
+        duration = (self._compute + exported + overhead
                     + (costs.sample_s(finals) if finals else 0.0))
         self._items = items
         self.num_steps += 1

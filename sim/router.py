@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sim.adapters import DecodeLoad, PrefillLoad, simulated_token
+from sim.adapters import DecodeLoad, PrefillLoad, block_hashes, simulated_token
 from sim.admission import SimAdmission
 from sim.router_reserve import ReserveWithAdd
 from sim.router_upkeep import RouterUpkeep
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from sim.decode import SimDecode
     from sim.prefill import SimPrefill
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: lighter, faster attributes)
 class Flight:
     req: WorkloadRequest
     arrival: float  # at the router
@@ -66,6 +66,11 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         self.legs: dict[str, Flight] = {}
         self.finished: list[Flight] = []
         self.placement = sim.placement
+        # a prompt is hashed once, at placement, for the placement and its prefill
+        # worker's prefix cache (BlockManager.note_hashes)
+        bs = sim.plan.prefill_block_size
+        self._hash_bs = bs if sim.plan.prefix_caching else 0
+        self._pick_hashes = getattr(self.placement, "block_size", bs) == bs
         self.outstanding = {w.worker_id: 0 for w in sim.prefill}
         self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
@@ -150,17 +155,19 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         self.held[decode.worker_id].add(flight.leg_id)
         self._decode_load(decode.worker_id)
         req = flight.req
-        prompt = list(req.prompt_token_ids)
-        if flight.generated:
-            prompt += [simulated_token()] * flight.generated
-        wid = self.placement.pick(self.prefill_loads, prompt)
+        prompt = req.prompt_token_ids  # (nothing downstream writes to a prompt: shared)
+        if flight.generated or type(prompt) is not list:
+            prompt = [*prompt, *[simulated_token()] * flight.generated]
+        hashes = block_hashes(prompt, self._hash_bs) if self._hash_bs else None
+        wid = self.placement.pick(self.prefill_loads, prompt,
+                                  hashes if self._pick_hashes else None)
         p = self.sim.prefill_by_id[wid]
         flight.prefill = p
         self.held[wid].add(flight.leg_id)
         self._add_outstanding(wid, len(prompt))
         deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
         self.sim.emit(p.command, p.add, flight.leg_id, prompt, req.max_tokens - flight.generated,
-                      req.tenant, decode, deadline)
+                      req.tenant, decode, deadline, hashes)
 
     def _add_outstanding(self, wid: str, tokens: int) -> None:
         n = self.outstanding[wid] = max(0, self.outstanding[wid] + tokens)
@@ -249,10 +256,13 @@ class SimRouter(RouterUpkeep, ReserveWithAdd):
         p = f.prefill
         if p is not None and leg in self.held[p.worker_id] and not f.prefill_done:
             self._add_outstanding(p.worker_id, -f.leg_prompt_len)
-        for w in dict.fromkeys(x for x in (p, f.decode) if x is not None):
-            if leg in self.held[w.worker_id] and not any(w is e for e in ended):
+        for w in (p, f.decode):  # (a prefill and a decode worker: never the same one)
+            if w is None:
+                continue
+            held = self.held[w.worker_id]
+            if leg in held and w not in ended:  # (workers compare by identity)
                 self.abort_on(w, leg)
-            self.held[w.worker_id].discard(leg)
+            held.discard(leg)
         if f.decode is not None:
             self._decode_load(f.decode.worker_id)
         f.prefill = f.decode = None

@@ -97,14 +97,17 @@ class SimWorker:
             return
         duration, self._ran = began
         self.stepping = True
-        self.reschedule_end(self.loop.now + duration)
+        t = self.step_end = self.loop.now + duration  # (reschedule_end, inlined)
+        self._end_version += 1
+        self.loop.at(t, self._finish_if, self._end_version)
 
     def _finish_step(self) -> None:
         self.end_step()
         self.stepping = False
-        commands, self._commands = self._commands, []
-        for fn, args in commands:
-            fn(*args)
+        if self._commands:
+            commands, self._commands = self._commands, []
+            for fn, args in commands:
+                fn(*args)
         if self._ran:
             self._run_step()
         else:  # nothing ran: nap; I/O that came meanwhile is taken at the first tick

@@ -127,3 +127,22 @@ def test_a_roofline_decode_run_equals_the_full_formula_at_every_step(mfu: float)
                     (c.dense_bytes + c.head_bytes + (x + batch) * c.kv_bytes) / c.bw, c.floor)
                 for x in map(float, range(ctx, ctx + batch * steps, batch))]
         assert [float(v) for v in c.decode_run_s(batch, ctx, 0, steps)] == full
+
+
+def test_a_long_memory_bound_run_reads_the_bytes_term_table_bit_for_bit(monkeypatch) -> None:
+    """Long memory-bound runs slice a table of the bytes term per attended-token count:
+    the same floats as the term per step, while the table grows, and past its bound."""
+    import sim.analytic
+
+    monkeypatch.setattr(sim.analytic, "_TABLE_MAX", 50_000)
+    c = load_costs(analytic_calibration("h200", "llama-3-8b"))
+    runs = [(3, 900, 17), (8, 8 * 2000, 400), (2, 10, 300), (8, 8 * 2000, 400),
+            (64, 64 * 700, 100), (16, 16 * 2900, 200), (5, 5 * 4000, 50)]
+    for batch, ctx, steps in runs:
+        per_step = [(c.dense_bytes + c.head_bytes + (x + batch) * c.kv_bytes) / c.bw
+                    for x in map(float, range(ctx, ctx + batch * steps, batch))]
+        run = c.decode_run_s(batch, ctx, 0, steps)
+        assert [float(v) for v in run] == per_step
+        run[:] = 0.0  # a caller's writes stay its own
+        assert [float(v) for v in c.decode_run_s(batch, ctx, 0, steps)] == per_step
+    assert 0 < len(c._bytes_s) <= 50_000  # (64 * 800 tokens and more went around it)
