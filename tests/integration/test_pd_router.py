@@ -95,9 +95,12 @@ def test_abort_and_deadline_while_queued_for_admission_free_everything(start_rou
                                                                        reference):
     """A decode pool that admits nothing (every reserve of these ids refused, as if
     full): an Abort and a deadline reach the queued requests at once, nothing starts on
-    the prefill pool, the queue is empty after, and the service goes on serving exactly."""
+    the prefill pool, the queue is empty after, and the service goes on serving exactly.
+    Reserve first: with `reserve_with_add` the idle router sends the reserve beside the
+    prefill's add, and the first token may reach the client before the refusal requeues
+    the request (test_pd_reserve_with_add covers that path)."""
     plan = {"seed": 1, "faults": [{"kind": "refuse_admission", "request_filter": r"^full-"}]}
-    runner = start_router({"transfer": {"connector": "tcp"}},
+    runner = start_router({"transfer": {"connector": "tcp"}, "pools": {"reserve_with_add": False}},
                           LaunchOptions(fault_injection=plan))
     router = runner.router
     spec = GenerateSpec("full-abort", tuple(range(1, 40)), GREEDY)
