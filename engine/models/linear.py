@@ -106,31 +106,27 @@ def pack_model(model) -> None:
     model.lm_head_packed = add(model.lm_head.weight)
 
 
+def _repack(model, fn) -> None:
+    """Replace every projection's `Packed` handle p by `fn(p, its weight)`."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_packed, a.o_packed = fn(a.qkv_packed, a.qkv_weight), fn(a.o_packed, a.o_proj.weight)
+        m.gate_up_packed = fn(m.gate_up_packed, m.gate_up_weight)
+        m.down_packed = fn(m.down_packed, m.down_proj.weight)
+    model.lm_head_packed = fn(model.lm_head_packed, model.lm_head.weight)
+
+
 def add_row_blocks(model) -> None:
     """A row-block copy (`pdserve_cpu::pack_rows`) beside every oneDNN-packed projection
     of a packed model; the library must be loaded."""
     pack_rows = torch.ops.pdserve_cpu.pack_rows
-
-    def rows(p: Packed, weight: torch.Tensor) -> Packed:
-        return replace(p, rows=pack_rows(weight))
-
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        a.qkv_packed, a.o_packed = rows(a.qkv_packed, a.qkv_weight), rows(a.o_packed, a.o_proj.weight)
-        m.gate_up_packed = rows(m.gate_up_packed, m.gate_up_weight)
-        m.down_packed = rows(m.down_packed, m.down_proj.weight)
-    model.lm_head_packed = rows(model.lm_head_packed, model.lm_head.weight)
+    _repack(model, lambda p, weight: replace(p, rows=pack_rows(weight)))
 
 
 def drop_onednn(model) -> None:
     """Free oneDNN's copies of a model whose row-block copies serve every row: eager steps
     never read them (a compiled step reads them by key: a compiling runner keeps them)."""
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        a.qkv_packed, a.o_packed = replace(a.qkv_packed, weight=None), replace(a.o_packed, weight=None)
-        m.gate_up_packed = replace(m.gate_up_packed, weight=None)
-        m.down_packed = replace(m.down_packed, weight=None)
-    model.lm_head_packed = replace(model.lm_head_packed, weight=None)
+    _repack(model, lambda p, weight: replace(p, weight=None))
     model.packed = None
 
 
