@@ -21,6 +21,16 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """Triton's interpreter (and single-threaded OpenBLAS) for a module's tests; the module
+    imports its kernels from tests/triton_interp.py."""
+    from tests.triton_interp import interpreter_session
+
+    with interpreter_session():
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny deterministic models of each architecture, made once per test session."""
