@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -55,8 +56,15 @@ class Wire:
         fut.set_exception(error) if error else fut.set_result(None)
 
 
-def _writer(stream: DeltaStream, wire: Wire) -> StreamWriter:
-    return StreamWriter(stream, wire.write, lambda ids, text: (tuple(ids), text))
+def run_writer(body: Callable[[DeltaStream, Wire, StreamWriter], Awaitable[None]]) -> None:
+    """Run `await body(stream, wire, writer)` in a fresh event loop: a new stream, and its
+    writer, which writes each message to `wire` as (token ids, text)."""
+    async def go() -> None:
+        stream, wire = DeltaStream("r"), Wire()
+        await body(stream, wire,
+                   StreamWriter(stream, wire.write, lambda ids, text: (tuple(ids), text)))
+
+    asyncio.run(go())
 
 
 async def _turns(n: int = 3) -> None:
@@ -65,9 +73,7 @@ async def _turns(n: int = 3) -> None:
 
 
 def test_tokens_go_out_at_once_one_write_in_flight_the_rest_coalesced():
-    async def go():
-        s, wire = DeltaStream("r"), Wire()
-        w = _writer(s, wire)
+    async def go(s: DeltaStream, wire: Wire, w: StreamWriter) -> None:
         s.put_text([1], "a")  # out at once: the reader is not woken
         assert len(wire.pending) == 1 and len(s) == 0
         s.put_text([2], "b")
@@ -81,13 +87,11 @@ def test_tokens_go_out_at_once_one_write_in_flight_the_rest_coalesced():
         assert wire.sent == [((1,), "a"), ((2, 3), "bc")] and not wire.pending
         assert wire.most_in_flight == 1 and not w.closed and s.empty()
 
-    asyncio.run(go())
+    run_writer(go)
 
 
 def test_the_last_delta_goes_to_the_reader_with_what_waited_after_the_write_in_flight():
-    async def go():
-        s, wire = DeltaStream("r"), Wire()
-        w = _writer(s, wire)
+    async def go(s: DeltaStream, wire: Wire, w: StreamWriter) -> None:
         s.put_text([1], "a")
         s.put_text([2], "b")
         s.put([3], "c", last=TokenDelta("r", (), True, "length"))
@@ -101,13 +105,11 @@ def test_the_last_delta_goes_to_the_reader_with_what_waited_after_the_write_in_f
         await asyncio.wait_for(paused, 5)
         assert wire.sent == [((1,), "a")] and s.take_common() is None
 
-    asyncio.run(go())
+    run_writer(go)
 
 
 def test_a_paused_writer_holds_its_tokens_until_resumed():
-    async def go():
-        s, wire = DeltaStream("r"), Wire()
-        w = _writer(s, wire)
+    async def go(s: DeltaStream, wire: Wire, w: StreamWriter) -> None:
         await w.pause()
         s.put_text([1], "a")
         assert not wire.pending and len(s) == 1  # (the reader writes meanwhile)
@@ -117,13 +119,11 @@ def test_a_paused_writer_holds_its_tokens_until_resumed():
         await _turns()
         assert wire.sent == [((1,), "a")]
 
-    asyncio.run(go())
+    run_writer(go)
 
 
 def test_a_failed_write_detaches_the_writer_and_the_reader_gets_the_rest():
-    async def go():
-        s, wire = DeltaStream("r"), Wire()
-        w = _writer(s, wire)
+    async def go(s: DeltaStream, wire: Wire, w: StreamWriter) -> None:
         s.put_text([1], "a")
         reader = asyncio.ensure_future(s.get())
         await _turns()
@@ -135,7 +135,7 @@ def test_a_failed_write_detaches_the_writer_and_the_reader_gets_the_rest():
         d = await asyncio.wait_for(reader, 5)
         assert (d.token_ids, d.text) == ((2,), "b") and not wire.sent
 
-    asyncio.run(go())
+    run_writer(go)
 
 
 def test_push_text_gives_push_bytes_deltas(tokenizer):
