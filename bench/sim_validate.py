@@ -45,6 +45,7 @@ from bench.sim_validate_report import (
     summarize,
     table,
 )
+from bench.sim_validate_steps import step_fits
 
 # name -> (pools P, D, prefill chunk, send policy, fairness policy); a fractional design
 # over the factors (each level of each factor appears; ~1 min per configuration here)
@@ -93,14 +94,15 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
         long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))
 
 
-def link_probe(cfg, reqs: list, costs, factors: dict, delivery):
+def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
     """``f -> the simulated run`` with the KV link's write time scaled by ``f``."""
     from sim.cluster import simulate_config
     from sim.options import SimOptions
     from sim.scaled import ScaledCosts
 
     def run(f: float):
-        scaled = ScaledCosts(costs, {**factors, "link": f}, "probe", delivery=delivery)
+        scaled = ScaledCosts(costs, {**factors, "link": f}, "probe", delivery=delivery,
+                             steps=steps)
         return simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
     return run
 
@@ -135,7 +137,7 @@ def ablate(data: dict, model: str, n: int, seed: int) -> None:
     from sim.cost_loader import load_costs
     from sim.delivery import Delivery
     from sim.options import SimOptions
-    from sim.scaled import ScaledCosts
+    from sim.scaled import ScaledCosts, StepFit
 
     costs = load_costs(Calibration.load(data["calibration"]))
     model_dir = str(resolve_model_dir(model))
@@ -146,8 +148,9 @@ def ablate(data: dict, model: str, n: int, seed: int) -> None:
             reqs = workload(n, LOADS[r["load"].split()[0]], vocab, seed)
             f = {**r["factors"], **({} if link else {"link": 1.0})}
             d = Delivery(**r["delivery_fit"]) if refit and r.get("delivery_fit") else None
+            steps = {k: StepFit(**v) for k, v in r.get("step_fits", {}).items()}
             sim = simulate_config(config_for(base, CONFIGS[r["config"]]), reqs,
-                                  ScaledCosts(costs, f, "ablation", delivery=d),
+                                  ScaledCosts(costs, f, "ablation", delivery=d, steps=steps),
                                   SimOptions(trace=True))
             rows.append({**r, "sim": summarize(sim)})
         print(f"-- delivery {'refitted under load' if refit else 'idle'}, KV link "
@@ -216,16 +219,19 @@ def main(argv: list[str] | None = None) -> int:
                 first = svc.run_workload(reqs, transport="inproc")
                 factors = contention(first, simulate_config(cfg, reqs, costs,
                                                             SimOptions(trace=True)))
-                fit = delivery_under_load(first, ScaledCosts(costs, factors, "probe"))
+                steps = step_fits(first, costs, ScaledCosts(costs, factors, "probe"))
+                fit = delivery_under_load(first, ScaledCosts(costs, factors, "probe",
+                                                             steps=steps))
                 delivery = fit[0] if fit else None
-                factors["link"] = fit_link_factor(
-                    handoff_mean(first), link_probe(cfg, reqs, costs, factors, delivery))
+                factors["link"] = fit_link_factor(handoff_mean(first), link_probe(
+                    cfg, reqs, costs, factors, delivery, steps))
                 scaled = ScaledCosts(costs, factors, "contention run before these",
-                                     delivery=delivery)
+                                     delivery=delivery, steps=steps)
                 reals = [summarize(svc.run_workload(reqs, transport="inproc"))
                          for _ in range(args.repeats)]
                 sim = simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
                 row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
+                       "step_fits": {r: f.to_dict() for r, f in steps.items()},
                        "delivery_fit": delivery.to_dict() if delivery else None,
                        "real": median_summary(reals), "sim": summarize(sim),
                        "contention_run": summarize(first), "runs": reals,

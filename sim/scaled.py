@@ -13,12 +13,19 @@ same contention). ``delivery`` replaces the idle delivery figures by ones fitted
 of them on a separate run of the same configuration and load: the real workers' mean step
 time over the simulator's, the real dispatch latency over the simulated one, the real KV
 handoff over the simulated one, and the delivery fitted to that run's token streams.
+
+A single factor per role cannot hold a step whose cost under load is mostly fixed (a
+prefill of 36 tokens here: 0.47 ms of calibrated compute, 1.6 ms in the real worker's
+span) as well as a long one (1.1x). ``steps`` replaces it, per role, by a :class:`StepFit`
+measured on the same kind of run from the workers' trace spans: the step's compute as
+``scale * calibrated + offset_s`` and a per-step overhead of ``overhead_s`` (what the
+real step spends after the traced compute, before its next step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,19 +33,43 @@ from sim.costs import ROLES, CostModel, Limits, LinkCost
 from sim.delivery import Delivery
 
 
+@dataclass(frozen=True)
+class StepFit:
+    """A role's step under load: compute ``scale * calibrated + offset_s`` per step, and
+    ``overhead_s`` per step in place of the calibrated overhead."""
+
+    scale: float
+    offset_s: float
+    overhead_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0):
+            raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got {self}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s}
+
+
 class ScaledCosts(CostModel):
     def __init__(self, base: CostModel, factors: Mapping[str, float], why: str,
-                 delivery: Delivery | None = None):
+                 delivery: Delivery | None = None,
+                 steps: Mapping[str, StepFit] | None = None):
         if set(factors) - {"control", "link"} != set(ROLES) or \
                 not all(f > 0 for f in factors.values()):
             raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
                              f"got {dict(factors)}")
+        if steps and set(steps) - set(ROLES):
+            raise ValueError(f"step fits are per role of {ROLES}, got {sorted(steps)}")
         self.base, self.factors = base, dict(factors)
+        self.steps = dict(steps or {})
         self.calibration = base.calibration
-        fp, fd = self.factors["prefill"], self.factors["decode"]
         fc = self.factors.setdefault("control", 1.0)
         fl = self.factors.setdefault("link", 1.0)
-        self.label = (f"{base.label}; compute x{fp:.2f} prefill, x{fd:.2f} decode, control "
+        compute = ", ".join(
+            f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
+            f"{st.overhead_s * 1e3:.2f} ms" if (st := self.steps.get(r)) else
+            f"x{self.factors[r]:.2f} {r}" for r in ROLES)
+        self.label = (f"{base.label}; compute {compute}, control "
                       f"plane x{fc:.2f}, KV link x{fl:.2f}"
                       f"{', delivery fitted under load' if delivery else ''} ({why})")
         d = base.delivery
@@ -50,12 +81,18 @@ class ScaledCosts(CostModel):
         return self.base.rpc_s * self.factors["control"]
 
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        st = self.steps.get("prefill")
+        if st is not None:
+            return self.base.prefill_s(chunks) * st.scale + st.offset_s
         return self.base.prefill_s(chunks) * self.factors["prefill"]
 
     def decode_run_s(self, batch: int, context: int, longest: int,
                      steps: int) -> Sequence[float]:
-        return (np.asarray(self.base.decode_run_s(batch, context, longest, steps))
-                * self.factors["decode"])
+        run = np.asarray(self.base.decode_run_s(batch, context, longest, steps))
+        st = self.steps.get("decode")
+        if st is not None:
+            return run * st.scale + st.offset_s
+        return run * self.factors["decode"]
 
     def sample_s(self, rows: int) -> float:  # both roles sample; decode does it every step
         return self.base.sample_s(rows) * self.factors["decode"]
@@ -67,6 +104,9 @@ class ScaledCosts(CostModel):
         return self.base.kv_import_s(tokens) * self.factors["decode"]
 
     def step_overhead_s(self, role: str, items: int) -> float:
+        st = self.steps.get(role)
+        if st is not None:
+            return st.overhead_s
         return self.base.step_overhead_s(role, items) * self.factors[role]
 
     def link(self, name: str) -> LinkCost:

@@ -1,0 +1,105 @@
+"""Per-step fits of a real run for bench/sim_validate.py: each role's step under this
+load as ``scale * calibrated compute + offset`` (sim/scaled.py StepFit), from the
+workers' trace spans.
+
+Prefill: a step's traced span (the model's forward and sampling, prefill_worker/engine.py)
+against the calibrated compute of its chunks; what the step spends after the span (KV
+export, sends) is the mean step (worker stats) less the mean span, less the simulator's
+own export and sampling. Decode: the period from one step's start to the next while the
+worker is busy (its loop's work between steps included) against the calibrated step of
+that batch, less the sampling the simulator adds; the overhead is then in the offset.
+Why the offset: the real prefill step spends ~1.3-1.6 ms beyond its calibrated compute
+at every chunk size here (36 to 256 tokens, context 0 to 1024), so one factor per role
+(the mean step's ratio) made short prompts' steps 2x too fast and TTFT p50 ~20% low.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+BUSY_GAP_S = 0.002  # a longer gap between two decode steps is a nap (WorkerLoop idle_wait_s)
+MIN_STEPS = 5
+
+
+SLOPE = (0.5, 2.0)  # a least-squares slope outside this is the fit's conditioning, not load
+
+
+def _fit(pred: list[float], real: list[float], median: bool = False
+         ) -> tuple[float, float] | None:
+    """``real = scale * pred + offset``. With ``median`` (decode) the scale is 1 and the
+    offset the median difference: the typical step, as a decode token's gap is one period,
+    not the mean skewed by the machine's stalls; and a decode run's batches span too narrow
+    a range of calibrated compute to fit a slope (least squares gave slopes of 1.1-4.1
+    over one validation). Otherwise (prefill: a long prompt's TTFT sums its chunks) least
+    squares, unless its slope leaves ``SLOPE`` (chunks capped at 64 tokens span little
+    compute too), then scale 1 and the mean difference. None with too few steps."""
+    if len(pred) < MIN_STEPS:
+        return None
+    x, y = np.asarray(pred), np.asarray(real)
+    if median:
+        return 1.0, max(float(np.median(y - x)), 0.0)
+    if np.ptp(x) > 0:
+        scale, offset = (float(v) for v in np.polyfit(x, y, 1))
+        if SLOPE[0] <= scale <= SLOPE[1] and offset >= 0:
+            return scale, offset
+    return 1.0, max(float(np.mean(y - x)), 0.0)
+
+
+def _steps(events, phase: str) -> dict[tuple[str, float, float], list]:
+    out: dict[tuple[str, float, float], list] = defaultdict(list)
+    for e in events:
+        if e.phase == phase:
+            out[(e.worker, e.start, e.end)].append(e)
+    return out
+
+
+def prefill_fit(real, base, extras):
+    from bench.studies.service import mean_step_s
+    from sim.scaled import StepFit
+
+    prompt = {r.request_id: r.prompt_len for r in real.records}
+    pred, span, post = [], [], []
+    for (_, start, end), evs in _steps(real.events, "prefill_chunk").items():
+        chunks = [(e.scheduled_tokens, e.past_kv_tokens) for e in evs]
+        pred.append(base.prefill_s(chunks))
+        span.append(end - start)
+        finals = sum(e.token_end >= prompt.get(e.request_id.split("#")[0], 1 << 30)
+                     for e in evs)
+        post.append(sum(extras.kv_export_s(c) for c, _ in chunks)
+                    + (extras.sample_s(finals) if finals else 0.0))
+    fit, mean = _fit(pred, span), mean_step_s(real.worker_stats, "prefill")
+    if fit is None or mean is None:
+        return None
+    overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
+    return StepFit(fit[0], fit[1], overhead)
+
+
+def decode_fit(real, base, extras):
+    from sim.scaled import StepFit
+
+    by_worker: dict[str, list] = defaultdict(list)
+    for (worker, start, end), evs in _steps(real.events, "decode_step").items():
+        by_worker[worker].append((start, end, [e.past_kv_tokens or 0 for e in evs]))
+    pred, period = [], []
+    for steps in by_worker.values():
+        steps.sort()
+        for (s0, e0, past), (s1, _, _) in zip(steps, steps[1:], strict=False):
+            if s1 - e0 > BUSY_GAP_S:
+                continue
+            b = len(past)
+            run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
+            pred.append(float(np.asarray(run)[0]))
+            period.append(s1 - s0 - extras.sample_s(b))
+    fit = _fit(pred, period, median=True)
+    return None if fit is None else StepFit(fit[0], fit[1], 0.0)
+
+
+def step_fits(real, base, extras) -> dict:
+    """{role: StepFit} for the roles with enough traced steps in ``real``: compute against
+    ``base`` (the calibration), less the sampling and KV export ``extras`` (the cost model
+    the simulator will run with) adds."""
+    fits = {"prefill": prefill_fit(real, base, extras),
+            "decode": decode_fit(real, base, extras)}
+    return {r: f for r, f in fits.items() if f is not None}

@@ -1,0 +1,119 @@
+"""Per-role step fits under load (bench/sim_validate_steps.py) and their use in the
+contention-scaled cost model (sim/scaled.py StepFit): a step's traced span against the
+calibrated compute, read back as the calibrated compute plus a per-step offset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.records import RequestRecord
+from bench.sim_validate_steps import BUSY_GAP_S, step_fits
+from bench.studies.service import RunOutput
+from engine.tracing import TraceEvent
+from sim.cost_loader import load_costs
+from sim.scaled import ScaledCosts, StepFit
+from sim.synthetic import synthetic_calibration
+
+MS = 1e-3
+
+
+def _base():
+    return load_costs(synthetic_calibration(
+        prefill=lambda c, p: 1e-5 * c + 2e-8 * c * p, decode=lambda b, L: 2e-4 + 1e-5 * b,
+        sample_s=1e-5, step_overhead_s=3e-4))
+
+
+def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
+         d_offset: float, gaps: tuple[float, ...] = ()) -> RunOutput:
+    """Prefill steps whose spans are ``p_scale * calibrated + p_offset`` and whose mean
+    step is the mean span plus ``post``; decode steps at batch 1..3 whose periods are
+    ``d_scale * calibrated + d_offset`` plus the sampling; ``gaps`` inserts naps."""
+    events, records, spans = [], [], []
+    t = 0.0
+    for i, (c, p) in enumerate([(16, 0), (64, 0), (128, 128), (256, 0), (256, 256),
+                                (32, 0)]):
+        span = p_scale * base.prefill_s([(c, p)]) + p_offset
+        leg = f"r{i}#x#1"
+        events.append(TraceEvent(leg, "prefill_chunk", "prefill-0", t, t + span,
+                                 scheduled_tokens=c, past_kv_tokens=p, token_start=p,
+                                 token_end=p + c))
+        records.append(RequestRecord(f"r{i}", p + c, 0.0))
+        spans.append(span)
+        t += span + 0.01
+    t = 100.0
+    for k, b in enumerate([1, 2, 3, 3, 2, 1, 2, 3]):
+        past = [40 + j for j in range(b)]
+        run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
+        period = d_scale * float(np.asarray(run)[0]) + d_offset + base.sample_s(b)
+        for j in range(b):
+            events.append(TraceEvent(f"d{j}#x#1", "decode_step", "decode-0", t,
+                                     t + period * 0.8, past_kv_tokens=past[j]))
+        t += period + (gaps[k] if k < len(gaps) else 0.0)
+    stats = {"prefill-0": {"role": "prefill", "steps": len(spans),
+                           "mean_step_s": float(np.mean(spans)) + post},
+             "decode-0": {"role": "decode", "steps": 8, "mean_step_s": MS}}
+    return RunOutput(records, events, stats)
+
+
+def test_the_fits_read_back_the_offsets_the_run_was_made_of() -> None:
+    base = _base()
+    run = _run(base, p_scale=1.0, p_offset=1.6 * MS, post=0.5 * MS, d_scale=1.0,
+               d_offset=0.2 * MS)
+    fits = step_fits(run, base, base)
+    p, d = fits["prefill"], fits["decode"]
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, 1.6 * MS), rel=1e-6)
+    exports = np.mean([base.kv_export_s(c) for c in (16, 64, 128, 256, 256, 32)])
+    finals = base.sample_s(1)  # every chunk here ends its prompt: one first token each
+    assert p.overhead_s == pytest.approx(0.5 * MS - exports - finals, rel=1e-6)
+    assert (d.scale, d.offset_s, d.overhead_s) == pytest.approx((1.0, 0.2 * MS, 0.0), rel=1e-6)
+
+
+def test_prefill_reads_back_a_slope_in_range_and_decode_the_median_difference() -> None:
+    base = _base()
+    run = _run(base, p_scale=1.5, p_offset=MS, post=0.0, d_scale=1.5, d_offset=0.0)
+    fits = step_fits(run, base, base)
+    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx((1.5, MS))
+    steep = _run(base, p_scale=3.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.0)
+    pred = [base.prefill_s([cp]) for cp in [(16, 0), (64, 0), (128, 128), (256, 0),
+                                            (256, 256), (32, 0)]]
+    p = step_fits(steep, base, base)["prefill"]  # slope 3 is out of range: the mean gap
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred)), rel=1e-6)
+    runs = [float(np.asarray(base.decode_run_s(b, b * 41 + b * (b - 1) // 2 + b,
+                                               40 + b, 1))[0]) for b in (1, 2, 3, 3, 2, 1, 2)]
+    assert fits["decode"].offset_s == pytest.approx(0.5 * np.median(runs), rel=1e-6)
+
+
+def test_a_nap_between_decode_steps_is_not_a_period_and_few_steps_give_no_fit() -> None:
+    base = _base()
+    napped = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
+                  gaps=(0.0, 0.0, 2 * BUSY_GAP_S))
+    assert step_fits(napped, base, base)["decode"].offset_s == pytest.approx(0.2 * MS,
+                                                                              rel=1e-6)
+    # the nap would have counted: the same run with a 1 ms gap is a slower period
+    slow = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
+                gaps=(1 * MS,) * 7)
+    assert step_fits(slow, base, base)["decode"].offset_s == pytest.approx(1.2 * MS, rel=1e-6)
+    few = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.0)
+    few.events[:] = [e for e in few.events if e.phase == "prefill_chunk"][:3]
+    assert step_fits(few, base, base) == {}
+
+
+def test_a_step_fit_replaces_its_roles_factor_in_the_scaled_costs() -> None:
+    base = _base()
+    s = ScaledCosts(base, {"prefill": 9.0, "decode": 2.0}, "probe",
+                    steps={"prefill": StepFit(0.5, 1 * MS, 0.25 * MS)})
+    assert s.prefill_s([(64, 0)]) == pytest.approx(0.5 * base.prefill_s([(64, 0)]) + MS)
+    assert s.step_overhead_s("prefill", 3) == pytest.approx(0.25 * MS)
+    assert s.kv_export_s(64) == pytest.approx(9.0 * base.kv_export_s(64))  # still the factor
+    assert s.decode_s(1, 100) == pytest.approx(2.0 * base.decode_s(1, 100))
+    d = ScaledCosts(base, {"prefill": 1.0, "decode": 2.0}, "probe",
+                    steps={"decode": StepFit(1.5, 0.2 * MS, 0.0)})
+    run = np.asarray(base.decode_run_s(2, 90, 46, 4))
+    assert np.asarray(d.decode_run_s(2, 90, 46, 4)) == pytest.approx(1.5 * run + 0.2 * MS)
+    assert d.step_overhead_s("decode", 2) == 0.0
+    assert "decode 1.50x + 0.20 ms per step, overhead 0.00 ms" in d.label
+    with pytest.raises(ValueError, match="step fits are per role"):
+        ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "p", steps={"router": d.steps["decode"]})
+    with pytest.raises(ValueError, match="scale > 0"):
+        StepFit(0.0, 0.0, 0.0)
