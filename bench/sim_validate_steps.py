@@ -5,8 +5,8 @@ workers' trace spans.
 Prefill: a step's traced span (the model's forward and sampling, prefill_worker/engine.py)
 against the calibrated compute of its chunks; what the step spends after the span (KV
 export, sends) is the mean step (worker stats) less the mean span, less the simulator's
-own export and sampling. Decode: the period from one step's start to the next while the
-worker is busy (its loop's work between steps included) against the calibrated step of
+own export and sampling. Decode: the period from one step's start to the next while a
+leg runs in both (the loop steps back to back then: its work between steps included) against the calibrated step of
 that batch, less the sampling the simulator adds; the overhead is then in the offset.
 Why the offset: the real prefill step spends ~1.3-1.6 ms beyond its calibrated compute
 at every chunk size here (36 to 256 tokens, context 0 to 1024), so one factor per role
@@ -19,7 +19,6 @@ from collections import defaultdict
 
 import numpy as np
 
-BUSY_GAP_S = 0.002  # a longer gap between two decode steps is a nap (WorkerLoop idle_wait_s)
 MIN_STEPS = 5
 
 
@@ -55,7 +54,12 @@ def _steps(events, phase: str) -> dict[tuple[str, float, float], list]:
     return out
 
 
-def prefill_fit(real, base, extras):
+def _residuals(pred: list[float], real: list[float], fit: tuple[float, float]
+               ) -> tuple[float, ...]:
+    return tuple(float(r) for r in np.asarray(real) - (np.asarray(pred) * fit[0] + fit[1]))
+
+
+def prefill_fit(real, base, extras, jitter: bool = True):
     from bench.studies.service import mean_step_s
     from sim.scaled import StepFit
 
@@ -73,33 +77,35 @@ def prefill_fit(real, base, extras):
     if fit is None or mean is None:
         return None
     overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
-    return StepFit(fit[0], fit[1], overhead)
+    return StepFit(fit[0], fit[1], overhead, _residuals(pred, span, fit) if jitter else ())
 
 
-def decode_fit(real, base, extras):
+def decode_fit(real, base, extras, jitter: bool = True):
     from sim.scaled import StepFit
 
     by_worker: dict[str, list] = defaultdict(list)
-    for (worker, start, end), evs in _steps(real.events, "decode_step").items():
-        by_worker[worker].append((start, end, [e.past_kv_tokens or 0 for e in evs]))
+    for (worker, start, _), evs in _steps(real.events, "decode_step").items():
+        by_worker[worker].append((start, [e.past_kv_tokens or 0 for e in evs],
+                                  {e.request_id for e in evs}))
     pred, period = [], []
     for steps in by_worker.values():
-        steps.sort()
-        for (s0, e0, past), (s1, _, _) in zip(steps, steps[1:], strict=False):
-            if s1 - e0 > BUSY_GAP_S:
+        steps.sort(key=lambda s: s[0])
+        for (s0, past, legs), (s1, _, after) in zip(steps, steps[1:], strict=False):
+            if not legs & after:  # nobody ran on: the loop may have napped in between
                 continue
             b = len(past)
             run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
             pred.append(float(np.asarray(run)[0]))
             period.append(s1 - s0 - extras.sample_s(b))
     fit = _fit(pred, period, median=True)
-    return None if fit is None else StepFit(fit[0], fit[1], 0.0)
+    return None if fit is None else StepFit(
+        fit[0], fit[1], 0.0, _residuals(pred, period, fit) if jitter else ())
 
 
-def step_fits(real, base, extras) -> dict:
+def step_fits(real, base, extras, jitter: bool = True) -> dict:
     """{role: StepFit} for the roles with enough traced steps in ``real``: compute against
     ``base`` (the calibration), less the sampling and KV export ``extras`` (the cost model
-    the simulator will run with) adds."""
-    fits = {"prefill": prefill_fit(real, base, extras),
-            "decode": decode_fit(real, base, extras)}
+    the simulator will run with) adds; with ``jitter`` each carries its residuals."""
+    fits = {"prefill": prefill_fit(real, base, extras, jitter),
+            "decode": decode_fit(real, base, extras, jitter)}
     return {r: f for r, f in fits.items() if f is not None}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bench.records import RequestRecord
-from bench.sim_validate_steps import BUSY_GAP_S, step_fits
+from bench.sim_validate_steps import step_fits
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
 from sim.cost_loader import load_costs
@@ -25,10 +25,12 @@ def _base():
 
 
 def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
-         d_offset: float, gaps: tuple[float, ...] = ()) -> RunOutput:
+         d_offset: float, gaps: tuple[float, ...] = (), nap_at: int | None = None
+         ) -> RunOutput:
     """Prefill steps whose spans are ``p_scale * calibrated + p_offset`` and whose mean
     step is the mean span plus ``post``; decode steps at batch 1..3 whose periods are
-    ``d_scale * calibrated + d_offset`` plus the sampling; ``gaps`` inserts naps."""
+    ``d_scale * calibrated + d_offset`` plus the sampling; ``gaps`` delays the next step
+    (its legs running on); after step ``nap_at`` all legs end, 10 ms pass, new ones run."""
     events, records, spans = [], [], []
     t = 0.0
     for i, (c, p) in enumerate([(16, 0), (64, 0), (128, 128), (256, 0), (256, 256),
@@ -41,15 +43,17 @@ def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
         records.append(RequestRecord(f"r{i}", p + c, 0.0))
         spans.append(span)
         t += span + 0.01
-    t = 100.0
+    t, epoch = 100.0, 0
     for k, b in enumerate([1, 2, 3, 3, 2, 1, 2, 3]):
         past = [40 + j for j in range(b)]
         run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
         period = d_scale * float(np.asarray(run)[0]) + d_offset + base.sample_s(b)
         for j in range(b):
-            events.append(TraceEvent(f"d{j}#x#1", "decode_step", "decode-0", t,
+            events.append(TraceEvent(f"d{j}-{epoch}#x#1", "decode_step", "decode-0", t,
                                      t + period * 0.8, past_kv_tokens=past[j]))
         t += period + (gaps[k] if k < len(gaps) else 0.0)
+        if k == nap_at:
+            t, epoch = t + 0.01, epoch + 1
     stats = {"prefill-0": {"role": "prefill", "steps": len(spans),
                            "mean_step_s": float(np.mean(spans)) + post},
              "decode-0": {"role": "decode", "steps": 8, "mean_step_s": MS}}
@@ -84,16 +88,29 @@ def test_prefill_reads_back_a_slope_in_range_and_decode_the_median_difference() 
     assert fits["decode"].offset_s == pytest.approx(0.5 * np.median(runs), rel=1e-6)
 
 
-def test_a_nap_between_decode_steps_is_not_a_period_and_few_steps_give_no_fit() -> None:
+def test_a_nap_between_decode_steps_is_not_a_period_and_a_stall_with_legs_running_is(
+        ) -> None:
     base = _base()
     napped = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
-                  gaps=(0.0, 0.0, 2 * BUSY_GAP_S))
-    assert step_fits(napped, base, base)["decode"].offset_s == pytest.approx(0.2 * MS,
-                                                                              rel=1e-6)
-    # the nap would have counted: the same run with a 1 ms gap is a slower period
+                  nap_at=2)
+    fit = step_fits(napped, base, base)["decode"]
+    assert fit.offset_s == pytest.approx(0.2 * MS, rel=1e-6)
+    assert len(fit.jitter_s) == 6 and max(map(abs, fit.jitter_s)) < 1e-9
+    # legs ran on through a 1 ms stall after every step: every period is 1 ms slower
     slow = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
                 gaps=(1 * MS,) * 7)
     assert step_fits(slow, base, base)["decode"].offset_s == pytest.approx(1.2 * MS, rel=1e-6)
+    # one 20 ms stall: the median period stays, the stall is one of the residuals drawn
+    one = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
+               gaps=(0.0, 0.0, 0.0, 20 * MS))
+    fit = step_fits(one, base, base)["decode"]
+    assert fit.offset_s == pytest.approx(0.2 * MS, rel=1e-6)
+    assert max(fit.jitter_s) == pytest.approx(20 * MS, rel=1e-6)
+    assert step_fits(one, base, base, jitter=False)["decode"].jitter_s == ()
+
+
+def test_few_steps_give_no_fit() -> None:
+    base = _base()
     few = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.0)
     few.events[:] = [e for e in few.events if e.phase == "prefill_chunk"][:3]
     assert step_fits(few, base, base) == {}
@@ -117,3 +134,19 @@ def test_a_step_fit_replaces_its_roles_factor_in_the_scaled_costs() -> None:
         ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "p", steps={"router": d.steps["decode"]})
     with pytest.raises(ValueError, match="scale > 0"):
         StepFit(0.0, 0.0, 0.0)
+
+
+def test_drawn_jitter_is_seeded_and_never_below_half_the_fitted_step() -> None:
+    base = _base()
+    fit = StepFit(1.0, 0.2 * MS, 0.0, (-1.0, 0.0, 5 * MS))
+    runs = [np.asarray(ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "p",
+                                   steps={"decode": fit}, seed=7).decode_run_s(2, 90, 46, 200))
+            for _ in range(2)]
+    assert np.array_equal(runs[0], runs[1])  # the same seed, the same draws
+    plain = np.asarray(base.decode_run_s(2, 90, 46, 200)) + 0.2 * MS
+    assert set(np.round((runs[0] - plain) / MS, 9)) <= {round(-0.5 * plain[0] / MS, 9), 0.0, 5.0}
+    assert (runs[0] >= 0.5 * plain - 1e-12).all() and (runs[0] > plain).any()
+    s = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "p", steps={"decode": fit})
+    assert not s.pure and "jitter drawn from 3 measured residuals" in s.label
+    assert ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "p",
+                       steps={"decode": StepFit(1.0, 0.0, 0.0)}).pure
