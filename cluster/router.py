@@ -182,21 +182,32 @@ class Router(RouterAdmin):
         none while requests wait for admission (they came first) or no prefill is alive.
         With `pipelined_reserves`, reserves in flight do not stop another: the room left
         is the last load's less the blocks they ask for, so a burst is reserved at once
-        (the worker answers them all at its next step boundary, in arrival order)."""
+        (the worker answers them all at its next step boundary, in arrival order), spread
+        over the workers by KV usage counting those blocks."""
         adm = self.admission
         if not self.config.reserve_with_add or len(adm) or not any(p.alive for p in self.prefill):
             return None
         busy, reserving = adm.core.busy, self._reserving
-        pipelined = self.config.pipelined_reserves
+        if self.config.pipelined_reserves:
+            return self._least_promised(adm.candidates()[0], prompt_len)
         for w in adm.candidates()[0]:
-            if w.role != "decode":
-                continue
-            if pipelined:
-                if w.has_room(prompt_len, reserving.get(id(w), (0, 0))[1]):
-                    return w
-            elif id(w) not in busy and id(w) not in reserving and w.has_room(prompt_len):
+            if w.role == "decode" and id(w) not in busy and id(w) not in reserving \
+                    and w.has_room(prompt_len):
                 return w
         return None
+
+    def _least_promised(self, alive: list[WorkerHandle], prompt_len: int) -> WorkerHandle | None:
+        """The decode worker with the least KV usage counting this router's reserves in
+        flight (then the fewest of them), among those with room for the prompt."""
+        best, best_key = None, None
+        for w in alive:
+            n, blocks = self._reserving.get(id(w), (0, 0))
+            if w.role != "decode" or not w.has_room(prompt_len, blocks):
+                continue
+            key = (w.kv_usage + (blocks / w.num_blocks if w.num_blocks else 0.0), n)
+            if best_key is None or key < best_key:
+                best, best_key = w, key
+        return best
 
     def _reserve_sent(self, w: WorkerHandle, prompt_len: int) -> int:
         """Count a reserve sent with an add; the blocks it asks for (at least)."""

@@ -268,3 +268,32 @@ def test_pipelined_reserves_send_a_burst_at_once_while_the_load_has_room():
     assert toks == [[7, 8, 9]] * 3
     assert not router._reserving  # every reserve sent with an add was answered
     assert_router_clean(router, prefill, [decode])
+
+
+def test_pipelined_reserves_spread_a_burst_over_the_decode_workers():
+    """The reserves in flight count in each worker's KV usage: a burst on two equally
+    loaded workers alternates between them instead of piling onto the first."""
+    async def go():
+        router, prefill, decode = make_router(block_size=4, n_decode=2, pipelined_reserves=True)
+        for w in decode:
+            w.load = WorkerLoad(kv_blocks_promisable=100)
+        lands = [hold(w) for w in decode]
+        specs = [GenerateSpec(f"r{i}", (1, 2, 3), SPEC.sampling) for i in range(4)]
+        streams = [asyncio.ensure_future(rest(router.generate(s))) for s in specs]
+        await until(lambda: len(prefill.actor.calls_of("add")) == 4, "four adds out")
+        asked = [len(w.actor.calls_of("reserve")) for w in decode]
+        for land in lands:
+            land.set()
+        flights = [router.flights[s.request_id] for s in specs]
+        await until(lambda: all(f.leg_id in f.decode.actor.held for f in flights),
+                    "every reservation landed")
+        for f in flights:
+            serve_leg(prefill, f.decode, f.leg_id, (7, 8))
+        toks = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await router.shutdown(0)
+        return asked, toks, router, prefill, decode
+
+    asked, toks, router, prefill, decode = asyncio.run(go())
+    assert asked == [2, 2] and toks == [[7, 8]] * 4
+    assert not router._reserving
+    assert_router_clean(router, prefill, decode)
