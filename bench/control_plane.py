@@ -142,6 +142,9 @@ def report_throughput(streams: int, eng: dict, svc: dict, floor: dict,
           ", ".join(f"{g} {per[g]:.1f} us" for g in GROUPS) +
           f"; tree {total:.1f} us ({n} tokens, {svc['messages']} messages, "
           f"{n / max(1, svc['messages']):.2f} tokens per message) ({svc['load']})")
+    if "ttft_max_s" in svc:  # the burst's ramp: all streams start at once, as in the engine
+        print(f"{tag} service ramp: first token p50 {svc['ttft_p50_s'] * 1e3:,.0f} ms, last "
+              f"{svc['ttft_max_s'] * 1e3:,.0f} ms, of a {svc['wall_s'] * 1e3:,.0f} ms run")
     print(f"{tag} ratio cpu per token: {total / eng_us:.2f}")
     print(f"{tag} ratio tokens/s: {tps / eng_tps:.2f}")
     fd_msg = svc["cpu"]["front door"] / max(1, svc["messages"]) * 1e6

@@ -138,8 +138,10 @@ async def _load(a: argparse.Namespace) -> None:
     wall = time.perf_counter() - t0
     for c in conns:
         await c.channel.close()
+    firsts = sorted(r[2][0] - t0 for r in res if r[2])  # the ramp: when each stream began
     _done({"tokens": sum(r[0] for r in res), "messages": sum(r[1] for r in res),
-           "wall_s": wall})
+           "wall_s": wall, "ttft_p50_s": statistics.median(firsts) if firsts else 0.0,
+           "ttft_max_s": firsts[-1] if firsts else 0.0})
 
 
 async def _idle(a: argparse.Namespace) -> None:

@@ -43,6 +43,11 @@ class RouterConfig:
     # send a leg's decode reserve together with its prefill add when nobody waits for
     # admission (the first token waits for the prefill alone); False: reserve, then add
     reserve_with_add: bool = True
+    # with reserve_with_add: every arrival that finds nobody waiting sends its reserve at
+    # once while the worker's last load, less the blocks of this router's reserves still in
+    # flight, has room for it (a burst is reserved in one go); False: one reserve in flight
+    # per decode worker, the rest of a burst queues for admission
+    pipelined_reserves: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:

@@ -50,10 +50,12 @@ class WorkerHandle:
         used = self.stats.kv_blocks_used if self.stats is not None else 0
         return used / self.num_blocks
 
-    def has_room(self, prompt_len: int) -> bool:
-        """Does its last load message leave room for a prompt (True when it sent none)?"""
+    def has_room(self, prompt_len: int, promised_blocks: int = 0) -> bool:
+        """Does its last load message leave room for a prompt (True when it sent none)?
+        `promised_blocks`: blocks asked for since (reserves in flight), not counted there."""
         load = self.load
-        return load is None or has_room(load.kv_blocks_promisable, self.block_size, prompt_len)
+        return load is None or has_room(load.kv_blocks_promisable - promised_blocks,
+                                        self.block_size, prompt_len)
 
     @property
     def prefill_load(self) -> int:

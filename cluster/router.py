@@ -56,7 +56,9 @@ class Router(RouterAdmin):
         self.tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
-        self._reserving: set[int] = set()  # id()s of decode workers asked by _decode_at_once
+        # id(decode worker) -> [reserves sent by _decode_at_once still in flight, the
+        # blocks they ask for] (more than one only with pipelined_reserves)
+        self._reserving: dict[int, list[int]] = {}
         self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
 
@@ -134,13 +136,13 @@ class Router(RouterAdmin):
         decode = None if refused else self._decode_at_once(len(prompt))
         if decode is not None:
             round_ = self.admission.core.round
-            self._reserving.add(id(decode))
+            blocks = self._reserve_sent(decode, len(prompt))
             try:
                 reply = decode.actor.reserve.remote(dtask)
             except Exception as e:  # (a dead actor may refuse the call itself)
                 reply = asyncio.get_running_loop().create_future()
                 reply.set_exception(e)
-            self.spawn(self._reserve_reply(flight, decode, leg_id, reply, round_))
+            self.spawn(self._reserve_reply(flight, decode, leg_id, reply, round_, blocks))
         else:
             decode = await self.admission.admit(flight, dtask, refused)
             if decode is None:
@@ -177,19 +179,55 @@ class Router(RouterAdmin):
         """The decode worker to reserve on while the prefill starts, if any: the least
         loaded live one with no reserve in flight (an admission's or one sent this way: a
         burst queues as before) and room for the prompt as its last load message says;
-        none while requests wait for admission (they came first) or no prefill is alive."""
+        none while requests wait for admission (they came first) or no prefill is alive.
+        With `pipelined_reserves`, reserves in flight do not stop another: the room left
+        is the last load's less the blocks they ask for, so a burst is reserved at once
+        (the worker answers them all at its next step boundary, in arrival order), spread
+        over the workers by KV usage counting those blocks."""
         adm = self.admission
         if not self.config.reserve_with_add or len(adm) or not any(p.alive for p in self.prefill):
             return None
         busy, reserving = adm.core.busy, self._reserving
+        if self.config.pipelined_reserves:
+            return self._least_promised(adm.candidates()[0], prompt_len)
         for w in adm.candidates()[0]:
             if w.role == "decode" and id(w) not in busy and id(w) not in reserving \
                     and w.has_room(prompt_len):
                 return w
         return None
 
+    def _least_promised(self, alive: list[WorkerHandle], prompt_len: int) -> WorkerHandle | None:
+        """The decode worker with the least KV usage counting this router's reserves in
+        flight (then the fewest of them), among those with room for the prompt."""
+        best, best_key = None, None
+        for w in alive:
+            n, blocks = self._reserving.get(id(w), (0, 0))
+            if w.role != "decode" or not w.has_room(prompt_len, blocks):
+                continue
+            key = (w.kv_usage + (blocks / w.num_blocks if w.num_blocks else 0.0), n)
+            if best_key is None or key < best_key:
+                best, best_key = w, key
+        return best
+
+    def _reserve_sent(self, w: WorkerHandle, prompt_len: int) -> int:
+        """Count a reserve sent with an add; the blocks it asks for (at least)."""
+        blocks = prompt_len // w.block_size + 1 if w.block_size else 0
+        sent = self._reserving.setdefault(id(w), [0, 0])
+        sent[0] += 1
+        sent[1] += blocks
+        return blocks
+
+    def _reserve_answered(self, w: WorkerHandle, blocks: int) -> None:
+        sent = self._reserving.get(id(w))
+        if sent is None:
+            return
+        sent[0] -= 1
+        sent[1] -= blocks
+        if sent[0] <= 0:
+            del self._reserving[id(w)]
+
     async def _reserve_reply(self, flight: Flight, w: WorkerHandle, leg_id: str, reply,
-                             round_: int) -> None:
+                             round_: int, blocks: int = 0) -> None:
         """The answer of a reserve sent with the prefill's add. Refused: the leg ends on
         the prefill worker (decode holds nothing of it) and a new leg queues for admission
         as a refused request does; cannot fit: RESOURCE_EXHAUSTED; the worker died: it is
@@ -204,7 +242,7 @@ class Router(RouterAdmin):
             self.abort_on(w, leg_id)
             dead = True
         finally:
-            self._reserving.discard(id(w))
+            self._reserve_answered(w, blocks)
         if ok:
             return
         current = flight.leg_id == leg_id and not flight.done  # (else it ended, and its

@@ -28,6 +28,7 @@ def test_control_plane_bench_quick_prints_its_lines(tmp_path):
                     r"( = \d+\.\d+x|; per token)",
                     r"service: [\d,]+ tok/s; CPU per token: front door [\d.]+ us, decode "
                     r"[\d.]+ us, prefill [\d.]+ us, ray daemons [\d.]+ us",
+                    r"service ramp: first token p50 [\d,]+ ms, last [\d,]+ ms, of a [\d,]+ ms run",
                     r"idle: service TTFT \d+\.\d+ ms", r"load \d+\.\d+"):
         assert re.search(pattern, text), f"no line matches {pattern!r} in:\n{text}"
     if py_spy():  # a native profile of the front door and of the floor, per load window

@@ -81,3 +81,27 @@ def test_refused_and_aborted_legs_with_reserve_sent_with_add_leak_nothing(start_
     assert not router.legs and router.waiting_admission == 0
     assert all(w.outstanding_tokens == 0 and not w.legs for w in router.workers)
     runner.close()
+
+
+def test_pipelined_reserves_serve_a_burst_on_a_tight_pool_exactly(start_router, tiny_model):
+    """pools.pipelined_reserves: a burst's reserves go out together (the worker's last load,
+    less the reserves in flight, says whether one fits); on a tight pool (12 blocks) some are
+    refused for real and queue for admission. Every request is served exactly; nothing
+    leaks, and every reserve sent with an add was answered."""
+    runner = start_router({"transfer": {"connector": "tcp"},
+                           "cache": {"num_blocks": 12, "block_size": 16},
+                           "scheduler": {"max_prefill_chunk": 16},
+                           "pools": {"pipelined_reserves": True}})
+    router = runner.router
+    assert router.config.reserve_with_add and router.config.pipelined_reserves
+    ps = prompts(12, seed=5)
+    reference = [o.token_ids for o in LLM(str(tiny_model), block_size=16).generate(ps, GREEDY)]
+    results = runner.generate_many([GenerateSpec(f"burst-{i}", tuple(p), GREEDY)
+                                    for i, p in enumerate(ps)])
+    for (toks, last), ref in zip(results, reference, strict=True):
+        assert not isinstance(last, RouterError), last
+        assert toks == ref
+    assert not router._reserving
+    assert_quiescent(runner)
+    for f in _decode_figures(runner):
+        assert f.get("kv_early_held_chunks", 0) == 0 and f.get("kv_early_held_bytes", 0) == 0

@@ -15,7 +15,7 @@ import pytest
 from bench.scripted_workers import make_router, serve_leg, until
 from cluster.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
-from runtime.messages import EventKind
+from runtime.messages import EventKind, WorkerLoad
 from tests.unit.test_router_races import assert_router_clean
 
 SPEC = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=3))
@@ -238,3 +238,62 @@ def test_a_burst_sends_one_reserve_with_an_add_per_decode_worker_the_rest_queue(
     assert toks == [[7, 8, 9], [7, 8, 9]]
     assert full.code == ErrorCode.RESOURCE_EXHAUSTED and "queue is full" in full.message
     assert_router_clean(router, prefill, [decode])
+
+
+def test_pipelined_reserves_send_a_burst_at_once_while_the_load_has_room():
+    """pipelined_reserves: reserves in flight do not hold the next arrival back; the room
+    is the last load's less the blocks of the reserves in flight, so the arrival that
+    finds none left queues for admission as before."""
+    async def go():
+        router, prefill, [decode] = make_router(block_size=4, pipelined_reserves=True)
+        decode.load = WorkerLoad(kv_blocks_promisable=2)  # a 3-token prompt asks 1 block
+        land = hold(decode)
+        specs = [GenerateSpec(rid, (1, 2, 3), SPEC.sampling) for rid in ("a", "b", "c")]
+        streams = [asyncio.ensure_future(rest(router.generate(s))) for s in specs]
+        await until(lambda: router.waiting_admission == 1, "c queues for admission")
+        await until(lambda: len(decode.actor.calls_of("reserve")) == 3, "c's admission asks")
+        # a's and b's reserves went with their adds, both in flight; c's add waits for its
+        # grant (its reserve is the admission's)
+        assert [leg.split("#")[0] for leg in prefill.actor.calls_of("add")] == ["a", "b"]
+        assert not land.is_set()
+        land.set()
+        await until(lambda: len(prefill.actor.calls_of("add")) == 3, "c's add after its grant")
+        for rid in ("a", "b", "c"):
+            serve_leg(prefill, decode, router.flights[rid].leg_id, (7, 8, 9))
+        toks = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await router.shutdown(0)
+        return toks, router, prefill, decode
+
+    toks, router, prefill, decode = asyncio.run(go())
+    assert toks == [[7, 8, 9]] * 3
+    assert not router._reserving  # every reserve sent with an add was answered
+    assert_router_clean(router, prefill, [decode])
+
+
+def test_pipelined_reserves_spread_a_burst_over_the_decode_workers():
+    """The reserves in flight count in each worker's KV usage: a burst on two equally
+    loaded workers alternates between them instead of piling onto the first."""
+    async def go():
+        router, prefill, decode = make_router(block_size=4, n_decode=2, pipelined_reserves=True)
+        for w in decode:
+            w.load = WorkerLoad(kv_blocks_promisable=100)
+        lands = [hold(w) for w in decode]
+        specs = [GenerateSpec(f"r{i}", (1, 2, 3), SPEC.sampling) for i in range(4)]
+        streams = [asyncio.ensure_future(rest(router.generate(s))) for s in specs]
+        await until(lambda: len(prefill.actor.calls_of("add")) == 4, "four adds out")
+        asked = [len(w.actor.calls_of("reserve")) for w in decode]
+        for land in lands:
+            land.set()
+        flights = [router.flights[s.request_id] for s in specs]
+        await until(lambda: all(f.leg_id in f.decode.actor.held for f in flights),
+                    "every reservation landed")
+        for f in flights:
+            serve_leg(prefill, f.decode, f.leg_id, (7, 8))
+        toks = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await router.shutdown(0)
+        return asked, toks, router, prefill, decode
+
+    asked, toks, router, prefill, decode = asyncio.run(go())
+    assert asked == [2, 2] and toks == [[7, 8]] * 4
+    assert not router._reserving
+    assert_router_clean(router, prefill, decode)
