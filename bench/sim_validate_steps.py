@@ -6,11 +6,16 @@ Prefill: a step's traced span (the model's forward and sampling, prefill_worker/
 against the calibrated compute of its chunks; what the step spends after the span (KV
 export, sends) is the mean step (worker stats) less the mean span, less the simulator's
 own export and sampling. Decode: the period from one step's start to the next while a
-leg runs in both (the loop steps back to back then: its work between steps included) against the calibrated step of
-that batch, less the sampling the simulator adds; the overhead is then in the offset.
-Why the offset: the real prefill step spends ~1.3-1.6 ms beyond its calibrated compute
+leg runs in both (the loop steps back to back then, so its work between steps counts)
+against the calibrated step of that batch, less the sampling the simulator adds; the
+overhead is then in the offset.
+
+Why an offset: the real prefill step spends ~1.3-1.6 ms beyond its calibrated compute
 at every chunk size here (36 to 256 tokens, context 0 to 1024), so one factor per role
 (the mean step's ratio) made short prompts' steps 2x too fast and TTFT p50 ~20% low.
+Drawing each step's residual around the fit (to give the machine's stalls to the tails)
+was tried and dropped: the residuals are skewed, so the draws lowered the median steps,
+and TTFT p50 fell 5-20% further below the real runs in a validation, with no gain at p99.
 """
 
 from __future__ import annotations
@@ -54,12 +59,7 @@ def _steps(events, phase: str) -> dict[tuple[str, float, float], list]:
     return out
 
 
-def _residuals(pred: list[float], real: list[float], fit: tuple[float, float]
-               ) -> tuple[float, ...]:
-    return tuple(float(r) for r in np.asarray(real) - (np.asarray(pred) * fit[0] + fit[1]))
-
-
-def prefill_fit(real, base, extras, jitter: bool = True):
+def prefill_fit(real, base, extras):
     from bench.studies.service import mean_step_s
     from sim.scaled import StepFit
 
@@ -77,10 +77,10 @@ def prefill_fit(real, base, extras, jitter: bool = True):
     if fit is None or mean is None:
         return None
     overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
-    return StepFit(fit[0], fit[1], overhead, _residuals(pred, span, fit) if jitter else ())
+    return StepFit(fit[0], fit[1], overhead)
 
 
-def decode_fit(real, base, extras, jitter: bool = True):
+def decode_fit(real, base, extras):
     from sim.scaled import StepFit
 
     by_worker: dict[str, list] = defaultdict(list)
@@ -98,14 +98,13 @@ def decode_fit(real, base, extras, jitter: bool = True):
             pred.append(float(np.asarray(run)[0]))
             period.append(s1 - s0 - extras.sample_s(b))
     fit = _fit(pred, period, median=True)
-    return None if fit is None else StepFit(
-        fit[0], fit[1], 0.0, _residuals(pred, period, fit) if jitter else ())
+    return None if fit is None else StepFit(fit[0], fit[1], 0.0)
 
 
-def step_fits(real, base, extras, jitter: bool = True) -> dict:
+def step_fits(real, base, extras) -> dict:
     """{role: StepFit} for the roles with enough traced steps in ``real``: compute against
     ``base`` (the calibration), less the sampling and KV export ``extras`` (the cost model
-    the simulator will run with) adds; with ``jitter`` each carries its residuals."""
-    fits = {"prefill": prefill_fit(real, base, extras, jitter),
-            "decode": decode_fit(real, base, extras, jitter)}
+    the simulator will run with) adds."""
+    fits = {"prefill": prefill_fit(real, base, extras),
+            "decode": decode_fit(real, base, extras)}
     return {r: f for r, f in fits.items() if f is not None}

@@ -57,7 +57,6 @@ class CostModel(ABC):
 
     calibration: Calibration
     label: str
-    pure = True  # the same arguments give the same seconds (callers may keep them)
 
     @abstractmethod
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:

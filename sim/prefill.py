@@ -149,7 +149,7 @@ class SimPrefill(SimWorker):
                 t = export[item.num_tokens] = costs.kv_export_s(item.num_tokens)
             exported += t
             finals += item.completes_prefill
-        if len(items) == 1 and costs.pure:  # a function of (C, P): asked once per pair
+        if len(items) == 1:  # a pure function of (C, P): asked once per pair
             key = (items[0].num_tokens, items[0].start)
             t = self._one_chunk.get(key)
             if t is None:

@@ -19,10 +19,7 @@ prefill of 36 tokens here: 0.47 ms of calibrated compute, 1.6 ms in the real wor
 span) as well as a long one (1.1x). ``steps`` replaces it, per role, by a :class:`StepFit`
 measured on the same kind of run from the workers' trace spans: the step's compute as
 ``scale * calibrated + offset_s`` and a per-step overhead of ``overhead_s`` (what the
-real step spends after the traced compute, before its next step). Its ``jitter_s`` are
-the measured steps' residuals around that fit; when given, each simulated step draws one
-(seeded: a run is reproducible), so the machine's stalls -- a 0.3 ms decode step that took
-22 ms while the OS ran something else -- reach the tails as they do for real.
+real step spends after the traced compute, before its next step).
 """
 
 from __future__ import annotations
@@ -44,33 +41,19 @@ class StepFit:
     scale: float
     offset_s: float
     overhead_s: float
-    jitter_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0):
-            raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got "
-                             f"scale {self.scale}, offset {self.offset_s}, overhead "
-                             f"{self.overhead_s}")
-        object.__setattr__(self, "jitter_s", tuple(float(x) for x in self.jitter_s))
+            raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got {self}")
 
-    def to_dict(self) -> dict:
-        return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s,
-                "jitter_s": list(self.jitter_s)}
-
-    def steps_s(self, calibrated: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """The fitted steps for ``calibrated`` compute, each with a drawn residual (never
-        below half the fitted step)."""
-        fitted = calibrated * self.scale + self.offset_s
-        if not self.jitter_s:
-            return fitted
-        drawn = rng.choice(np.asarray(self.jitter_s), size=fitted.shape)
-        return np.maximum(fitted + drawn, 0.5 * fitted)
+    def to_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s}
 
 
 class ScaledCosts(CostModel):
     def __init__(self, base: CostModel, factors: Mapping[str, float], why: str,
                  delivery: Delivery | None = None,
-                 steps: Mapping[str, StepFit] | None = None, seed: int = 0):
+                 steps: Mapping[str, StepFit] | None = None):
         if set(factors) - {"control", "link"} != set(ROLES) or \
                 not all(f > 0 for f in factors.values()):
             raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
@@ -79,18 +62,12 @@ class ScaledCosts(CostModel):
             raise ValueError(f"step fits are per role of {ROLES}, got {sorted(steps)}")
         self.base, self.factors = base, dict(factors)
         self.steps = dict(steps or {})
-        self._rng = np.random.default_rng(seed)
-        # a step's cost is a draw: callers must not keep one per shape (sim/prefill.py)
-        self.pure = not any(st.jitter_s for st in self.steps.values())
         self.calibration = base.calibration
         fc = self.factors.setdefault("control", 1.0)
         fl = self.factors.setdefault("link", 1.0)
         compute = ", ".join(
             f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
-            f"{st.overhead_s * 1e3:.2f} ms"
-            + (f", jitter drawn from {len(st.jitter_s)} measured residuals (p99 "
-               f"{np.percentile(st.jitter_s, 99) * 1e3:.2f} ms)" if st.jitter_s else "")
-            if (st := self.steps.get(r)) else
+            f"{st.overhead_s * 1e3:.2f} ms" if (st := self.steps.get(r)) else
             f"x{self.factors[r]:.2f} {r}" for r in ROLES)
         self.label = (f"{base.label}; compute {compute}, control "
                       f"plane x{fc:.2f}, KV link x{fl:.2f}"
@@ -106,7 +83,7 @@ class ScaledCosts(CostModel):
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         st = self.steps.get("prefill")
         if st is not None:
-            return float(st.steps_s(np.array([self.base.prefill_s(chunks)]), self._rng)[0])
+            return self.base.prefill_s(chunks) * st.scale + st.offset_s
         return self.base.prefill_s(chunks) * self.factors["prefill"]
 
     def decode_run_s(self, batch: int, context: int, longest: int,
@@ -114,7 +91,7 @@ class ScaledCosts(CostModel):
         run = np.asarray(self.base.decode_run_s(batch, context, longest, steps))
         st = self.steps.get("decode")
         if st is not None:
-            return st.steps_s(run, self._rng)
+            return run * st.scale + st.offset_s
         return run * self.factors["decode"]
 
     def sample_s(self, rows: int) -> float:  # both roles sample; decode does it every step
