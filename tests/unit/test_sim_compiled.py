@@ -23,17 +23,14 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"opt-in: {WHY}")
 
 BASE = ["--analytic", "h200", "--model-shape", "llama-3-8b", "--interconnect", "infiniband",
         "--seed", "3"]
+PREEMPT = ["--prefill-workers", "2", "--decode-workers", "2", "--num-blocks", "300",
+           "--fairness-policy", "srpt", "--send-policy", "paced", "--rate-gbps", "50",
+           "--send-queue", "wfq", "--request-rate", "40", "--num-prompts", "200"]
 CONFIGS = {
     "8p24d-chat": ["--prefill-workers", "8", "--decode-workers", "24", "--request-rate", "100",
                    "--num-prompts", "400", "--decode-order", "least-legs"],
-    "2p2d-preempt-fast": ["--prefill-workers", "2", "--decode-workers", "2", "--num-blocks",
-                          "300", "--fairness-policy", "srpt", "--send-policy", "paced",
-                          "--rate-gbps", "50", "--send-queue", "wfq", "--request-rate", "40",
-                          "--num-prompts", "200"],
-    "2p2d-preempt-exact": ["--prefill-workers", "2", "--decode-workers", "2", "--num-blocks",
-                           "300", "--fairness-policy", "srpt", "--send-policy", "paced",
-                           "--rate-gbps", "50", "--send-queue", "wfq", "--request-rate", "40",
-                           "--num-prompts", "200", "--decode-stepping", "exact"],
+    "2p2d-preempt-fast": PREEMPT,
+    "2p2d-preempt-exact": [*PREEMPT, "--decode-stepping", "exact"],
     "prefix-at-end-adaptive": ["--prefill-workers", "2", "--decode-workers", "4", "--mix",
                                "shared-prefix", "--num-prefix-groups", "4", "--prefix-len",
                                "256", "--send-policy", "at_end", "--chunk-policy", "adaptive",
