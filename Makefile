@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow lint bench proto model clean
+.PHONY: setup demo test test-slow lint bench proto model clean sim-fast
 
 setup: $(STAMP)
 
@@ -37,6 +37,13 @@ proto: setup
 
 model: setup
 	$(VENV)/bin/pdserve make-model --preset tiny --arch llama --out models/tiny-llama
+
+# opt-in: the simulator's hot modules compiled with mypyc into build/simfast/ (sim/compiled.py);
+# `python -m sim.bench_scale` and `pdserve simulate` use it while it matches the source
+SIMFAST_MYPY ?= mypy==2.4.1
+sim-fast: setup
+	$(PY) -m pip install -q '$(SIMFAST_MYPY)'
+	$(PY) -m sim.build_fast
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

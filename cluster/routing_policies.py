@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import pairwise
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from engine.block_manager import block_hashes
 
@@ -67,7 +67,7 @@ def least_outstanding(loads: Sequence[PrefillLoad]) -> PrefillLoad:
 class PrefillPlacement(ABC):
     """Chooses a prefill worker for a prompt. May keep state (affinity memory)."""
 
-    name = ""
+    name: ClassVar[str] = ""
 
     @abstractmethod
     def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
@@ -81,7 +81,7 @@ class PrefillPlacement(ABC):
 
 
 class LeastOutstanding(PrefillPlacement):
-    name = "least-outstanding"
+    name: ClassVar[str] = "least-outstanding"
 
     def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
              hashes: Sequence[bytes] | None = None) -> str:
@@ -92,7 +92,7 @@ class PrefixAffinity(PrefillPlacement):
     """Least outstanding tokens, sticky on a prompt's first block within ``slack_tokens``.
     Keeps the ``capacity`` most recent first blocks."""
 
-    name = "prefix-affinity"
+    name: ClassVar[str] = "prefix-affinity"
 
     def __init__(self, block_size: int = 16, slack_tokens: int = 2048,
                  capacity: int = MAX_AFFINITY_KEYS):
@@ -139,7 +139,7 @@ class LengthBuckets(PrefillPlacement):
     bucket has a worker, and with fewer workers than buckets neighbours share one.
     """
 
-    name = "length-buckets"
+    name: ClassVar[str] = "length-buckets"
 
     def __init__(self, thresholds: Sequence[int] = (256, 1024, 4096)):
         t = tuple(int(x) for x in thresholds)

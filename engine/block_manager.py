@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from struct import Struct
 from struct import error as StructError
 from typing import TYPE_CHECKING
@@ -149,13 +149,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         usable = (len(token_ids) - 1) // self.block_size
-        if hashes is None:
-            hashes = iter_block_hashes(token_ids[: usable * self.block_size], self.block_size)
-        elif len(hashes) > usable:
-            hashes = hashes[:usable]
+        todo: Iterable[bytes] = (
+            iter_block_hashes(token_ids[: usable * self.block_size], self.block_size)
+            if hashes is None else hashes[:usable] if len(hashes) > usable else hashes)
         hit: list[int] = []
         get = self._hash_to_block.get
-        for h in hashes:
+        for h in todo:
             b = get(h)
             if b is None:
                 break

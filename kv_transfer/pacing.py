@@ -26,8 +26,11 @@ Clock = Callable[[], float]
 class PacingConfig(Protocol):
     """What a pacer reads of the transfer config (kv_transfer.config.TransferConfig)."""
 
-    rate_bytes_per_s: float
-    burst_bytes: int
+    @property
+    def rate_bytes_per_s(self) -> float: ...
+
+    @property
+    def burst_bytes(self) -> int: ...
 
 
 class ManualClock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from engine.registry import Registry
 
@@ -147,7 +148,7 @@ class ChunkPolicy:
     `uses_decode_pressure`: the router should feed `observe_decode_pressure` (it measures
     the decode pool's ITL against scheduler.itl_target_ms only for policies that ask)."""
 
-    uses_decode_pressure = False
+    uses_decode_pressure: ClassVar[bool] = False
 
     def __init__(self, max_chunk: int, min_chunk: int = 16):
         self.max_chunk = max_chunk
@@ -179,7 +180,7 @@ class AdaptivePolicy(ChunkPolicy):
     never below `min_chunk`.
     """
 
-    uses_decode_pressure = True
+    uses_decode_pressure: ClassVar[bool] = True
 
     def __init__(self, max_chunk: int, min_chunk: int = 16, low: float = 0.3, high: float = 1.0):
         super().__init__(max_chunk, min_chunk)

@@ -109,7 +109,8 @@ class SimAdmission:
                   round_: int) -> None:
         if error is not None:  # it can never fit: say so now, not after a wait
             wt.error = f"RESOURCE_EXHAUSTED: {error}"
-        self._woken = woken = []
+        woken: list[Waiter] = []
+        self._woken = woken
         try:
             self.core.answered(wt, w, ok, round_)
         finally:
@@ -147,6 +148,7 @@ class SimAdmission:
                     self.core.wake_head()
                 self._wake_up(wt)
         dues = [wt.event[0] for wt in self.core.waiters if not wt.left]
-        self._timer_at = min(dues) if dues else None
+        self._timer_at = None
         if dues:
-            self.loop.at(self._timer_at, self._timeouts)
+            self._timer_at = at = min(dues)
+            self.loop.at(at, self._timeouts)

@@ -181,8 +181,8 @@ class RooflineCosts(CostModel):
                     for ctx in map(float, range(context, context + batch * steps, batch))]
         # the same element-wise float operations, in place (each numpy call costs more than
         # its arithmetic on a run's few hundred elements)
-        ctx = np.arange(context, context + batch * steps, batch, dtype=float)
-        nbytes = ctx + batch
+        ctx: Any = np.arange(context, context + batch * steps, batch, dtype=float)
+        nbytes: Any = ctx + batch
         nbytes *= kvb
         nbytes += m0
         nbytes /= bw
@@ -201,7 +201,8 @@ class RooflineCosts(CostModel):
             return [(m0 + (ctx + batch) * kvb) / bw
                     for ctx in map(float, range(context, context + batch * steps, batch))]
         stop = context + batch * (steps + 1)
-        table = self._bytes_s
+        table: Any = self._bytes_s
+        nbytes: Any
         if stop > len(table):  # grown by doubling (a few times per simulation), bounded
             if stop > _TABLE_MAX:
                 nbytes = np.arange(context + batch, stop, batch, dtype=float)

@@ -13,14 +13,21 @@ at every step (the baseline fast stepping replaces) and prints both speeds and t
 ``--policy-share`` profiles the run (cProfile) and prints how its time splits between
 pdserve's real policy code (engine/, prefill_worker/, decode_worker/, kv_transfer/,
 cluster/; a builtin's time goes to its caller's side) and the simulator's own code: the
-speed-up the run could reach if the simulator's own code cost nothing.
+speed-up the run could reach if the simulator's own code cost nothing (measured on the
+interpreted code: a profile sees nothing inside compiled modules).
+``--code``: run on the compiled build of `make sim-fast` (sim/compiled.py) when it is
+there and matches the source (auto, the default), insist on it, or not; the output says
+which code ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
+
+from sim import compiled
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +50,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy-share", action="store_true",
                    help="profile the run: the share of its time in the real policy code")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--code", choices=compiled.CODES, default="auto",
+                   help="the compiled build of `make sim-fast` (auto: when present and "
+                   "current; --policy-share: interpreted) or the source")
     return p.parse_args(argv)
 
 
@@ -131,9 +141,19 @@ def report(name: str, r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    code = "interpreted" if args.policy_share and args.code == "auto" else args.code
+    if argv is None:  # the command line: it may run again on the compiled build
+        error = compiled.reexec(code, ["sim.bench_scale", *sys.argv[1:]])
+        if error:
+            print(f"bench_scale: --code compiled: {error}", file=sys.stderr)
+            return 2
+    elif code == "compiled":
+        print("bench_scale: --code compiled needs the command line", file=sys.stderr)
+        return 2
     print(f"bench_scale: {args.duration:g} s at {args.rate:g} req/s, {args.prefill}P/"
           f"{args.decode}D, mix {args.mix}, prefix caching "
-          f"{'on' if args.prefix_caching else 'off'}, decode order {args.decode_order}")
+          f"{'on' if args.prefix_caching else 'off'}, decode order {args.decode_order}; "
+          f"code: {compiled.running()}")
     fast = simulate(args, args.duration, "fast")
     print(f"cost model: {fast['label']}")
     report("fast stepping", fast)

@@ -10,6 +10,9 @@
 argparse helper) and `pdserve serve`'s configuration flags and `--config` (generated
 from ServeConfig by cluster/config_cli.py), prints bench's metric block and writes
 bench's JSON keys. Module imports stay light: `pdserve --help` must be instant.
+`--code`: the compiled build of `make sim-fast` (sim/compiled.py) runs when it is there and
+matches the source (auto), or must run (compiled), or not (interpreted); the output says
+which code ran.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.workload_args import add_workload_args, workload_spec
+from sim import compiled
 
 
 def _calibration_source(p: argparse.ArgumentParser) -> None:
@@ -56,6 +60,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="exact: the decode scheduler runs every step (slower, same result)")
     s.add_argument("--trace-out", metavar="OUT", help="write a Perfetto trace of the run here "
                    "(engine/tracing.py events on the simulated clock)")
+    s.add_argument("--code", choices=compiled.CODES, default="auto",
+                   help="the compiled build of `make sim-fast` (auto: when present and "
+                   "current, from the command line) or the source")
     b = p.add_argument_group("bench output")
     b.add_argument("--slo", default="", help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
     b.add_argument("--long-prompt-threshold", type=int, default=1024,
@@ -87,7 +94,23 @@ def load_cost_model(args: argparse.Namespace):
     return load_costs(analytic_calibration(args.analytic, shape, args.analytic_dtype))
 
 
+def _on_command_line() -> bool:
+    """This process is `pdserve simulate ...` itself (not a caller of run_simulate_cmd)."""
+    return sys.argv[1:2] == ["simulate"] and Path(sys.argv[0]).name in ("pdserve", "cli.py")
+
+
 def run_simulate_cmd(args: argparse.Namespace) -> int:
+    if _on_command_line():  # it may run again on the compiled build
+        error = compiled.reexec(args.code, ["cluster.cli", *sys.argv[1:]])
+    else:
+        error = "needs the command line" if args.code == "compiled" else None
+    if error:
+        print(f"pdserve simulate: --code compiled: {error}", file=sys.stderr)
+        return 2
+    return _simulate(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from bench.metrics import parse_slo
     from bench.workload import build_workload, summarize_workload
     from cluster.config_cli import config_from_args
@@ -116,6 +139,7 @@ def run_simulate_cmd(args: argparse.Namespace) -> int:
         return 2
     summary = summarize_workload(requests)
     print(f"pdserve simulate: {costs.label}", flush=True)
+    print(f"pdserve simulate: code: {compiled.running()}", flush=True)
     print(f"pdserve simulate: {cfg.pools.prefill_workers}P/{cfg.pools.decode_workers}D, "
           f"{summary['num_requests']} requests, mix {spec.mix}, rate {spec.request_rate:g}/s, "
           f"prompt mean {summary['prompt_len']['mean']:.0f}, output mean "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from array import array
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 
 class SimDecode(KVIntake):
-    role = "decode"
+    role: ClassVar[str] = "decode"
 
     def __init__(self, sim: Simulation, worker_id: str):
         super().__init__(sim, worker_id)
@@ -86,7 +86,8 @@ class SimDecode(KVIntake):
     def command(self, fn, *args) -> None:
         # a reservation or a keepalive changes no running leg: it runs at the next step
         # boundary and the run goes on after it when no decision can change (_boundary)
-        if getattr(fn, "__func__", None) in _SOFT:
+        # (by name: a method compiled by mypyc, `make sim-fast`, has no __func__)
+        if isinstance(getattr(fn, "__self__", None), SimDecode) and fn.__name__ in _SOFT:
             if self._soft_command(fn, args):
                 return
         else:
@@ -192,6 +193,7 @@ class SimDecode(KVIntake):
         if fixed is None:  # the costs are pure functions of the batch: asked once per size
             fixed = self._fixed[b] = self.costs.step_overhead_s("decode", b) + self.costs.sample_s(b)
         run = self.costs.decode_run_s(b, ctx, longest, k)
+        durations: Any  # a list for a short run, else a numpy array
         if k <= SMALL_RUN:  # the same float operations as the numpy path, without numpy
             durations = [x + fixed for x in run]
             durations[0] += import_s
@@ -277,7 +279,7 @@ class SimDecode(KVIntake):
         free = self.sim.router.promisable[self.worker_id] = self.sched.promised_free_blocks()
         return free
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         return {"role": self.role, "steps": self.num_steps,
                 "mean_step_s": self.busy_s / self.num_steps if self.num_steps else None,
                 "busy_s": self.busy_s, "kv_bytes_sent": 0.0,
@@ -285,4 +287,4 @@ class SimDecode(KVIntake):
                                if self.step_batch else None)}
 
 
-_SOFT = (SimDecode.reserve, SimDecode.keepalive)  # commands that need not end a run
+_SOFT = ("reserve", "keepalive")  # SimDecode's commands that need not end a run

@@ -27,6 +27,13 @@ if TYPE_CHECKING:
 
 
 class KVIntake(RunCutter):
+    # set by SimDecode.__init__ (declared here for the type checker and mypyc)
+    early: dict[str, list[Piece]]
+    closed: set[str]
+    started: dict[str, float]
+    num_layers: int
+    kvb: int
+
     def deliver(self, pieces: list[Piece]) -> None:
         self.inbox.extend(pieces)
         self._cut()

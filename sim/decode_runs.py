@@ -17,14 +17,33 @@ goes on after it when no decision can change. ``--decode-stepping exact`` calls
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING, Any
 
-from sim.adapters import RequestStatus, ScheduledItem
+from sim.adapters import BlockManager, DecodeScheduler, RequestStatus, ScheduledItem
 from sim.worker import SimWorker
+
+if TYPE_CHECKING:
+    from sim.link import Piece
 
 MAX_RUN = 1024  # most steps taken as one
 
 
 class RunCutter(SimWorker):
+    # set by SimDecode.__init__ (declared here for the type checker and mypyc)
+    sched: DecodeScheduler
+    bm: BlockManager
+    max_len: int
+    inbox: list[Piece]
+    _items: list[ScheduledItem]
+    _ends: Any  # the run's step end times: a list, or a numpy array for a long run
+    _run: int
+    _soft: list[tuple]
+    _soft_at: int
+    _soft_version: int
+
+    def publish_load(self) -> int:
+        raise NotImplementedError
+
     def _cut(self) -> None:
         """End a multi-step run at the first step boundary from now on (the commands
         waiting for that boundary then run with the others, in arrival order)."""

@@ -27,20 +27,6 @@ if TYPE_CHECKING:
     from sim.prefill import SimPrefill
 
 
-class Piece(NamedTuple):
-    """One frame on the wire: a token range of some layers of one leg's chunk."""
-
-    leg_id: str
-    seq_no: int
-    part: int
-    token_start: int
-    token_end: int
-    layer_end: int
-    first_token: int | None  # the final piece only
-    nbytes: int
-    link: SimLink
-
-
 class SimLink:
     def __init__(self, sim: Simulation, src: SimPrefill, dst: SimDecode):
         self.sim, self.loop = sim, sim.loop
@@ -150,3 +136,17 @@ class SimLink:
         self._outstanding.pop(leg_id, None)
         self.sched.abort(leg_id)
         self.kick()
+
+
+class Piece(NamedTuple):  # (after SimLink: mypyc builds the field types first)
+    """One frame on the wire: a token range of some layers of one leg's chunk."""
+
+    leg_id: str
+    seq_no: int
+    part: int
+    token_start: int
+    token_end: int
+    layer_end: int
+    first_token: int | None  # the final piece only
+    nbytes: int
+    link: SimLink

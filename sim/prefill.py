@@ -8,7 +8,7 @@ acked) is mirrored here; the model's compute, sampling and KV export are costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sim.adapters import (
     BlockManager,
@@ -38,7 +38,7 @@ class Job:
 
 
 class SimPrefill(SimWorker):
-    role = "prefill"
+    role: ClassVar[str] = "prefill"
 
     def __init__(self, sim: Simulation, worker_id: str):
         super().__init__(sim, worker_id)
@@ -216,7 +216,7 @@ class SimPrefill(SimWorker):
         self.loop.at(self.loop.now + self.sim.delivery.first_token_s,
                      self.sim.router.on_first_token, self, job.leg_id, ended, timing)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         return {"role": self.role, "steps": self.num_steps,
                 "mean_step_s": self.busy_s / self.num_steps if self.num_steps else None,
                 "busy_s": self.busy_s, "kv_bytes_sent": float(self.kv_bytes_sent),

@@ -24,13 +24,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from bench.workload import WorkloadRequest  # (at run time: mypyc's dataclass reads it)
 from sim.adapters import DecodeLoad, PrefillLoad, block_hashes, simulated_token
 from sim.admission import SimAdmission
 from sim.router_reserve import ReserveWithAdd
-from sim.router_upkeep import RouterUpkeep
 
 if TYPE_CHECKING:
-    from bench.workload import WorkloadRequest
     from sim.cluster import Simulation
     from sim.decode import SimDecode
     from sim.prefill import SimPrefill
@@ -58,7 +57,7 @@ class Flight:
     leg_first_seen: bool = False
 
 
-class SimRouter(RouterUpkeep, ReserveWithAdd):
+class SimRouter(ReserveWithAdd):
     def __init__(self, sim: Simulation):
         self.sim, self.loop = sim, sim.loop
         self.cfg = sim.plan.router

@@ -18,14 +18,34 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from sim.adapters import decode_task, has_room
+from sim.router_upkeep import RouterUpkeep
 
 if TYPE_CHECKING:
+    from sim.admission import SimAdmission
     from sim.decode import SimDecode
     from sim.router import Flight
 
 
-class ReserveWithAdd:
-    """SimRouter's reserve-with-add (a base class: it reads and sets the router's state)."""
+class ReserveWithAdd(RouterUpkeep):
+    """SimRouter's reserve-with-add (a base class: it reads and sets the router's state;
+    one chain of bases, RouterUpkeep <- ReserveWithAdd <- SimRouter, as mypyc needs)."""
+
+    # set by SimRouter.__init__ (declared here for the type checker and mypyc)
+    admission: SimAdmission
+    reserving: set[int]
+    promisable: dict[str, int]
+
+    def place(self, flight: Flight, decode: SimDecode) -> None:
+        raise NotImplementedError
+
+    def dispatch(self, flight: Flight, refused: tuple | None = None) -> None:
+        raise NotImplementedError
+
+    def end_leg(self, f: Flight, ended: tuple = ()) -> None:
+        raise NotImplementedError
+
+    def fail(self, f: Flight, error: str) -> None:
+        raise NotImplementedError
 
     def decode_at_once(self, prompt_len: int) -> SimDecode | None:
         """cluster/router.py _decode_at_once (every simulated prefill worker is alive)."""

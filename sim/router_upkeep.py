@@ -7,14 +7,31 @@ fed to every prefill worker. Each loop re-arms while requests are in flight or t
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import numpy as np
+
+from sim.adapters import RouterConfig
+from sim.loop import EventLoop
 
 PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
 
 
 class RouterUpkeep:
     """SimRouter's periodic loops (a base class: they read and set its state)."""
+
+    # set by SimRouter.__init__ (declared here for the type checker and mypyc; the
+    # Simulation and Flight as Any: naming them here would close an import cycle)
+    sim: Any
+    loop: EventLoop
+    cfg: RouterConfig
+    flights: dict[str, Any]
+    legs: dict[str, Any]
+    held: dict[str, set[str]]
+    kv_view: dict[str, float]
+
+    def _decode_load(self, wid: str) -> None:
+        raise NotImplementedError
 
     # ---- periodic views ---------------------------------------------------------------
     def keepalive_loop(self) -> None:
@@ -44,7 +61,7 @@ class RouterUpkeep:
         """cluster/router_events.py _pressure_loop: decode ITL p90 over the last window
         against the target, to every prefill worker's chunk policy."""
         now = self.loop.now
-        gaps = []
+        gaps: list = []
         for w in self.sim.decode:
             t, b = w.step_times, w.step_batch
             i = bisect.bisect_left(t, now - PRESSURE_WINDOW_S)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from sim.cluster import Simulation
@@ -24,7 +24,7 @@ IDLE_NAP_S = 0.05  # WorkerLoop._run: an idle loop sleeps this long between chec
 
 
 class SimWorker:
-    role = ""
+    role: ClassVar[str] = ""
 
     def __init__(self, sim: Simulation, worker_id: str):
         self.sim = sim
