@@ -3,7 +3,7 @@ load as ``scale * calibrated compute + offset`` (sim/scaled.py StepFit), from th
 workers' trace spans.
 
 Prefill: a step's traced span (the model's forward and sampling, prefill_worker/engine.py)
-against the calibrated compute of its chunks; what the step spends after the span (KV
+against the calibrated compute of its chunks, plus the time before the span; what the step spends after the span (KV
 export, sends) is the mean step (worker stats) less the mean span, less the simulator's
 own export and sampling. Decode: the period from one step's start to the next while a
 leg runs in both (the loop steps back to back then, so its work between steps counts)
@@ -77,7 +77,17 @@ def prefill_fit(real, base, extras):
     if fit is None or mean is None:
         return None
     overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
-    return StepFit(fit[0], fit[1], overhead)
+    return StepFit(fit[0], fit[1] + _before_step(real.records), overhead)
+
+
+def _before_step(records) -> float:
+    """What a step spends before its traced span: the loop taking the commands, then
+    ``schedule()`` (prefill_worker/engine.py starts the span after it). A request that
+    finds the worker idle waits only that long in its queue (``queue_s``); the lower
+    quartile is such a request's (at 5/s the median includes prompts queued behind
+    others). The simulator starts a step at once, so it goes into the step's offset."""
+    waits = [r.queue_s for r in records if r.queue_s is not None]
+    return float(np.percentile(waits, 25)) if waits else 0.0
 
 
 def decode_fit(real, base, extras):

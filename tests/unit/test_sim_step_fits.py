@@ -40,7 +40,7 @@ def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
         events.append(TraceEvent(leg, "prefill_chunk", "prefill-0", t, t + span,
                                  scheduled_tokens=c, past_kv_tokens=p, token_start=p,
                                  token_end=p + c))
-        records.append(RequestRecord(f"r{i}", p + c, 0.0))
+        records.append(RequestRecord(f"r{i}", p + c, 0.0, queue_s=(0.1 + i) * MS))
         spans.append(span)
         t += span + 0.01
     t, epoch = 100.0, 0
@@ -66,7 +66,8 @@ def test_the_fits_read_back_the_offsets_the_run_was_made_of() -> None:
                d_offset=0.2 * MS)
     fits = step_fits(run, base, base)
     p, d = fits["prefill"], fits["decode"]
-    assert (p.scale, p.offset_s) == pytest.approx((1.0, 1.6 * MS), rel=1e-6)
+    # + the lower quartile of the queue waits (0.1, 1.1, ... 5.1 ms): 1.35 ms before a step
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, (1.6 + 1.35) * MS), rel=1e-6)
     exports = np.mean([base.kv_export_s(c) for c in (16, 64, 128, 256, 256, 32)])
     finals = base.sample_s(1)  # every chunk here ends its prompt: one first token each
     assert p.overhead_s == pytest.approx(0.5 * MS - exports - finals, rel=1e-6)
@@ -77,12 +78,13 @@ def test_prefill_reads_back_a_slope_in_range_and_decode_the_median_difference() 
     base = _base()
     run = _run(base, p_scale=1.5, p_offset=MS, post=0.0, d_scale=1.5, d_offset=0.0)
     fits = step_fits(run, base, base)
-    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx((1.5, MS))
+    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx((1.5, 2.35 * MS))
     steep = _run(base, p_scale=3.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.0)
     pred = [base.prefill_s([cp]) for cp in [(16, 0), (64, 0), (128, 128), (256, 0),
                                             (256, 256), (32, 0)]]
     p = step_fits(steep, base, base)["prefill"]  # slope 3 is out of range: the mean gap
-    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred)), rel=1e-6)
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred) + 1.35 * MS),
+                                                  rel=1e-6)
     runs = [float(np.asarray(base.decode_run_s(b, b * 41 + b * (b - 1) // 2 + b,
                                                40 + b, 1))[0]) for b in (1, 2, 3, 3, 2, 1, 2)]
     assert fits["decode"].offset_s == pytest.approx(0.5 * np.median(runs), rel=1e-6)
