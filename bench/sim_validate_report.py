@@ -192,24 +192,35 @@ def describe(cal, rows: list[dict]) -> str:
     w, c = cal.data.get("workload", {}), cal.data.get("control", {})
     d, svc = c.get("delivery", {}), c.get("service", {})
     lines = [f"calibration: {w.get('stat', 'min')} of {w.get('repeats')} timings per point, "
-             f"taken in this run before the real runs (load average "
+             f"taken before the real runs (load average "
              f"{', '.join(f'{x:.1f}' for x in w.get('load_average', []))})"]
     fs = [r["factors"] for r in rows if "factors" in r]
+
+    def span(xs: list[float], fmt: str = "{:.2f}") -> str:
+        return "..".join(fmt.format(x) for x in (min(xs), max(xs)))
+
+    steps = [r["step_fits"] for r in rows if r.get("step_fits")]
+    if steps:
+        pre = [f["prefill"] for f in steps if "prefill" in f]
+        dec = [f["decode"] for f in steps if "decode" in f]
+        lines.append(
+            "compute per row and role fitted to the traced steps of a first run of the same "
+            "configuration and workload just before the compared ones (bench/"
+            "sim_validate_steps.py): prefill x" + span([f["scale"] for f in pre])
+            + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step, then "
+            + span([f["overhead_s"] * 1e3 for f in pre]) + " ms after it; decode x"
+            + span([f["scale"] for f in dec]) + " + " + span([f["offset_s"] * 1e3 for f in dec])
+            + " ms per step")
     if fs:
         lines.append(
-            "compute scaled per row and role by the contention measured on a first run of the "
-            "same configuration and workload just before the compared ones: real mean "
-            "step / simulated; prefill x" + "..x".join(f"{f:.2f}" for f in (
-                min(f["prefill"] for f in fs), max(f["prefill"] for f in fs)))
-            + ", decode x" + "..x".join(f"{f:.2f}" for f in (
-                min(f["decode"] for f in fs), max(f["decode"] for f in fs)))
-            + "; control plane (rpc_s) by real / simulated dispatch there: x"
-            + "..x".join(f"{f:.2f}" for f in (
-                min(f["control"] for f in fs), max(f["control"] for f in fs)))
+            ("" if steps else "compute scaled per row and role by the contention measured on "
+             "a first run of the same configuration and workload just before the compared "
+             "ones: real mean step / simulated; prefill x" + span([f["prefill"] for f in fs])
+             + ", decode x" + span([f["decode"] for f in fs]) + "; ")
+            + "control plane (rpc_s) by real / simulated dispatch there: x"
+            + span([f["control"] for f in fs])
             + "; KV link write time fitted so the simulated mean KV handoff is the real one "
-            "there: x"
-            + "..x".join(f"{f:.2f}" for f in (
-                min(f.get("link", 1.0) for f in fs), max(f.get("link", 1.0) for f in fs))))
+            "there: x" + span([f.get("link", 1.0) for f in fs]))
     fits = [r["delivery_fit"] for r in rows if r.get("delivery_fit")]
     if fits:
         lines.append(
