@@ -140,7 +140,8 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
         adaptive_chunks=CHUNK_POLICIES.get(s.chunk_policy).uses_decode_pressure,
         itl_target_s=s.itl_target_ms / 1000, placement=cfg.pools.prefill_placement,
         stream_interval=cfg.server.stream_interval,
-        reserve_with_add=cfg.pools.reserve_with_add)
+        reserve_with_add=cfg.pools.reserve_with_add,
+        pipelined_reserves=cfg.pools.pipelined_reserves)
     return WorkerPlan(
         prefill=prefill_config(cfg), decode=decode_config(cfg, max_len),
         prefill_blocks=pn, decode_blocks=dn, prefill_block_size=pbs, decode_block_size=dbs,

@@ -75,7 +75,7 @@ class SimRouter(ReserveWithAdd):
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
         # each decode worker's unpromised free blocks as its last load message said
         self.promisable = {w.worker_id: w.bm.num_blocks for w in sim.decode}
-        self.reserving: set[int] = set()  # id()s of decode workers asked with an add
+        self.reserving: dict[int, list[int]] = {}  # id(decode) -> [reserves in flight, blocks]
         # the placement and decode-order policies' inputs, kept current (a NamedTuple per
         # worker is rebuilt when its figures change, not per decision)
         self.prefill_loads = [PrefillLoad(w.worker_id, 0) for w in sim.prefill]

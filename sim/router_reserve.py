@@ -6,7 +6,9 @@ decode ``reserve`` and prefill ``add`` go out at the same instant, to the first 
 worker in the admission's order that has no reserve in flight (the admission's or one
 sent this way) and room for the prompt by its last load message (cluster/pool.py
 ``has_room``, the router's rule; the view is what the simulated worker published at its
-last step start, sim/decode.py). The answer: granted, nothing more; cannot fit,
+last step start, sim/decode.py). With ``pipelined_reserves`` reserves in flight do not
+stop another: the worker with the least KV usage counting the blocks they ask for (then
+the fewest of them), among those with room for the prompt after them. The answer: granted, nothing more; cannot fit,
 RESOURCE_EXHAUSTED; refused, the leg ends on the prefill worker and a new leg queues for
 admission with the refusal counted in its round when no room was freed since it was
 asked. KV that overtakes its reserve waits on the decode worker (sim/decode.py).
@@ -32,7 +34,7 @@ class ReserveWithAdd(RouterUpkeep):
 
     # set by SimRouter.__init__ (declared here for the type checker and mypyc)
     admission: SimAdmission
-    reserving: set[int]
+    reserving: dict[int, list[int]]  # id(decode) -> [reserves in flight, their blocks]
     promisable: dict[str, int]
 
     def place(self, flight: Flight, decode: SimDecode) -> None:
@@ -53,30 +55,55 @@ class ReserveWithAdd(RouterUpkeep):
         if not self.cfg.reserve_with_add or len(adm):
             return None
         busy, reserving, view = adm.core.busy, self.reserving, self.promisable
+        if self.cfg.pipelined_reserves:
+            return self._least_promised(adm.candidates()[0], prompt_len)
         for w in adm.candidates()[0]:
             if id(w) not in busy and id(w) not in reserving and \
                     has_room(view[w.worker_id], w.bm.block_size, prompt_len):
                 return w
         return None
 
+    def _least_promised(self, alive: list[SimDecode], prompt_len: int) -> SimDecode | None:
+        """cluster/router.py _least_promised: the least KV usage by the last load, counting
+        the reserves in flight (then the fewest of them), among those with room."""
+        best: SimDecode | None = None
+        best_key: tuple[float, int] | None = None
+        for w in alive:
+            n, blocks = self.reserving.get(id(w), (0, 0))
+            free, total = self.promisable[w.worker_id], w.bm.num_blocks
+            if not has_room(free - blocks, w.bm.block_size, prompt_len):
+                continue
+            key = (1.0 - free / total + blocks / total, n)
+            if best_key is None or key < best_key:
+                best, best_key = w, key
+        return best
+
     def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
         """Send the leg's reserve to ``decode`` and its add to a prefill worker, now."""
-        self.reserving.add(id(decode))
+        blocks = f.leg_prompt_len // decode.bm.block_size + 1  # (_reserve_sent)
+        sent = self.reserving.setdefault(id(decode), [0, 0])
+        sent[0] += 1
+        sent[1] += blocks
         req = f.req
         task = decode_task(f.leg_id, f.leg_prompt_len, req.max_tokens - f.generated,
                            req.tenant)
-        reply = partial(self._reserve_answer, f, decode, f.leg_id, self.admission.core.round)
+        reply = partial(self._reserve_answer, f, decode, f.leg_id, self.admission.core.round,
+                        blocks)
         self.sim.emit(decode.command, decode.reserve, task, reply)
         self.place(f, decode)
 
-    def _reserve_answer(self, f: Flight, w: SimDecode, leg: str, round_: int, ok: bool,
-                        error: str | None) -> None:  # (on the worker: it travels back)
-        self.sim.emit(self._reserve_reply, f, w, leg, round_, ok, error)
+    def _reserve_answer(self, f: Flight, w: SimDecode, leg: str, round_: int, blocks: int,
+                        ok: bool, error: str | None) -> None:  # (on the worker: travels back)
+        self.sim.emit(self._reserve_reply, f, w, leg, round_, blocks, ok, error)
 
-    def _reserve_reply(self, f: Flight, w: SimDecode, leg: str, round_: int, ok: bool,
-                       error: str | None) -> None:
+    def _reserve_reply(self, f: Flight, w: SimDecode, leg: str, round_: int, blocks: int,
+                       ok: bool, error: str | None) -> None:
         """cluster/router.py _reserve_reply (a simulated worker never dies)."""
-        self.reserving.discard(id(w))
+        sent = self.reserving[id(w)]  # (_reserve_answered)
+        sent[0] -= 1
+        sent[1] -= blocks
+        if sent[0] <= 0:
+            del self.reserving[id(w)]
         if ok or f.leg_id != leg or f.done:
             return  # (an ended leg's end aborted it on both workers)
         self.held[w.worker_id].discard(leg)  # it holds nothing of the leg: no abort to it

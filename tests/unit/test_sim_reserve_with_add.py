@@ -19,7 +19,7 @@ RPC_S = 0.001
 
 def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
          hold: tuple[str, float] = ("", 0.0), timeout_s: float = 600.0,
-         ) -> tuple[Simulation, list]:
+         pipelined: bool = False) -> tuple[Simulation, list]:
     """1P/1D, every call RPC_S one way. Records (time, worker role, command, request,
     leg no.) of every add / reserve / abort as it reaches its worker, and every reserve's
     answer as ("answer", ok). ``hold`` (request, seconds): that request's first reserve
@@ -29,7 +29,7 @@ def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048,
-        "limits.request_timeout_s": timeout_s,
+        "limits.request_timeout_s": timeout_s, "pools.pipelined_reserves": pipelined,
         **({} if reserve_with_add is None else {"pools.reserve_with_add": reserve_with_add})})
     sim = Simulation(cfg, load_costs(cal), SimOptions())
     log: list = []
@@ -114,6 +114,26 @@ def test_with_a_waiter_a_later_request_reserves_first_then_adds() -> None:
         granted = next(e[0] for e in log if e[2] == "answer" and e[3] == rid and e[5])
         assert _at(log, rid, "add") >= granted + RPC_S, rid  # the add after the grant
     assert not any(e[2] == "abort" for e in log)  # no reserve went with an add: none refused
+
+
+def test_pipelined_reserves_send_a_bursts_reserves_at_once_until_the_room_runs_out() -> None:
+    """12 blocks of 16; seven 20-token prompts arrive together. Each reserve in flight
+    counts 20 // 16 + 1 = 2 blocks against the 12 of the last load (cluster/router.py
+    _least_promised): six go with their adds at once; the seventh finds 0 blocks, goes to
+    admission, whose reserve goes out too, and is added only once it is granted. Without
+    the flag one reserve goes with an add; the others wait for admission's turn."""
+    burst = [_req(f"r{i}", 20) for i in range(7)]
+    sim, log = _sim(num_blocks=12, pipelined=True)
+    _check_all_done(sim, sim.run(burst), {f"r{i}": 4 for i in range(7)})
+    assert sim.plan.router.pipelined_reserves
+    for i in range(6):
+        assert _at(log, f"r{i}", "reserve") == _at(log, f"r{i}", "add") == RPC_S, i
+    granted = next(e[0] for e in log if e[2] == "answer" and e[3] == "r6" and e[5])
+    assert _at(log, "r6", "add") >= granted + RPC_S  # admitted first, then added
+    sim, log = _sim(num_blocks=12)
+    _check_all_done(sim, sim.run(burst), {f"r{i}": 4 for i in range(7)})
+    assert _at(log, "r0", "reserve") == _at(log, "r0", "add") == RPC_S
+    assert all(_at(log, f"r{i}", "add") > RPC_S for i in range(1, 7))
 
 
 def _refused_run(hold: tuple[str, float] = ("", 0.0)) -> tuple[Simulation, list, object]:
