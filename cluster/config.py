@@ -115,11 +115,12 @@ class PoolsSection(Section):
                                  "prefill add when nobody waits for admission (the first "
                                  "token sooner; KV that overtakes the reserve is held on the "
                                  "decode worker); off: reserve first, then add")
-    pipelined_reserves: bool = opt(False, "with reserve_with_add: every arrival that finds "
+    pipelined_reserves: bool = opt(True, "with reserve_with_add: every arrival that finds "
                                    "nobody waiting reserves at once while the decode "
                                    "worker's last load, less this router's reserves in "
                                    "flight, has room (a burst is reserved in one go, not one "
-                                   "reserve per decode step); not modelled by sim/")
+                                   "reserve per decode step); off: one reserve in flight per "
+                                   "decode worker")
 
     def _check(self) -> None:
         if self.address is not None and not self.address.strip():

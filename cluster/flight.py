@@ -47,7 +47,7 @@ class RouterConfig:
     # once while the worker's last load, less the blocks of this router's reserves still in
     # flight, has room for it (a burst is reserved in one go); False: one reserve in flight
     # per decode worker, the rest of a burst queues for admission
-    pipelined_reserves: bool = False
+    pipelined_reserves: bool = True
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:

@@ -216,8 +216,9 @@ def test_an_end_while_the_reserve_is_in_flight_frees_both_workers(ending):
 
 
 def test_a_burst_sends_one_reserve_with_an_add_per_decode_worker_the_rest_queue():
+    """pipelined_reserves off: one reserve with an add in flight per decode worker."""
     async def go():
-        router, prefill, [decode] = make_router(max_queue_len=1)
+        router, prefill, [decode] = make_router(max_queue_len=1, pipelined_reserves=False)
         land = hold(decode)
         a = asyncio.ensure_future(rest(router.generate(SPEC)))
         await until(lambda: prefill.actor.calls_of("add"), "a's add went out")

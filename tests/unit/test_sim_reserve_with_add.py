@@ -19,7 +19,7 @@ RPC_S = 0.001
 
 def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
          hold: tuple[str, float] = ("", 0.0), timeout_s: float = 600.0,
-         pipelined: bool = False) -> tuple[Simulation, list]:
+         pipelined: bool | None = None) -> tuple[Simulation, list]:
     """1P/1D, every call RPC_S one way. Records (time, worker role, command, request,
     leg no.) of every add / reserve / abort as it reaches its worker, and every reserve's
     answer as ("answer", ok). ``hold`` (request, seconds): that request's first reserve
@@ -29,7 +29,8 @@ def _sim(num_blocks: int = 256, reserve_with_add: bool | None = None,
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
         "cache.num_blocks": num_blocks, "cache.block_size": 16, "model.max_model_len": 2048,
-        "limits.request_timeout_s": timeout_s, "pools.pipelined_reserves": pipelined,
+        "limits.request_timeout_s": timeout_s,
+        **({} if pipelined is None else {"pools.pipelined_reserves": pipelined}),
         **({} if reserve_with_add is None else {"pools.reserve_with_add": reserve_with_add})})
     sim = Simulation(cfg, load_costs(cal), SimOptions())
     log: list = []
@@ -123,14 +124,14 @@ def test_pipelined_reserves_send_a_bursts_reserves_at_once_until_the_room_runs_o
     admission, whose reserve goes out too, and is added only once it is granted. Without
     the flag one reserve goes with an add; the others wait for admission's turn."""
     burst = [_req(f"r{i}", 20) for i in range(7)]
-    sim, log = _sim(num_blocks=12, pipelined=True)
+    sim, log = _sim(num_blocks=12)
     _check_all_done(sim, sim.run(burst), {f"r{i}": 4 for i in range(7)})
-    assert sim.plan.router.pipelined_reserves
+    assert sim.plan.router.pipelined_reserves  # the default, as the router's
     for i in range(6):
         assert _at(log, f"r{i}", "reserve") == _at(log, f"r{i}", "add") == RPC_S, i
     granted = next(e[0] for e in log if e[2] == "answer" and e[3] == "r6" and e[5])
     assert _at(log, "r6", "add") >= granted + RPC_S  # admitted first, then added
-    sim, log = _sim(num_blocks=12)
+    sim, log = _sim(num_blocks=12, pipelined=False)
     _check_all_done(sim, sim.run(burst), {f"r{i}": 4 for i in range(7)})
     assert _at(log, "r0", "reserve") == _at(log, "r0", "add") == RPC_S
     assert all(_at(log, f"r{i}", "add") > RPC_S for i in range(1, 7))
