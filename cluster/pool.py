@@ -51,11 +51,16 @@ class WorkerHandle:
         return used / self.num_blocks
 
     def has_room(self, prompt_len: int, promised_blocks: int = 0) -> bool:
-        """Does its last load message leave room for a prompt (True when it sent none)?
-        `promised_blocks`: blocks asked for since (reserves in flight), not counted there."""
+        """Does its last load message leave room for a prompt? `promised_blocks`: blocks
+        asked for since (reserves in flight), not counted there. Before its first load
+        message: yes, unless reserves in flight already ask for its whole cache (a burst
+        at start would otherwise all be sent, and all but the first few refused)."""
         load = self.load
-        return load is None or has_room(load.kv_blocks_promisable - promised_blocks,
-                                        self.block_size, prompt_len)
+        if load is None:
+            return not (promised_blocks and self.num_blocks) or has_room(
+                self.num_blocks - promised_blocks, self.block_size, prompt_len)
+        return has_room(load.kv_blocks_promisable - promised_blocks, self.block_size,
+                        prompt_len)
 
     @property
     def prefill_load(self) -> int:

@@ -271,6 +271,35 @@ def test_pipelined_reserves_send_a_burst_at_once_while_the_load_has_room():
     assert_router_clean(router, prefill, [decode])
 
 
+def test_before_any_load_message_a_pipelined_burst_is_bounded_by_the_whole_cache():
+    """No load message yet: the room is the worker's whole cache (100 blocks of 4) less
+    the reserves in flight (150 tokens ask 38 blocks each): two go with their adds, the
+    third queues for admission, the fourth finds the queue full (max_queue_len 1)."""
+    async def go():
+        router, prefill, [decode] = make_router(block_size=4, max_queue_len=1,
+                                                pipelined_reserves=True)
+        assert decode.load is None
+        land = hold(decode)
+        specs = [GenerateSpec(f"r{i}", tuple(range(1, 151)), SPEC.sampling) for i in range(3)]
+        streams = [asyncio.ensure_future(rest(router.generate(s))) for s in specs]
+        await until(lambda: router.waiting_admission == 1, "r2 queues for admission")
+        assert [leg.split("#")[0] for leg in prefill.actor.calls_of("add")] == ["r0", "r1"]
+        with pytest.raises(RouterError) as full:
+            await rest(router.generate(GenerateSpec("r3", (1,), SPEC.sampling)))
+        land.set()
+        await until(lambda: len(prefill.actor.calls_of("add")) == 3, "r2's add after its grant")
+        for i in range(3):
+            serve_leg(prefill, decode, router.flights[f"r{i}"].leg_id, (7, 8, 9))
+        toks = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await router.shutdown(0)
+        return toks, full.value, router, prefill, decode
+
+    toks, full, router, prefill, decode = asyncio.run(go())
+    assert toks == [[7, 8, 9]] * 3
+    assert full.code == ErrorCode.RESOURCE_EXHAUSTED and "queue is full" in full.message
+    assert_router_clean(router, prefill, [decode])
+
+
 def test_pipelined_reserves_spread_a_burst_over_the_decode_workers():
     """The reserves in flight count in each worker's KV usage: a burst on two equally
     loaded workers alternates between them instead of piling onto the first."""
