@@ -1,6 +1,7 @@
 """Drive a colocated engine Scheduler step by step with a fake runner (no model): the
 requests, the scheduler over a small BlockManager, one step, a drain and the leak check
-shared by tests/unit/test_block_manager.py and test_block_manager_prefix.py."""
+shared by tests/unit/test_block_manager.py, test_block_manager_prefix.py and
+test_scheduler_lifecycle.py."""
 
 from __future__ import annotations
 

@@ -6,23 +6,16 @@ and max_num_seqs. Every test ends with a leak check."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from tests.sched_steps import FAKE_TOKEN, assert_no_leak
+from tests.sched_steps import run_to_end as drain
 
 S = RequestStatus
-FAKE_TOKEN = 7
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(rid: str, n: int, max_tokens: int = 3, base: int = 100, eos=(), **sp) -> Request:
@@ -42,19 +35,6 @@ def step(s: Scheduler, token: int = FAKE_TOKEN) -> tuple[SchedulerOutput, list[R
     touched = s.update(out, sampled)
     s.bm.check_integrity()
     return out, touched
-
-
-def drain(s: Scheduler, max_steps: int = 500) -> None:
-    for _ in range(max_steps):
-        if not s.has_unfinished:
-            return
-        step(s)
-    raise AssertionError("scheduler did not drain")
-
-
-def assert_no_leak(s: Scheduler) -> None:
-    s.bm.check_integrity()
-    assert s.bm.num_used_blocks == 0 and not s.has_unfinished
 
 
 def shape(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
