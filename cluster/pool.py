@@ -103,6 +103,44 @@ def has_room(promisable_blocks: int, block_size: int, prompt_len: int) -> bool:
     return not block_size or promisable_blocks * block_size > prompt_len
 
 
+class ReservesInFlight:
+    """A router's decode reserves sent with their prefill adds and not yet answered, per
+    decode worker (keyed by ``id(worker)``): how many, and the blocks they ask for at
+    least (the prompt's; its output and headroom are the worker's to count). The router's
+    and the simulator's ledger."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, list[int]] = {}
+
+    def sent(self, key: int, prompt_len: int, block_size: int) -> int:
+        """Count one; the blocks it asks for."""
+        blocks = prompt_len // block_size + 1 if block_size else 0
+        entry = self._sent.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += blocks
+        return blocks
+
+    def answered(self, key: int, blocks: int) -> None:
+        entry = self._sent.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        entry[1] -= blocks
+        if entry[0] <= 0:
+            del self._sent[key]
+
+    def of(self, key: int) -> tuple[int, int]:
+        """(reserves in flight, their blocks) on that worker."""
+        entry = self._sent.get(key)
+        return (entry[0], entry[1]) if entry is not None else (0, 0)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._sent
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
 def check_fits(decode: list[WorkerHandle], prompt_len: int) -> None:
     """A prompt no decode worker's whole KV cache can hold is refused at once."""
     caps = [w.capacity_tokens for w in decode if w.role == "decode"]

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from cluster.admission import DecodeAdmission
 from cluster.delta_stream import DeltaStream
 from cluster.flight import Flight, RouterConfig
-from cluster.pool import WorkerHandle, check_fits
+from cluster.pool import ReservesInFlight, WorkerHandle, check_fits
 from cluster.router_admin import RouterAdmin
 from cluster.router_events import EventPump
 from cluster.routing_policies import PrefillLoad
@@ -56,9 +56,9 @@ class Router(RouterAdmin):
         self.tag = secrets.token_hex(3)  # leg ids of two routers sharing workers differ
         self._dispatches = itertools.count(1)
         self._background: set[asyncio.Task] = set()
-        # id(decode worker) -> [reserves sent by _decode_at_once still in flight, the
-        # blocks they ask for] (more than one only with pipelined_reserves)
-        self._reserving: dict[int, list[int]] = {}
+        # reserves sent by _decode_at_once still in flight, per decode worker (more than
+        # one on a worker only with pipelined_reserves)
+        self._reserving = ReservesInFlight()
         self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
 
@@ -136,7 +136,7 @@ class Router(RouterAdmin):
         decode = None if refused else self._decode_at_once(len(prompt))
         if decode is not None:
             round_ = self.admission.core.round
-            blocks = self._reserve_sent(decode, len(prompt))
+            blocks = self._reserving.sent(id(decode), len(prompt), decode.block_size)
             try:
                 reply = decode.actor.reserve.remote(dtask)
             except Exception as e:  # (a dead actor may refuse the call itself)
@@ -201,30 +201,13 @@ class Router(RouterAdmin):
         flight (then the fewest of them), among those with room for the prompt."""
         best, best_key = None, None
         for w in alive:
-            n, blocks = self._reserving.get(id(w), (0, 0))
+            n, blocks = self._reserving.of(id(w))
             if w.role != "decode" or not w.has_room(prompt_len, blocks):
                 continue
             key = (w.kv_usage + (blocks / w.num_blocks if w.num_blocks else 0.0), n)
             if best_key is None or key < best_key:
                 best, best_key = w, key
         return best
-
-    def _reserve_sent(self, w: WorkerHandle, prompt_len: int) -> int:
-        """Count a reserve sent with an add; the blocks it asks for (at least)."""
-        blocks = prompt_len // w.block_size + 1 if w.block_size else 0
-        sent = self._reserving.setdefault(id(w), [0, 0])
-        sent[0] += 1
-        sent[1] += blocks
-        return blocks
-
-    def _reserve_answered(self, w: WorkerHandle, blocks: int) -> None:
-        sent = self._reserving.get(id(w))
-        if sent is None:
-            return
-        sent[0] -= 1
-        sent[1] -= blocks
-        if sent[0] <= 0:
-            del self._reserving[id(w)]
 
     async def _reserve_reply(self, flight: Flight, w: WorkerHandle, leg_id: str, reply,
                              round_: int, blocks: int = 0) -> None:
@@ -242,7 +225,7 @@ class Router(RouterAdmin):
             self.abort_on(w, leg_id)
             dead = True
         finally:
-            self._reserve_answered(w, blocks)
+            self._reserving.answered(id(w), blocks)
         if ok:
             return
         current = flight.leg_id == leg_id and not flight.done  # (else it ended, and its

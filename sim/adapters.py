@@ -24,7 +24,7 @@ from cluster.admission import AdmissionCore, Waiter
 from cluster.config import ServeConfig
 from cluster.config_cli import add_cli_flags, config_from_args
 from cluster.flight import RouterConfig
-from cluster.pool import has_room
+from cluster.pool import ReservesInFlight, has_room
 from cluster.routing_policies import (
     BUCKET_NAMES,
     DECODE_ORDERS,
@@ -54,7 +54,7 @@ from runtime.messages import DecodeTask
 __all__ = [
     "ADMISSION_RETRY_S", "AdmissionCore", "BUCKET_NAMES", "DECODE_ORDERS", "IDLE_WAIT_S", "PREFILL_PLACEMENTS",
     "BlockManager", "block_hashes", "DecodeLoad", "DecodeScheduler", "DecodeTask", "LinkScheduler",
-    "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus",
+    "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus", "ReservesInFlight",
     "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "Waiter", "WorkerPlan",
     "add_cli_flags", "config_from_args", "decode_order", "decode_task", "default_placement",
     "engine_tools", "has_room", "kv_bytes_per_token", "make_placement", "model_config", "piece_layout",

@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bench.workload import WorkloadRequest  # (at run time: mypyc's dataclass reads it)
-from sim.adapters import DecodeLoad, PrefillLoad, block_hashes, simulated_token
+from sim.adapters import (
+    DecodeLoad,
+    PrefillLoad,
+    ReservesInFlight,
+    block_hashes,
+    simulated_token,
+)
 from sim.admission import SimAdmission
 from sim.router_reserve import ReserveWithAdd
 
@@ -75,7 +81,7 @@ class SimRouter(ReserveWithAdd):
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
         # each decode worker's unpromised free blocks as its last load message said
         self.promisable = {w.worker_id: w.bm.num_blocks for w in sim.decode}
-        self.reserving: dict[int, list[int]] = {}  # id(decode) -> [reserves in flight, blocks]
+        self.reserving = ReservesInFlight()  # reserves sent with adds, not yet answered
         # the placement and decode-order policies' inputs, kept current (a NamedTuple per
         # worker is rebuilt when its figures change, not per decision)
         self.prefill_loads = [PrefillLoad(w.worker_id, 0) for w in sim.prefill]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
-from sim.adapters import decode_task, has_room
+from sim.adapters import ReservesInFlight, decode_task, has_room
 from sim.router_upkeep import RouterUpkeep
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class ReserveWithAdd(RouterUpkeep):
 
     # set by SimRouter.__init__ (declared here for the type checker and mypyc)
     admission: SimAdmission
-    reserving: dict[int, list[int]]  # id(decode) -> [reserves in flight, their blocks]
+    reserving: ReservesInFlight
     promisable: dict[str, int]
 
     def place(self, flight: Flight, decode: SimDecode) -> None:
@@ -69,7 +69,7 @@ class ReserveWithAdd(RouterUpkeep):
         best: SimDecode | None = None
         best_key: tuple[float, int] | None = None
         for w in alive:
-            n, blocks = self.reserving.get(id(w), (0, 0))
+            n, blocks = self.reserving.of(id(w))
             free, total = self.promisable[w.worker_id], w.bm.num_blocks
             if not has_room(free - blocks, w.bm.block_size, prompt_len):
                 continue
@@ -80,10 +80,7 @@ class ReserveWithAdd(RouterUpkeep):
 
     def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
         """Send the leg's reserve to ``decode`` and its add to a prefill worker, now."""
-        blocks = f.leg_prompt_len // decode.bm.block_size + 1  # (_reserve_sent)
-        sent = self.reserving.setdefault(id(decode), [0, 0])
-        sent[0] += 1
-        sent[1] += blocks
+        blocks = self.reserving.sent(id(decode), f.leg_prompt_len, decode.bm.block_size)
         req = f.req
         task = decode_task(f.leg_id, f.leg_prompt_len, req.max_tokens - f.generated,
                            req.tenant)
@@ -99,11 +96,7 @@ class ReserveWithAdd(RouterUpkeep):
     def _reserve_reply(self, f: Flight, w: SimDecode, leg: str, round_: int, blocks: int,
                        ok: bool, error: str | None) -> None:
         """cluster/router.py _reserve_reply (a simulated worker never dies)."""
-        sent = self.reserving[id(w)]  # (_reserve_answered)
-        sent[0] -= 1
-        sent[1] -= blocks
-        if sent[0] <= 0:
-            del self.reserving[id(w)]
+        self.reserving.answered(id(w), blocks)
         if ok or f.leg_id != leg or f.done:
             return  # (an ended leg's end aborted it on both workers)
         self.held[w.worker_id].discard(leg)  # it holds nothing of the leg: no abort to it
