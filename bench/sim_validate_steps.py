@@ -3,9 +3,9 @@ load as ``scale * calibrated compute + offset`` (sim/scaled.py StepFit), from th
 workers' trace spans.
 
 Prefill: a step's traced span (the model's forward and sampling, prefill_worker/engine.py)
-against the calibrated compute of its chunks, plus the time before the span; what the step spends after the span (KV
-export, sends) is the mean step (worker stats) less the mean span, less the simulator's
-own export and sampling. Decode: the period from one step's start to the next while a
+against the calibrated compute of its chunks, plus the time before the span; what the
+step spends after the span (KV export, sends) is the mean step (worker stats) less the
+mean span, less the simulator's own export and sampling. Decode: the period from one step's start to the next while a
 leg runs in both (the loop steps back to back then, so its work between steps counts)
 against the calibrated step of that batch, less the sampling the simulator adds; the
 overhead is then in the offset.
@@ -25,8 +25,6 @@ from collections import defaultdict
 import numpy as np
 
 MIN_STEPS = 5
-
-
 SLOPE = (0.5, 2.0)  # a least-squares slope outside this is the fit's conditioning, not load
 
 
