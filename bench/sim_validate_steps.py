@@ -63,7 +63,8 @@ def prefill_fit(real, base, extras):
 
     prompt = {r.request_id: r.prompt_len for r in real.records}
     pred, span, post = [], [], []
-    for (_, start, end), evs in _steps(real.events, "prefill_chunk").items():
+    steps = _steps(real.events, "prefill_chunk")
+    for (_, start, end), evs in steps.items():
         chunks = [(e.scheduled_tokens, e.past_kv_tokens) for e in evs]
         pred.append(base.prefill_s(chunks))
         span.append(end - start)
@@ -75,16 +76,35 @@ def prefill_fit(real, base, extras):
     if fit is None or mean is None:
         return None
     overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
-    return StepFit(fit[0], fit[1] + _before_step(real.records), overhead)
+    return StepFit(fit[0], fit[1] + _before_step(real.records, steps), overhead)
 
 
-def _before_step(records) -> float:
+def _before_step(records, steps) -> float:
     """What a step spends before its traced span: the loop taking the commands, then
     ``schedule()`` (prefill_worker/engine.py starts the span after it). A request that
-    finds the worker idle waits only that long in its queue (``queue_s``); the lower
-    quartile is such a request's (at 5/s the median includes prompts queued behind
-    others). The simulator starts a step at once, so it goes into the step's offset."""
-    waits = [r.queue_s for r in records if r.queue_s is not None]
+    finds its worker idle (no step of that worker between its arrival there and its first
+    chunk) waits only that long in its queue (``queue_s``): the median of those; without
+    enough of them, the lower quartile of all (at 5/s most requests queue behind others).
+    The simulator starts a step at once, so it goes into the step's offset."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    first: dict[str, tuple[str, float]] = {}
+    for (worker, start, end), evs in steps.items():
+        spans[worker].append((start, end))
+        for e in evs:
+            rid = e.request_id.split("#")[0]
+            if rid not in first or start < first[rid][1]:
+                first[rid] = (worker, start)
+    waits, idle = [], []
+    for r in records:
+        if r.queue_s is None:
+            continue
+        waits.append(r.queue_s)
+        worker, start = first.get(r.request_id, (None, 0.0))
+        came = start - r.queue_s
+        if worker is not None and not any(s < start and e > came for s, e in spans[worker]):
+            idle.append(r.queue_s)
+    if len(idle) >= MIN_STEPS:
+        return float(np.median(idle))
     return float(np.percentile(waits, 25)) if waits else 0.0
 
 
@@ -92,13 +112,13 @@ def decode_fit(real, base, extras):
     from sim.scaled import StepFit
 
     by_worker: dict[str, list] = defaultdict(list)
-    for (worker, start, _), evs in _steps(real.events, "decode_step").items():
-        by_worker[worker].append((start, [e.past_kv_tokens or 0 for e in evs],
+    for (worker, start, end), evs in _steps(real.events, "decode_step").items():
+        by_worker[worker].append((start, end, [e.past_kv_tokens or 0 for e in evs],
                                   {e.request_id for e in evs}))
     pred, period = [], []
     for steps in by_worker.values():
         steps.sort(key=lambda s: s[0])
-        for (s0, past, legs), (s1, _, after) in zip(steps, steps[1:], strict=False):
+        for (s0, _, past, legs), (s1, _, _, after) in zip(steps, steps[1:], strict=False):
             if not legs & after:  # nobody ran on: the loop may have napped in between
                 continue
             b = len(past)
@@ -106,7 +126,26 @@ def decode_fit(real, base, extras):
             pred.append(float(np.asarray(run)[0]))
             period.append(s1 - s0 - extras.sample_s(b))
     fit = _fit(pred, period, median=True)
-    return None if fit is None else StepFit(fit[0], fit[1], 0.0)
+    return None if fit is None else StepFit(fit[0], fit[1], 0.0, _join(by_worker))
+
+
+def _join(by_worker: dict[str, list]) -> float:
+    """What a step spends for each leg in its first step there: the median, over the steps
+    a leg joined, of the span beyond the median span of steps of the same batch that no
+    leg joined (on the tiny model here ~0.6 ms at batch 1 against a 0.3 ms step; the
+    calibration times steady batches). 0 with too few such steps."""
+    steady: dict[int, list[float]] = defaultdict(list)
+    joins: list[tuple[int, float, int]] = []
+    for steps in by_worker.values():  # (start, end, legs), sorted by start
+        before: set = set()
+        for start, end, _, legs in steps:
+            new = len(legs - before)
+            (joins.append((len(legs), end - start, new)) if new
+             else steady[len(legs)].append(end - start))
+            before = legs
+    typical = {b: float(np.median(v)) for b, v in steady.items() if len(v) >= MIN_STEPS}
+    excess = [(span - typical[b]) / new for b, span, new in joins if b in typical]
+    return max(float(np.median(excess)), 0.0) if len(excess) >= MIN_STEPS else 0.0
 
 
 def step_fits(real, base, extras) -> dict:

@@ -90,6 +90,13 @@ class CostModel(ABC):
     def check_covers(self, limits: Limits) -> None:
         """CalibrationError naming the first entry that cannot answer ``limits``."""
 
+    def leg_join_s(self) -> float:
+        """What a decode step costs beyond the model's step for each leg in its first step
+        there (the real worker's first step of a new leg: ~0.6 ms at batch 1 on the tiny
+        model on CPU). Not in the calibration, which times steady batches: 0 here; the
+        validation fits it under load from the workers' traces (sim/scaled.py StepFit)."""
+        return 0.0
+
     def decode_s(self, batch: int, context: int, longest: int | None = None) -> float:
         """One step; ``longest`` defaults to the mean context (a uniform batch)."""
         longest = -(-context // batch) if longest is None else longest

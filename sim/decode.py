@@ -54,6 +54,7 @@ class SimDecode(KVIntake):
         self.num_layers = plan.num_layers
         self.kvb = plan.kv_bytes_per_token
         self.fast = sim.options.decode_stepping == "fast"
+        self.join_s = self.costs.leg_join_s()
         self.inbox: list[Piece] = []
         self.early: dict[str, list[Piece]] = {}  # KV that came before its reserve (decode_kv)
         self.closed: set[str] = set()  # legs whose later KV is dropped here
@@ -178,7 +179,7 @@ class SimDecode(KVIntake):
             self._items, self._run = [], 0
             return (import_s, False) if import_s > 0 else None
         n, first, b = len(self.step_times), self.first_step, len(items)
-        ctx = longest = 0
+        ctx = longest = joined = 0
         for it in items:
             start = it.start
             ctx += start
@@ -187,6 +188,9 @@ class SimDecode(KVIntake):
             rid = it.request.request_id
             if rid not in first:
                 first[rid] = n
+                joined += 1
+        if joined and self.join_s:  # a new leg's first step costs more (sim/costs.py)
+            import_s += joined * self.join_s
         ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
         k = self._run_length(items, free) if self.fast else 1
         fixed = self._fixed.get(b)

@@ -35,19 +35,23 @@ from sim.delivery import Delivery
 
 @dataclass(frozen=True)
 class StepFit:
-    """A role's step under load: compute ``scale * calibrated + offset_s`` per step, and
-    ``overhead_s`` per step in place of the calibrated overhead."""
+    """A role's step under load: compute ``scale * calibrated + offset_s`` per step,
+    ``overhead_s`` per step in place of the calibrated overhead, and (decode) ``join_s``
+    more in a step for each leg in its first step there."""
 
     scale: float
     offset_s: float
     overhead_s: float
+    join_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0):
+        if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0
+                and self.join_s >= 0):
             raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got {self}")
 
     def to_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s}
+        return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s,
+                "join_s": self.join_s}
 
 
 class ScaledCosts(CostModel):
@@ -67,7 +71,9 @@ class ScaledCosts(CostModel):
         fl = self.factors.setdefault("link", 1.0)
         compute = ", ".join(
             f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
-            f"{st.overhead_s * 1e3:.2f} ms" if (st := self.steps.get(r)) else
+            f"{st.overhead_s * 1e3:.2f} ms"
+            f"{f', a leg joining +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
+            if (st := self.steps.get(r)) else
             f"x{self.factors[r]:.2f} {r}" for r in ROLES)
         self.label = (f"{base.label}; compute {compute}, control "
                       f"plane x{fc:.2f}, KV link x{fl:.2f}"
@@ -108,6 +114,10 @@ class ScaledCosts(CostModel):
         if st is not None:
             return st.overhead_s
         return self.base.step_overhead_s(role, items) * self.factors[role]
+
+    def leg_join_s(self) -> float:
+        st = self.steps.get("decode")
+        return st.join_s if st is not None else self.base.leg_join_s()
 
     def link(self, name: str) -> LinkCost:
         c, f = self.base.link(name), self.factors["link"]

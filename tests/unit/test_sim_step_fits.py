@@ -66,24 +66,60 @@ def test_the_fits_read_back_the_offsets_the_run_was_made_of() -> None:
                d_offset=0.2 * MS)
     fits = step_fits(run, base, base)
     p, d = fits["prefill"], fits["decode"]
-    # + the lower quartile of the queue waits (0.1, 1.1, ... 5.1 ms): 1.35 ms before a step
-    assert (p.scale, p.offset_s) == pytest.approx((1.0, (1.6 + 1.35) * MS), rel=1e-6)
+    # every request found the worker idle: + the median of their queue waits (0.1, 1.1,
+    # ... 5.1 ms), 2.6 ms before a step
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, (1.6 + 2.6) * MS), rel=1e-6)
     exports = np.mean([base.kv_export_s(c) for c in (16, 64, 128, 256, 256, 32)])
     finals = base.sample_s(1)  # every chunk here ends its prompt: one first token each
     assert p.overhead_s == pytest.approx(0.5 * MS - exports - finals, rel=1e-6)
     assert (d.scale, d.offset_s, d.overhead_s) == pytest.approx((1.0, 0.2 * MS, 0.0), rel=1e-6)
+    assert d.join_s == 0.0  # too few steady steps of one batch to say what a join adds
+
+
+def test_the_time_before_a_step_counts_the_requests_that_found_the_worker_idle() -> None:
+    from bench.sim_validate_steps import _before_step, _steps
+
+    events, records, t = [], [], 0.0
+    for i in range(10):  # 1 ms steps 1 ms apart; odd requests came during the step before
+        events.append(TraceEvent(f"r{i}#x#1", "prefill_chunk", "prefill-0", t, t + MS,
+                                 scheduled_tokens=16, past_kv_tokens=0))
+        records.append(RequestRecord(f"r{i}", 16, 0.0,
+                                     queue_s=(0.2 + 0.01 * i if i % 2 == 0 else 1.5) * MS))
+        t += 2 * MS
+    steps = _steps(events, "prefill_chunk")
+    # the median of the five that came to an idle worker (0.20, 0.22, ... 0.28 ms)
+    assert _before_step(records, steps) == pytest.approx(0.24 * MS, rel=1e-6)
+    # fewer than five came to an idle worker: the lower quartile of all waits
+    few = records[:8]
+    assert _before_step(few, steps) == pytest.approx(
+        float(np.percentile([r.queue_s for r in few], 25)), rel=1e-9)
+
+
+def test_a_legs_first_decode_step_costs_what_its_span_exceeds_the_steady_steps_by() -> None:
+    base, events, t = _base(), [], 0.0
+    legs = ["a"]
+    for k in range(16):  # batch 1 at 0.3 ms; every third step a new leg takes over, 0.9 ms
+        if k % 3 == 2:
+            legs = [f"n{k}"]
+        span = (0.9 if k % 3 == 2 else 0.3) * MS
+        events.append(TraceEvent(f"{legs[0]}#x#1", "decode_step", "decode-0", t, t + span,
+                                 past_kv_tokens=40 + k))
+        t += span + 0.1 * MS
+    run = RunOutput([], events, {"decode-0": {"role": "decode", "steps": 16,
+                                              "mean_step_s": MS}})
+    assert step_fits(run, base, base)["decode"].join_s == pytest.approx(0.6 * MS, rel=1e-6)
 
 
 def test_prefill_reads_back_a_slope_in_range_and_decode_the_median_difference() -> None:
     base = _base()
     run = _run(base, p_scale=1.5, p_offset=MS, post=0.0, d_scale=1.5, d_offset=0.0)
     fits = step_fits(run, base, base)
-    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx((1.5, 2.35 * MS))
+    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx((1.5, 3.6 * MS))
     steep = _run(base, p_scale=3.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.0)
     pred = [base.prefill_s([cp]) for cp in [(16, 0), (64, 0), (128, 128), (256, 0),
                                             (256, 256), (32, 0)]]
     p = step_fits(steep, base, base)["prefill"]  # slope 3 is out of range: the mean gap
-    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred) + 1.35 * MS),
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred) + 2.6 * MS),
                                                   rel=1e-6)
     runs = [float(np.asarray(base.decode_run_s(b, b * 41 + b * (b - 1) // 2 + b,
                                                40 + b, 1))[0]) for b in (1, 2, 3, 3, 2, 1, 2)]
@@ -132,3 +168,30 @@ def test_a_step_fit_replaces_its_roles_factor_in_the_scaled_costs() -> None:
         ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "p", steps={"router": d.steps["decode"]})
     with pytest.raises(ValueError, match="scale > 0"):
         StepFit(0.0, 0.0, 0.0)
+
+
+def _simulated(join_s: float, stepping: str = "fast", n: int = 1):
+    from bench.workload import WorkloadSpec, build_workload
+    from sim.adapters import ServeConfig
+    from sim.analytic import analytic_calibration
+    from sim.cluster import Simulation
+    from sim.options import SimOptions
+
+    base = load_costs(analytic_calibration("h200", "llama-3-8b"))
+    costs = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t",
+                        steps={"decode": StepFit(1.0, 0.0, 0.0, join_s)})
+    cfg = ServeConfig().with_values({"pools.prefill_workers": 1, "pools.decode_workers": 1})
+    sim = Simulation(cfg, costs, SimOptions(interconnect="infiniband", decode_stepping=stepping))
+    out = sim.run(build_workload(WorkloadSpec(num_requests=n, request_rate=50, seed=1,
+                                              vocab_range=(1, 1000))))
+    sim.check_quiescent()
+    return out.records()
+
+
+def test_the_simulator_adds_the_join_to_a_legs_first_decode_step_only() -> None:
+    (alone,), (joined,) = _simulated(0.0), _simulated(2 * MS)
+    assert joined.token_times[0] == alone.token_times[0]  # the first token is the prefill's
+    gaps = np.diff(joined.token_times) - np.diff(alone.token_times)
+    assert gaps[0] == pytest.approx(2 * MS, abs=1e-9) and gaps[1:] == pytest.approx(0, abs=1e-9)
+    # and fast stepping still runs the steps the real scheduler runs one by one
+    assert _simulated(2 * MS, "fast", 40) == _simulated(2 * MS, "exact", 40)
