@@ -10,7 +10,7 @@ A calibration is JSON (``pdserve calibrate --out cal.json`` writes one):
      "prefill": {"chunk": [C..], "context": [P..], "seconds": [[...]], "fit": {...}},
      "decode": {"batch": [B..], "context": [L..], "seconds": [[...]], "fit": {...}},
      "sampling" | "kv_export" | "kv_import": {"x": [...], "seconds": [...], "fit": {...}},
-     "overheads": {"prefill_step": {...}, "decode_step": {...}},
+     "overheads": {"prefill_step": {...}, "decode_step": {...}, "decode_join_s": ..},
      "control": {"rpc_s": .., "client_s": .., "idle_wait_s": ..},
      "links": {"inproc": {"latency_s": .., "bytes_per_s": ..}, ...},
      "sources": {"control.rpc_s": "measured: ..." | "assumed: ..."}}

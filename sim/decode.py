@@ -189,8 +189,8 @@ class SimDecode(KVIntake):
             if rid not in first:
                 first[rid] = n
                 joined += 1
-        if joined and self.join_s:  # a new leg's first step costs more (sim/costs.py)
-            import_s += joined * self.join_s
+        if joined:  # a step that legs join costs more (sim/costs.py leg_join_s)
+            import_s += self.join_s
         ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
         k = self._run_length(items, free) if self.fast else 1
         fixed = self._fixed.get(b)

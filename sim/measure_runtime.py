@@ -76,10 +76,21 @@ def _wrap_timer(obj: Any, name: str, acc: list[float], sync) -> None:
     setattr(obj, name, timed)
 
 
-def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, dict]:
+def _check_timed(*timed: list[float]) -> None:
+    """The engine's step went through the wrapped calls: else what is subtracted is 0 and
+    the overhead silently holds the model (as when the wrappers sat on methods the
+    engines do not call)."""
+    if not all(timed):
+        raise RuntimeError("calibrate: an engine step ran without the timed ModelRunner.run "
+                           "/ KVCache.export_async calls; the overhead would hold the model")
+
+
+def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, Any]:
     """Per-step engine time beyond the model (scheduler, bookkeeping, events) for steps
-    of ``n`` requests: wall time of ``step()`` minus the model, the KV copies and the
-    sampling (``sample_s(rows)``, measured before)."""
+    of ``n`` requests: wall time of ``step()`` minus the model (``ModelRunner.run``), the
+    KV copies (``export_async``) and the sampling (``sample_s(rows)``, measured before);
+    and ``decode_join_s``: what the model's step takes more when a leg runs its first
+    decode step (the step its KV completed in) than in the next, at batch 1."""
     T, cfg = m.T, m.cfg
     tcfg = T.TransferConfig(connector="inproc", max_frame_bytes=64 << 20)
     rx = T.make_receiver(tcfg, name=f"cal-ovh-{next(_ids)}")
@@ -89,8 +100,9 @@ def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, 
         tx, m.num_blocks)
     dec = T.DecodeEngine("cal-decode", cfg, T.DecodeSchedulerConfig(
         max_num_seqs=max(items), max_model_len=m.max_len), rx, m.num_blocks)
-    out: dict[str, dict] = {"prefill_step": {"x": [], "seconds": []},
-                            "decode_step": {"x": [], "seconds": []}}
+    out: dict[str, Any] = {"prefill_step": {"x": [], "seconds": []},
+                           "decode_step": {"x": [], "seconds": []}}
+    joins: list[float] = []
     try:
         for n in items:
             pre_s, dec_s = [], []
@@ -102,32 +114,43 @@ def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, 
                     pre.add(T.PrefillTask(leg, m._tokens(8), sp, rx.endpoint))
                 execs: list[float] = []
                 copies: list[float] = []
-                _wrap_timer(pre.runner, "execute", execs, m._sync)
-                _wrap_timer(pre.runner.kv, "export_tokens", copies, m._sync)
+                _wrap_timer(pre.runner, "run", execs, m._sync)  # (what the engines call)
+                _wrap_timer(pre.runner.kv, "export_async", copies, m._sync)
                 t0 = time.perf_counter()
                 pre.step()
                 wall = time.perf_counter() - t0
-                del pre.runner.execute, pre.runner.kv.export_tokens
+                del pre.runner.run, pre.runner.kv.export_async
+                _check_timed(execs, copies)
                 if rep:
                     pre_s.append(wall - sum(execs) - sum(copies) - sample_s(n))
+                firsts: list[float] = []
+                _wrap_timer(dec.runner, "run", firsts, m._sync)
                 while len(dec.scheduler.running) < n:  # KV arrives, legs start
                     rx.wait(0.05)
                     dec.step()
                     pre.step()
-                execs, copies = [], []
-                _wrap_timer(dec.runner, "execute", execs, m._sync)
+                del dec.runner.run
+                execs = []
+                _wrap_timer(dec.runner, "run", execs, m._sync)
                 t0 = time.perf_counter()
                 dec.step()
                 wall = time.perf_counter() - t0
-                del dec.runner.execute
+                del dec.runner.run
+                _check_timed(execs)
                 if rep:
                     dec_s.append(wall - sum(execs) - sample_s(n))
+                    if n == 1 and firsts and execs:  # the leg's first step, then its second
+                        joins.append(firsts[-1] - execs[0])
                 for leg in legs:
                     dec.abort(leg)
                     pre.abort(leg)
             for key, vals in (("prefill_step", pre_s), ("decode_step", dec_s)):
                 out[key]["x"].append(n)
                 out[key]["seconds"].append(max(m.reduce(vals), 0.0))
+        if not joins:
+            raise RuntimeError("calibrate: no decode step at batch 1 to time a leg joining "
+                               f"(step sizes {list(items)} must include 1)")
+        out["decode_join_s"] = max(m.reduce(joins), 0.0)
     finally:
         tx.close()
         rx.close()

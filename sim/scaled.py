@@ -37,7 +37,7 @@ from sim.delivery import Delivery
 class StepFit:
     """A role's step under load: compute ``scale * calibrated + offset_s`` per step,
     ``overhead_s`` per step in place of the calibrated overhead, and (decode) ``join_s``
-    more in a step for each leg in its first step there."""
+    more in a step that legs join."""
 
     scale: float
     offset_s: float
@@ -72,7 +72,7 @@ class ScaledCosts(CostModel):
         compute = ", ".join(
             f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
             f"{st.overhead_s * 1e3:.2f} ms"
-            f"{f', a leg joining +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
+            f"{f', a step legs join +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
             if (st := self.steps.get(r)) else
             f"x{self.factors[r]:.2f} {r}" for r in ROLES)
         self.label = (f"{base.label}; compute {compute}, control "

@@ -27,6 +27,7 @@ def synthetic_calibration(
     chunks: Sequence[int] = (1, 16, 64, 256, 512, 1024), contexts: Sequence[int] = (0, 4096),
     batches: Sequence[int] = (1, 64), decode_contexts: Sequence[int] = (1, 4096),
     sample_s: float = 0.0, kv_copy_s_per_token: float = 0.0, step_overhead_s: float = 0.0,
+    decode_join_s: float = 0.0,
     link_latency_s: float = 0.0, link_bytes_per_s: float = 1e12, rpc_s: float = 0.0,
     client_s: float = 0.0, idle_wait_s: float = 0.002, delivery: Delivery | None = None,
     model: Mapping[str, Any] = TINY_SHAPE, dtype: str = "float32",
@@ -50,8 +51,8 @@ def synthetic_calibration(
         "sampling": {"x": xs, "seconds": [sample_s, sample_s]},
         "kv_export": {"x": xs, "seconds": [kv_copy_s_per_token * x for x in xs]},
         "kv_import": {"x": xs, "seconds": [kv_copy_s_per_token * x for x in xs]},
-        "overheads": {f"{r}_step": {"x": [1, 64], "seconds": [step_overhead_s] * 2}
-                      for r in ("prefill", "decode")},
+        "overheads": {**{f"{r}_step": {"x": [1, 64], "seconds": [step_overhead_s] * 2}
+                         for r in ("prefill", "decode")}, "decode_join_s": decode_join_s},
         "links": {name: {"latency_s": link_latency_s, "bytes_per_s": link_bytes_per_s}
                   for name in links},
         "control": {"rpc_s": rpc_s, "client_s": client_s, "idle_wait_s": idle_wait_s,

@@ -44,6 +44,7 @@ def test_calibrate_quick_on_tiny_writes_a_file_simulate_accepts(tmp_path: Path, 
     assert cal.get("dtype") == "float32" and cal.get("hardware.device") == "cpu"
     assert cal.source_of("control.rpc_s") == "assumed: --rpc-ms 0.5"
     assert cal.get("prefill.fit.single_chunk.mean_rel_err") is not None
+    assert cal.number("overheads.decode_join_s") >= 0  # a step that a leg joins, timed
     assert "prefill single_chunk: mean error" in out  # the fit error is reported
 
     out_json = tmp_path / "sim.json"

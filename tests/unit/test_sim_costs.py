@@ -61,6 +61,11 @@ def test_a_missing_or_unmeasured_entry_is_an_error_naming_it(tmp_path: Path) -> 
     with pytest.raises(CalibrationError, match=r"cal.json: missing entry 'control.rpc_s'"):
         _ = TableCosts(Calibration(data, "cal.json")).rpc_s
     data = json.loads(json.dumps(linear_cal().data))
+    data["overheads"].pop("decode_join_s")  # a calibration from before it was measured
+    with pytest.raises(CalibrationError, match=r"cal.json: missing entry "
+                       r"'overheads.decode_join_s'"):
+        TableCosts(Calibration(data, "cal.json"))
+    data = json.loads(json.dumps(linear_cal().data))
     data["prefill"]["seconds"][1][1] = None  # a cell that was never measured
     costs = TableCosts(Calibration(data, "cal.json"))
     with pytest.raises(CalibrationError, match=r"'prefill.seconds' at chunk=16, context=4096 "

@@ -95,7 +95,7 @@ def test_the_time_before_a_step_counts_the_requests_that_found_the_worker_idle()
         float(np.percentile([r.queue_s for r in few], 25)), rel=1e-9)
 
 
-def test_a_legs_first_decode_step_costs_what_its_span_exceeds_the_steady_steps_by() -> None:
+def test_a_step_legs_join_costs_what_its_span_exceeds_the_steady_steps_by() -> None:
     base, events, t = _base(), [], 0.0
     legs = ["a"]
     for k in range(16):  # batch 1 at 0.3 ms; every third step a new leg takes over, 0.9 ms
@@ -188,7 +188,7 @@ def _simulated(join_s: float, stepping: str = "fast", n: int = 1):
     return out.records()
 
 
-def test_the_simulator_adds_the_join_to_a_legs_first_decode_step_only() -> None:
+def test_the_simulator_adds_the_join_to_the_step_a_leg_joins_only() -> None:
     (alone,), (joined,) = _simulated(0.0), _simulated(2 * MS)
     assert joined.token_times[0] == alone.token_times[0]  # the first token is the prefill's
     gaps = np.diff(joined.token_times) - np.diff(alone.token_times)
