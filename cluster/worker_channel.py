@@ -3,11 +3,10 @@
 `WorkerChannel.connect` opens the TCP link (HMAC handshake with the cluster secret, in a
 thread), then hands the socket to the event loop as an asyncio Protocol: each step
 message of the worker is decoded once (`on_batch(worker_id, load, entries)`, on the
-loop, no task or Future per message), and commands are a frame plus one Future for the
-reply (the commands of one loop turn go out in one write). `ChannelActor` puts the hot
-commands (CHANNEL_COMMANDS) on the channel and forwards every other WorkerActor call
-(ready, stats, traces, shutdown) to the Ray actor, so the router keeps calling
-`w.actor.<method>.remote(...)`.
+loop, no task or Future per message), and commands are a frame write plus one Future
+for the reply. `ChannelActor` puts the hot commands (CHANNEL_COMMANDS) on the channel
+and forwards every other WorkerActor call (ready, stats, traces, shutdown) to the Ray
+actor, so the router keeps calling `w.actor.<method>.remote(...)`.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ class WorkerChannel(asyncio.Protocol):
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._transport: asyncio.Transport | None = None
-        self._out: list[bytes] | None = None  # commands of this loop turn, not yet written
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @classmethod
@@ -112,20 +110,8 @@ class WorkerChannel(asyncio.Protocol):
             return fut
         call_id = next(self._ids)
         self._calls[call_id] = fut
-        data = frame(KIND_CALL, pickle.dumps((call_id, name, args)))
-        if self._out is None:  # the first of this loop turn: written by the next turn
-            self._out = [data]
-            asyncio.get_running_loop().call_soon(self._flush)
-        else:
-            self._out.append(data)
+        self._transport.write(frame(KIND_CALL, pickle.dumps((call_id, name, args))))
         return fut
-
-    def _flush(self) -> None:
-        """Write the commands of one loop turn together: a burst's reserves (or adds) to
-        this worker cost one send, not one each."""
-        out, self._out = self._out, None
-        if out and self._transport is not None and not self.lost.done():
-            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
         fut = self._calls.pop(call_id, None)
