@@ -4,8 +4,11 @@ the engine itself, measured side by side with the in-process engine and bare gRP
     python -m bench.control_plane                 # 64 and 256 streams, 32-token prompts,
                                                   # 128 output tokens, the tiny model
     python -m bench.control_plane --quick         # a short run (the smoke test)
-    python -m bench.control_plane --profile out/  # + the front door's profile (py-spy
-                                                  # --native if installed, else cProfile)
+    python -m bench.control_plane --profile out/  # + profiles of the front door and the
+                                                  # workers (py-spy --native if
+                                                  # installed, else cProfile of the front
+                                                  # door) and their CPU per thread
+    python -m bench.control_plane --profile out/ --threads-only   # CPU per thread alone
 
 Every figure comes from its own processes: `engine.LLM` in a child process (its own CPU
 time), `pdserve serve` with 1 prefill + 1 decode worker in its own process tree (psutil
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 
 from bench.service_tree import GROUPS, Service, cpu_delta, tree_cpu
+from bench.thread_cpu import table, thread_times
 
 ROLES = [sys.executable, "-m", "bench.control_plane_roles"]
 
@@ -73,16 +77,27 @@ def measure_engine(model: str, a, streams: int) -> dict:
 
 
 def measure_service(svc: Service, a, streams: int) -> dict:
-    native = None
-    if svc.native_dir is not None:
+    """The load window; with --profile, the CPU per thread of the front door and the
+    workers over it (and their py-spy profiles where py-spy runs)."""
+    profiles = []  # (tag, pid, NativeProfile | None, thread snapshots)
+    if svc.threads_dir is not None:
         from bench.front_door_profile import NativeProfile, py_spy
 
-        native = NativeProfile(py_spy(), svc.proc.pid, svc.native_dir, f"front_door_{streams}")
+        pids = {"front_door": svc.proc.pid}
+        for pid, (group, _) in tree_cpu(svc.proc.pid).items():
+            if group in ("decode", "prefill"):  # (the actor: its class in its command)
+                pids[group] = pid
+        for tag, pid in pids.items():
+            native = None if svc.native_dir is None else NativeProfile(
+                py_spy(), pid, svc.native_dir, f"{tag}_{streams}")
+            profiles.append((tag, pid, native, []))
 
-    def mark() -> dict:  # the CPU snapshot; the profile samples the window between them
+    def mark() -> dict:  # the CPU snapshot; the profiles sample the window between them
         snap = tree_cpu(svc.proc.pid)
-        if native is not None:
-            native.stop() if native.proc else native.start()
+        for _, pid, native, threads in profiles:
+            threads.append(thread_times(pid))
+            if native is not None:
+                native.stop() if native.proc else native.start()
         return snap
 
     res = run_role(["load", "--addr", svc.addr, "--streams", str(streams),
@@ -90,8 +105,11 @@ def measure_service(svc: Service, a, streams: int) -> dict:
                     "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len)],
                    between=mark)
     res["cpu"] = cpu_delta(*res.pop("_marks"))
-    if native is not None and native.summary.exists():
-        print(f"front door native profile (py-spy): {native.summary}")
+    for tag, _, native, threads in profiles:
+        out = svc.threads_dir / f"{tag}_{streams}_threads.txt"
+        out.write_text(table(*threads, res["tokens"]))
+        print(f"{tag}: CPU per thread: {out}" +
+              (f"; native profile (py-spy): {native.summary}" if native else ""))
     return res
 
 
@@ -183,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256, help="both engines' batch cap")
     p.add_argument("--idle-requests", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="16 streams x 16 tokens, 4 idle requests")
-    p.add_argument("--profile", type=Path, help="directory for a profile of the front door "
-                   "(py-spy --native per load window when installed, else cProfile)")
+    p.add_argument("--profile", type=Path, help="directory for profiles of the front door "
+                   "and the workers (py-spy --native per load window when installed, "
+                   "else cProfile of the front door) and their CPU per thread")
+    p.add_argument("--threads-only", action="store_true", help="with --profile: only "
+                   "the CPU per thread of the front door and the workers (no py-spy, "
+                   "which stops the process at every sample)")
     p.add_argument("--connections", type=int, default=1,
                    help="client connections the streams spread over (with --api-servers)")
     p.add_argument("--serve-args", default="", help="extra `pdserve serve` flags, e.g. "
@@ -204,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.front_door_profile import py_spy
 
         a.profile.mkdir(parents=True, exist_ok=True)
-        if py_spy():
+        if py_spy() and not a.threads_only:
             native = a.profile
-        else:
+        elif not a.threads_only:
             prof = a.profile / "front_door.prof"
-    svc = Service(extra=a.serve_args.split(), profile=prof, native_dir=native)
+    svc = Service(extra=a.serve_args.split(), profile=prof, native_dir=native,
+                  threads_dir=a.profile)
     results = []
     svc.start(a.max_num_seqs)
     try:

@@ -1,4 +1,5 @@
-"""A native profile of the front door process for bench/control_plane.py --profile.
+"""A native profile of the front door (and the decode worker) for bench/control_plane.py
+--profile.
 
 With py-spy available (`pip install py-spy`, or the `profile` extra), `NativeProfile`
 samples the running front door (`py-spy record --native --threads`, Python and C/Cython
@@ -26,7 +27,8 @@ RATE_HZ = 250  # samples per second: high enough for a 10 s window, low perturba
 _LINE = re.compile(r" \(([^()]*?):\d+\)$")  # " (file.py:123)" after a Python frame
 WAITS = frozenset({"epoll_wait", "epoll_pwait", "poll", "select", "pthread_cond_wait", "pthread_cond_timedwait",
                    "PyThread_acquire_lock_timed", "sem_wait", "sem_timedwait", "nanosleep",
-                   "clock_nanosleep", "syscall"})  # (abseil's futex waits go by syscall)
+                   "clock_nanosleep", "syscall", "accept", "accept4"})  # (abseil's futex waits
+# go by syscall; a blocking socket's recv, e.g. a worker's channel reader, counts as running)
 _ADDR = re.compile(r"^0x([0-9a-f]+) \((.*)\)$")  # an unsymbolized native frame
 
 

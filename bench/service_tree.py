@@ -63,6 +63,7 @@ class Service:
     extra: list[str] = field(default_factory=list)
     profile: Path | None = None  # cProfile output of the whole run
     native_dir: Path | None = None  # py-spy profiles of each load window go here
+    threads_dir: Path | None = None  # the CPU per thread of each load window goes here
     proc: subprocess.Popen | None = None
     addr: str = ""
 

@@ -209,6 +209,8 @@ class DecodeAdmission:
         self.router = router
         self.core = AdmissionCore(self)
         self.wake_head, self.wake = self.core.wake_head, self.core.wake  # (see the core's)
+        self._deadlines: dict[Waiter, float] = {}  # waiter -> its admission_timeout_s end
+        self._timer: asyncio.TimerHandle | None = None  # the retry tick, while any wait
 
     def __len__(self) -> int:
         return len(self.core)
@@ -225,6 +227,10 @@ class DecodeAdmission:
         waiter.event = event = asyncio.Event()
         if refused and refused[1] == core.round:  # (a refusal counts in its round alone)
             core._tried(waiter).add(id(refused[0]))
+        if limit is not None:
+            self._deadlines[waiter] = start + limit
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(RETRY_S, self._retry)
         try:
             core.pump()
             while True:
@@ -246,13 +252,29 @@ class DecodeAdmission:
                     raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                                       "no decode worker could admit the request in time "
                                       f"(admission_timeout_s={limit:g})")
-                try:
-                    await asyncio.wait_for(event.wait(), RETRY_S)
-                except TimeoutError:  # a head between its tries re-asks on its own
-                    if core.idle_head(waiter):
-                        core.wake_head()
+                await event.wait()  # (news, or `_retry`: a deadline passed)
         finally:
+            self._deadlines.pop(waiter, None)
             core.leave(waiter)
+            if not core.waiters and self._timer is not None:  # the last one: no tick
+                self._timer.cancel()
+                self._timer = None
+
+    def _retry(self) -> None:
+        """Every RETRY_S while requests wait, one timer: the head re-asks if it is between
+        its tries, and the waiters whose deadline may have passed (admission_timeout_s;
+        every one while a pool has no live worker: the grace) look at it."""
+        core, self._timer = self.core, None
+        if not core.waiters:
+            return
+        if core.idle_head(core.waiters[0]):
+            core.wake_head()
+        now, r = time.monotonic(), self.router
+        down = not any(w.alive for w in r.decode) or not any(w.alive for w in r.prefill)
+        for w in core.waiters:
+            if down or self._deadlines.get(w, now) < now:
+                w.event.set()
+        self._timer = asyncio.get_running_loop().call_later(RETRY_S, self._retry)
 
     # ---- AdmissionDriver ------------------------------------------------------------
     def candidates(self) -> tuple[list[WorkerHandle], bool]:

@@ -139,6 +139,7 @@ class DecodeEngine:
         # one event per request, all sent as one message per step; locals: this loop runs
         # once per generated token
         max_len, worker, running = self.max_len, self.worker_id, RequestStatus.RUNNING
+        tokens = EventKind.TOKENS
         for s in sampled:
             r, tok = s.request, s.token_id
             r.num_cached_tokens += 1
@@ -155,10 +156,9 @@ class DecodeEngine:
             # the leg's first step also carries its first token (outputs = [first, tok]):
             # the router streams from this or the prefill's message, whichever comes first
             outs = r.output_token_ids
-            events.append(WorkerEvent(EventKind.TOKENS, r.request_id, worker, (tok,), finish, "",
-                                      wall, timing,
-                                      None if s.logprobs is None else (s.logprobs,),
-                                      first_token=outs[0] if len(outs) == 2 else None))
+            events.append(WorkerEvent(tokens, r.request_id, worker, (tok,), finish, "", wall,
+                                      timing, None if s.logprobs is None else (s.logprobs,),
+                                      None, outs[0] if len(outs) == 2 else None))
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:

@@ -156,6 +156,15 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tor
     return torch.cat(parts, dim=1)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index (NaN counting as maximal), as `x.argmax(dim=-1)`.
+    An fp32 CPU tensor goes through numpy: torch's CPU argmax costs ~2.7 us per 2,048-wide
+    row here (~10% of a tiny model's decode step), numpy's ~0.16 us, with the same ids."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -172,7 +181,7 @@ def sample_on_device(
     if n == 0:
         return DeviceSample(logits.new_empty((0,), dtype=torch.long), [],
                             full=logits.new_empty((0, vocab)) if with_logprobs else None)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     x = None  # the logits each row is sampled from (None: every row is greedy)
     ids = greedy_ids
     if not all(sp.greedy for sp in params) or with_logprobs:
@@ -184,7 +193,7 @@ def sample_on_device(
         if k_max or any_top_p:
             x = _filter(x, top_p, top_k, k_max, any_top_p)
         probs = torch.softmax(x, dim=-1)
-        sampled = (probs / _exponentials(probs, params, generators)).argmax(dim=-1)
+        sampled = argmax_rows(probs / _exponentials(probs, params, generators))
         ids = torch.where(greedy > 0, greedy_ids, sampled)
     out = DeviceSample(ids, rows, full=torch.log_softmax(x, dim=-1) if with_logprobs else None)
     if rows:

@@ -69,7 +69,10 @@ class LegTiming:
 NO_TIMING = LegTiming()
 
 
-@dataclass(frozen=True, slots=True)  # slots: a decode step makes one per token
+# slots, not frozen: a decode step makes one per token, and a frozen dataclass's
+# __init__ (object.__setattr__ per field) costs ~1 us of it, 6x a plain one; nothing
+# changes an event once made
+@dataclass(slots=True)
 class WorkerEvent:
     kind: EventKind
     leg_id: str

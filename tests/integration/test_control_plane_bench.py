@@ -31,8 +31,10 @@ def test_control_plane_bench_quick_prints_its_lines(tmp_path):
                     r"service ramp: first token p50 [\d,]+ ms, last [\d,]+ ms, of a [\d,]+ ms run",
                     r"idle: service TTFT \d+\.\d+ ms", r"load \d+\.\d+"):
         assert re.search(pattern, text), f"no line matches {pattern!r} in:\n{text}"
-    if py_spy():  # a native profile of the front door and of the floor, per load window
-        for name in ("front_door_16.txt", "grpc_floor_16.txt"):
+    for name in ("front_door_16_threads.txt", "decode_16_threads.txt"):  # CPU per thread
+        assert re.search(r"^total +\d+\.\d+ +\d+\.\d+$", (tmp_path / name).read_text(), re.M)
+    if py_spy():  # a native profile of the front door, decode worker and floor, per window
+        for name in ("front_door_16.txt", "decode_16.txt", "grpc_floor_16.txt"):
             summary = (tmp_path / name).read_text()
             # (a --quick window may end before py-spy attached: the file says so)
             assert re.match(r"\d+ samples, \d+ running|py-spy wrote no profile", summary)

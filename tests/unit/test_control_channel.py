@@ -179,7 +179,7 @@ def test_optional_per_token_extras_travel_in_their_entry(monkeypatch):
 
     import runtime.batch_codec as codec
 
-    @dataclass(frozen=True)
+    @dataclass
     class Scored(WorkerEvent):
         scores: tuple[tuple[int, float], ...] | None = None
 
