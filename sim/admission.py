@@ -6,8 +6,10 @@ DecodeAdmission drives it, with simulated reserve calls.
 Each waiter does what the router's ``admit`` loop does when it wakes (a notify reaches
 it later in the same instant, as an asyncio.Event set does; the waiters an answer woke,
 right after the answer is taken in): it leaves when its request ended, fails with its
-error, is placed with its grant, else waits again; a head that heard nothing for
-``RETRY_S`` starts a new round. Workers are asked in the configured decode-order
+error, is placed with its grant, else waits again. One tick runs every ``RETRY_S`` from
+when the queue stops being empty until it is empty again (DecodeAdmission._retry): a
+head between its tries then starts a new round; it wakes no other waiter (the router's
+tick also wakes those past ``admission_timeout_s``, which is not simulated). Workers are asked in the configured decode-order
 policy's order (cluster/routing_policies.py). Modelled: the revoked grants go back in one
 abort call before the reserve (the router awaits one abort per grant).
 """
@@ -30,7 +32,7 @@ class SimAdmission:
         self.core = AdmissionCore(self)
         self._order: list[SimDecode] | None = None  # cached until a decode load changes
         self._last: list[SimDecode] = []  # the order last given
-        self._timer_at: float | None = None  # the pending timeout check
+        self._tick = 0  # the running tick's number (a new one each time the queue fills)
         self._woken: list[Waiter] | None = None  # waiters an answer woke (while taken in)
 
     def __len__(self) -> int:
@@ -42,8 +44,11 @@ class SimAdmission:
         req = flight.req
         task = decode_task(flight.leg_id, flight.leg_prompt_len,
                            req.max_tokens - flight.generated, req.tenant)
+        if not self.core.waiters:  # the router's tick stopped when the queue emptied
+            self._tick += 1
+            self.loop.at(self.loop.now + ADMISSION_RETRY_S, self._retry, self._tick)
         wt = self.core.enqueue(flight, flight.arrival, task)
-        wt.event = [0.0, False]  # [when its RETRY_S wait runs out, a wake-up is due]
+        wt.event = [False]  # [a wake-up is due]
         if refused and refused[1] == self.core.round:
             self.core._tried(wt).add(id(refused[0]))
         self.core.pump()
@@ -71,8 +76,8 @@ class SimAdmission:
         return self._order, True
 
     def notify(self, wt: Waiter) -> None:
-        if not wt.event[1]:
-            wt.event[1] = True
+        if not wt.event[0]:
+            wt.event[0] = True
             if self._woken is not None:  # it wakes once the answer is taken in
                 self._woken.append(wt)
             else:
@@ -120,7 +125,7 @@ class SimAdmission:
 
     # ---- the waiter's admit loop ----------------------------------------------------
     def _wake_up(self, wt: Waiter) -> None:
-        wt.event[1] = False
+        wt.event[0] = False
         if wt.left:
             return
         f: Any = wt.flight
@@ -133,22 +138,14 @@ class SimAdmission:
         if w is not None:
             self.core.leave(wt)
             return self.router.place(f, w)
-        wt.event[0] = due = self.loop.now + ADMISSION_RETRY_S  # it waits for a wake-up
-        if self._timer_at is None:  # (a due set now is the latest of all)
-            self._timer_at = due
-            self.loop.at(due, self._timeouts)
+        # else it waits for a wake-up
 
-    def _timeouts(self) -> None:
-        """One timer for every waiter's RETRY_S wait (each waiter's own in the router):
-        those whose wait ran out without a wake-up time out, in queue order."""
-        now = self._timer_at = self.loop.now  # (set: the wake-ups below arm no timer)
-        for wt in list(self.core.waiters):
-            if not wt.left and wt.event[0] <= now:
-                if self.core.idle_head(wt):  # a head between its tries re-asks on its own
-                    self.core.wake_head()
-                self._wake_up(wt)
-        dues = [wt.event[0] for wt in self.core.waiters if not wt.left]
-        self._timer_at = None
-        if dues:
-            self._timer_at = at = min(dues)
-            self.loop.at(at, self._timeouts)
+    def _retry(self, tick: int) -> None:
+        """DecodeAdmission._retry, every RETRY_S while anyone waits: a head between its
+        tries re-asks."""
+        waiters = self.core.waiters
+        if tick != self._tick or not waiters:
+            return  # (the queue emptied since: this tick was cancelled)
+        if self.core.idle_head(waiters[0]):
+            self.core.wake_head()
+        self.loop.at(self.loop.now + ADMISSION_RETRY_S, self._retry, tick)

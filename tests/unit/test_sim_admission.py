@@ -5,6 +5,8 @@ every worker blocks those behind it. Each run ends with the simulator's leak che
 
 from __future__ import annotations
 
+import pytest
+
 from bench.workload import WorkloadRequest
 from sim.adapters import AdmissionCore, ServeConfig
 from sim.cluster import Simulation
@@ -16,11 +18,11 @@ RPC_S = 0.001
 
 
 def _sim(decode_workers: int, num_blocks: int = 256,
-         reserve_with_add: bool = False) -> tuple[Simulation, list]:
+         reserve_with_add: bool = False, step_s: float = 0.001) -> tuple[Simulation, list]:
     """1P/nD, every call RPC_S one way; records (time, request, decode worker) of each
     placement (a kept grant). The queued admission's tests send no reserve with the add
     (as the router's: tests/unit/test_admission_parallel.py)."""
-    cal = synthetic_calibration(prefill=lambda c, p: 0.010, decode=lambda b, L: 0.001,
+    cal = synthetic_calibration(prefill=lambda c, p: 0.010, decode=lambda b, L: step_s,
                                 rpc_s=RPC_S)
     cfg = ServeConfig().with_values({
         "transfer.connector": "inproc", "cache.enable_prefix_caching": False,
@@ -105,3 +107,39 @@ def test_a_later_waiters_tentative_grant_goes_back_when_the_head_needs_that_work
     on = {rid: w for _, rid, w in placed}
     assert on["head"] == "decode-1" and [rid for _, rid, _ in placed][:2] == ["h", "head"]
     assert all(r.success for r in result.records())
+
+
+def test_one_retry_tick_runs_every_retry_s_while_requests_wait() -> None:
+    """As DecodeAdmission._retry: one tick RETRY_S after the queue stops being empty, then
+    every RETRY_S until it is empty again; a tick left from an emptied queue does nothing.
+    'big' waits ~0.6 s for room behind a holder of 60 decode steps of 10 ms."""
+    from sim.adapters import ADMISSION_RETRY_S
+
+    sim, placed = _sim(1, num_blocks=10, step_s=0.01)
+    adm = sim.router.admission
+    ticks: list[tuple[float, int]] = []
+    retry = adm._retry
+
+    def record(tick: int) -> None:
+        if tick == adm._tick and adm.core.waiters:
+            ticks.append((sim.loop.now, len(adm.core.waiters)))
+        retry(tick)
+
+    queued: list[float] = []  # when a request joined an empty queue
+    enqueue = adm.enqueue
+
+    def join(flight, refused=None) -> None:
+        if not adm.core.waiters:
+            queued.append(sim.loop.now)
+        enqueue(flight, refused)
+
+    adm._retry, adm.enqueue = record, join
+    result = sim.run([_req("h", 96, 0.0, max_tokens=60), _req("big", 110, 0.005)])
+    sim.check_quiescent()
+    when = {rid: t for t, rid, _ in placed}
+    t0 = queued[-1]  # big's (h's own wait ended at its grant, before big came)
+    n = int((when["big"] - t0) // ADMISSION_RETRY_S)
+    assert n >= 2  # it waited through ticks
+    assert [t for t, _ in ticks] == pytest.approx(
+        [t0 + k * ADMISSION_RETRY_S for k in range(1, n + 1)], abs=1e-12)
+    assert all(w == 1 for _, w in ticks) and all(r.success for r in result.records())
