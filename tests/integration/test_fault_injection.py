@@ -193,7 +193,9 @@ def test_admission_refused_everywhere_ends_resource_exhausted(runner):
     finally:
         runner.router.config = config
     assert isinstance(last, RouterError) and last.code == ErrorCode.RESOURCE_EXHAUSTED, last
-    assert toks == [] and "admit" in last.message
+    # the reserve went with the prefill's add: the prefill's first token may have streamed
+    # before the refusals came back (a race the router does not hold the token for)
+    assert len(toks) <= 1 and "admit" in last.message
     refused = fired(runner, "refuse_admission")
     assert refused["decode-0"] > 0 and refused["decode-1"] > 0
     assert_clean(runner)
