@@ -65,17 +65,20 @@ class ReserveWithAdd(RouterUpkeep):
 
     def _least_promised(self, alive: list[SimDecode], prompt_len: int) -> SimDecode | None:
         """cluster/router.py _least_promised: the least KV usage by the last load, counting
-        the reserves in flight (then the fewest of them), among those with room."""
+        the reserves in flight (then the fewest of them), among those with room. (Its key,
+        ``(usage, n)``, compared field by field: no tuple per worker.)"""
         best: SimDecode | None = None
-        best_key: tuple[float, int] | None = None
+        best_usage, best_n = 0.0, 0
+        reserving, view = self.reserving, self.promisable
         for w in alive:
-            n, blocks = self.reserving.of(id(w))
-            free, total = self.promisable[w.worker_id], w.bm.num_blocks
-            if not has_room(free - blocks, w.bm.block_size, prompt_len):
+            n, blocks = reserving.of(id(w))
+            bm = w.bm
+            free, total = view[w.worker_id], bm.num_blocks
+            if not has_room(free - blocks, bm.block_size, prompt_len):
                 continue
-            key = (1.0 - free / total + blocks / total, n)
-            if best_key is None or key < best_key:
-                best, best_key = w, key
+            usage = 1.0 - free / total + blocks / total
+            if best is None or usage < best_usage or (usage == best_usage and n < best_n):
+                best, best_usage, best_n = w, usage, n
         return best
 
     def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
