@@ -56,30 +56,39 @@ class ReserveWithAdd(RouterUpkeep):
             return None
         busy, reserving, view = adm.core.busy, self.reserving, self.promisable
         if self.cfg.pipelined_reserves:
-            return self._least_promised(adm.candidates()[0], prompt_len)
+            return self._least_promised(prompt_len)
         for w in adm.candidates()[0]:
             if id(w) not in busy and id(w) not in reserving and \
                     has_room(view[w.worker_id], w.bm.block_size, prompt_len):
                 return w
         return None
 
-    def _least_promised(self, alive: list[SimDecode], prompt_len: int) -> SimDecode | None:
-        """cluster/router.py _least_promised: the least KV usage by the last load, counting
-        the reserves in flight (then the fewest of them), among those with room. (Its key,
-        ``(usage, n)``, compared field by field: no tuple per worker.)"""
-        best: SimDecode | None = None
+    def _least_promised(self, prompt_len: int) -> SimDecode | None:
+        """cluster/router.py _least_promised over the admission's order of the decode
+        workers (every one: none dies here): the least KV usage by the last load, counting
+        the reserves in flight (then the fewest of them), among those with room; the
+        first in that order of those tied. The order is asked for only when there is a
+        tie (it is a sort); the key, ``(usage, n)``, is compared field by field, and most
+        arrivals find no reserve in flight anywhere and ask the ledger nothing."""
+        workers: list[SimDecode]  # (typed: mypyc then reads their fields natively)
+        best: list[SimDecode] = []  # those with the least key so far
         best_usage, best_n = 0.0, 0
         reserving, view = self.reserving, self.promisable
-        for w in alive:
-            n, blocks = reserving.of(id(w))
+        none, workers = not reserving, self.sim.decode
+        for w in workers:
+            n, blocks = (0, 0) if none else reserving.of(id(w))
             bm = w.bm
             free, total = view[w.worker_id], bm.num_blocks
             if not has_room(free - blocks, bm.block_size, prompt_len):
                 continue
             usage = 1.0 - free / total + blocks / total
-            if best is None or usage < best_usage or (usage == best_usage and n < best_n):
-                best, best_usage, best_n = w, usage, n
-        return best
+            if not best or usage < best_usage or (usage == best_usage and n < best_n):
+                best, best_usage, best_n = [w], usage, n
+            elif usage == best_usage and n == best_n:
+                best.append(w)
+        if len(best) > 1:
+            return next(w for w in self.admission.candidates()[0] if w in best)
+        return best[0] if best else None
 
     def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
         """Send the leg's reserve to ``decode`` and its add to a prefill worker, now."""
