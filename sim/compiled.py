@@ -35,7 +35,7 @@ COMPILED = (
     "engine/block_manager.py", "engine/request.py", "decode_worker/scheduler.py",
     "prefill_worker/scheduler.py", "prefill_worker/policies.py", "cluster/routing_policies.py",
     "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py", "cluster/admission.py",
-    "cluster/pool.py", "sim/adapters.py",
+    "cluster/pool.py", "sim/adapters.py", "sim/cluster.py",
 )
 ENV = "PDSERVE_SIM_COMPILED"  # set in the re-executed process: the build it runs on
 CODES = ("auto", "compiled", "interpreted")
