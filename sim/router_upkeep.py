@@ -7,12 +7,15 @@ fed to every prefill worker. Each loop re-arms while requests are in flight or t
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sim.adapters import RouterConfig
 from sim.loop import EventLoop
+
+if TYPE_CHECKING:
+    from sim.cluster import Simulation
 
 PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
 
@@ -21,8 +24,8 @@ class RouterUpkeep:
     """SimRouter's periodic loops (a base class: they read and set its state)."""
 
     # set by SimRouter.__init__ (declared here for the type checker and mypyc; the
-    # Simulation and Flight as Any: naming them here would close an import cycle)
-    sim: Any
+    # Flight as Any: naming it here would close an import cycle)
+    sim: Simulation
     loop: EventLoop
     cfg: RouterConfig
     flights: dict[str, Any]
