@@ -92,6 +92,7 @@ class SimRouter(ReserveWithAdd):
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
         # each decode worker's unpromised free blocks as its last load message said
         self.promisable = {w.worker_id: w.bm.num_blocks for w in sim.decode}
+        self.same_size = len({(w.bm.num_blocks, w.bm.block_size) for w in sim.decode}) == 1
         self.reserving = ReservesInFlight()  # reserves sent with adds, not yet answered
         # the placement and decode-order policies' inputs, kept current (a NamedTuple per
         # worker is rebuilt when its figures change, not per decision)

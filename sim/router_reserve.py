@@ -36,6 +36,7 @@ class ReserveWithAdd(RouterUpkeep):
     admission: SimAdmission
     reserving: ReservesInFlight
     promisable: dict[str, int]
+    same_size: bool  # every decode worker has the same blocks and block size
 
     def place(self, flight: Flight, decode: SimDecode) -> None:
         raise NotImplementedError
@@ -70,11 +71,13 @@ class ReserveWithAdd(RouterUpkeep):
         first in that order of those tied. The order is asked for only when there is a
         tie (it is a sort); the key, ``(usage, n)``, is compared field by field, and most
         arrivals find no reserve in flight anywhere and ask the ledger nothing."""
-        workers: list[SimDecode]  # (typed: mypyc then reads their fields natively)
+        reserving, view = self.reserving, self.promisable
+        none = not reserving
+        if none and self.same_size:
+            return self._most_free(prompt_len)
+        workers: list[SimDecode] = self.sim.decode  # (typed: mypyc reads their fields natively)
         best: list[SimDecode] = []  # those with the least key so far
         best_usage, best_n = 0.0, 0
-        reserving, view = self.reserving, self.promisable
-        none, workers = not reserving, self.sim.decode
         for w in workers:
             n, blocks = (0, 0) if none else reserving.of(id(w))
             bm = w.bm
@@ -89,6 +92,21 @@ class ReserveWithAdd(RouterUpkeep):
         if len(best) > 1:
             return next(w for w in self.admission.candidates()[0] if w in best)
         return best[0] if best else None
+
+    def _most_free(self, prompt_len: int) -> SimDecode | None:
+        """``_least_promised`` with no reserve in flight, on decode workers of one size
+        (blocks, block size): the key is (1 - free / total, 0), so the least is the most
+        free blocks and ties are equal free counts (distinct counts of one total never
+        round to one usage); has_room grows with free, so when the most free has no room
+        none has. The same choice, without a loop in Python per worker."""
+        view = self.promisable
+        frees = list(view.values())  # (in the order of sim.decode: the dict was built so)
+        most = max(frees)
+        if not has_room(most, self.sim.decode[0].bm.block_size, prompt_len):
+            return None
+        if frees.count(most) == 1:
+            return self.sim.decode[frees.index(most)]
+        return next(w for w in self.admission.candidates()[0] if view[w.worker_id] == most)
 
     def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
         """Send the leg's reserve to ``decode`` and its add to a prefill worker, now."""
