@@ -8,7 +8,8 @@ sent this way) and room for the prompt by its last load message (cluster/pool.py
 ``has_room``, the router's rule; the view is what the simulated worker published at its
 last step start, sim/decode.py). With ``pipelined_reserves`` reserves in flight do not
 stop another: the worker with the least KV usage counting the blocks they ask for (then
-the fewest of them), among those with room for the prompt after them. The answer: granted, nothing more; cannot fit,
+the fewest of them; then the first in the admission's decode order), among those with
+room for the prompt after them. The answer: granted, nothing more; cannot fit,
 RESOURCE_EXHAUSTED; refused, the leg ends on the prefill worker and a new leg queues for
 admission with the refusal counted in its round when no room was freed since it was
 asked. KV that overtakes its reserve waits on the decode worker (sim/decode.py).
