@@ -7,15 +7,12 @@ fed to every prefill worker. Each loop re-arms while requests are in flight or t
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sim.adapters import RouterConfig
 from sim.loop import EventLoop
-
-if TYPE_CHECKING:
-    from sim.cluster import Simulation
 
 PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
 
@@ -24,8 +21,8 @@ class RouterUpkeep:
     """SimRouter's periodic loops (a base class: they read and set its state)."""
 
     # set by SimRouter.__init__ (declared here for the type checker and mypyc; the
-    # Flight as Any: naming it here would close an import cycle)
-    sim: Simulation
+    # Simulation and Flight as Any: naming them here would close an import cycle)
+    sim: Any
     loop: EventLoop
     cfg: RouterConfig
     flights: dict[str, Any]
