@@ -78,7 +78,8 @@ class AdmissionCore:
         self._seq = itertools.count()  # may queue while its old one is leaving)
         self.round = 0
         self.busy: dict[int, Waiter] = {}  # id(worker) -> the waiter whose call is on it
-        self._alive, self._ids = None, []  # the last candidates, and their id()s
+        self._alive: list | None = None  # the last candidates,
+        self._ids: list[int] = []  # and their id()s
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -148,7 +149,8 @@ class AdmissionCore:
         use any more, and start a reserve for each idle waiter on a free worker."""
         if not self.waiters:
             return
-        alive, free = [], None  # the candidates and the free ones: asked when first needed
+        alive: list = []  # the candidates and the free ones: asked when first needed
+        free: set[int] | None = None
         passed: set[int] | None = None  # workers that refused every earlier waiter
         for wt in (waiters := list(self.waiters)):
             if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
@@ -162,7 +164,8 @@ class AdmissionCore:
                 self.driver.notify(wt)
                 continue
             tried = self._tried(wt)
-            if wt.asking is None and wt.held is None:
+            idle = wt.asking is None and wt.held is None  # (a flag: a narrowed `wt.asking`
+            if idle:  # would outlive the _start that sets it, and mypyc checks narrowings)
                 alive, free = (alive, free) if free is not None else self._candidates()
                 if free:
                     self._start(wt, alive, free, tried)

@@ -144,7 +144,8 @@ class ReservesInFlight:
 def check_fits(decode: list[WorkerHandle], prompt_len: int) -> None:
     """A prompt no decode worker's whole KV cache can hold is refused at once."""
     caps = [w.capacity_tokens for w in decode if w.role == "decode"]
-    if caps and None not in caps and prompt_len + 1 > max(caps):
+    known = [c for c in caps if c is not None]  # (every one, or the check is off)
+    if caps and len(known) == len(caps) and prompt_len + 1 > max(known):
         raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
                           f"prompt of {prompt_len} tokens cannot fit any decode worker's "
-                          f"KV cache ({max(caps)} tokens)")
+                          f"KV cache ({max(known)} tokens)")

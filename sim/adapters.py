@@ -194,9 +194,10 @@ def take_kv_piece(sched: DecodeScheduler, leg_id: str, token_start: int, token_e
         return False
     if token_end > token_start:
         sched.allocate_range(leg_id, token_end)
-        key = (token_start, token_end)
-        if layer_end == num_layers and key not in p.ranges:
-            p.ranges.add(key)
+        key, ranges = (token_start, token_end), p.ranges
+        assert ranges is not None  # (DecodeScheduler.reserve gives every pending leg a set)
+        if layer_end == num_layers and key not in ranges:
+            ranges.add(key)
             p.received_tokens += token_end - token_start
     if first_token is not None:
         p.first_token = first_token

@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 from sim.adapters import ServeConfig, plan_workers
 from sim.costs import CostModel, Limits
@@ -49,7 +48,9 @@ class Simulation:
         self.idle_wait_s = costs.idle_wait_s
         self.delivery = costs.delivery
         self.loop = EventLoop()
-        self.emit = partial(self.loop.after, self.rpc_s)  # the method above, one call less
+        # A message between router and worker: ``emit(fn, *args)`` delivers it ``rpc_s``
+        # from now (``loop.after`` bound to ``rpc_s``: no frame of its own).
+        self.emit: Callable[..., None] = partial(self.loop.after, self.rpc_s)
         self.tracer = SimTracer() if options.trace else None
         # the router's own choice (RouterConfig.make_placement), or the one asked for
         router = replace(self.plan.router, length_buckets=tuple(options.length_buckets),
@@ -63,11 +64,6 @@ class Simulation:
         self.arrivals_left = 0
         self._inflight = 0
         self._held: deque = deque()
-
-    def emit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """A message between router and worker: delivered ``rpc_s`` from now. (The
-        instance's ``emit`` is ``loop.after`` bound to ``rpc_s``: no frame of its own.)"""
-        self.loop.after(self.rpc_s, fn, *args)
 
     def make_link(self, src: SimPrefill, dst: SimDecode) -> SimLink:
         link = SimLink(self, src, dst)
@@ -139,13 +135,13 @@ class Simulation:
             if w.sched.has_work or w.jobs or w.bm.num_used_blocks:
                 problems.append(f"{w.worker_id}: {len(w.jobs)} jobs, "
                                 f"{w.bm.num_used_blocks} blocks in use")
-        for w in self.decode:
-            if w.has_work or w.bm.num_used_blocks or w.sched.promises or w.early or w.inbox:
-                problems.append(f"{w.worker_id}: {len(w.sched.pending)} pending, "
-                                f"{len(w.sched.running)} running, {w.bm.num_used_blocks} blocks, "
-                                f"{len(w.early)} legs' early KV held")
-        for w in self.prefill + self.decode:
-            w.bm.check_integrity()
+        for d in self.decode:
+            if d.has_work or d.bm.num_used_blocks or d.sched.promises or d.early or d.inbox:
+                problems.append(f"{d.worker_id}: {len(d.sched.pending)} pending, "
+                                f"{len(d.sched.running)} running, {d.bm.num_used_blocks} blocks, "
+                                f"{len(d.early)} legs' early KV held")
+        for bm in [w.bm for w in self.prefill] + [d.bm for d in self.decode]:
+            bm.check_integrity()
         for link in self.links:
             if link.sched.has_pending or link.sched.inflight_bytes or link._outstanding:
                 problems.append(f"{link.name}: frames still queued or unacked")

@@ -28,15 +28,14 @@ PACKAGES = ("engine", "kv_transfer", "runtime", "prefill_worker", "decode_worker
 DATA = ("engine/data/*.txt", "engine/attention/*.cpp", "engine/models/*.cpp", "bench/data/*.json")
 # the modules compiled (the rest of the copy runs interpreted): sim/'s own hot path, then
 # the policy code it runs (a profile of `python -m sim.bench_scale --policy-share` picks them).
-# Not cluster/admission.py: mypyc keeps the narrowing of `wt.asking is None` across the
-# call that sets it (AdmissionCore.pump) and raises TypeError; it costs ~0.5% interpreted.
 COMPILED = (
     "sim/loop.py", "sim/worker.py", "sim/decode_runs.py", "sim/decode_kv.py", "sim/decode.py",
     "sim/prefill.py", "sim/link.py", "sim/admission.py", "sim/router_upkeep.py",
     "sim/router_reserve.py", "sim/router.py", "sim/costs.py", "sim/analytic.py",
     "engine/block_manager.py", "engine/request.py", "decode_worker/scheduler.py",
     "prefill_worker/scheduler.py", "prefill_worker/policies.py", "cluster/routing_policies.py",
-    "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py",
+    "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py", "cluster/admission.py",
+    "cluster/pool.py", "sim/adapters.py", "sim/cluster.py",
 )
 ENV = "PDSERVE_SIM_COMPILED"  # set in the re-executed process: the build it runs on
 CODES = ("auto", "compiled", "interpreted")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bench.workload import WorkloadRequest  # (at run time: mypyc's dataclass reads it)
@@ -40,27 +40,38 @@ if TYPE_CHECKING:
     from sim.decode import SimDecode
     from sim.prefill import SimPrefill
 
-@dataclass(eq=False, slots=True)  # (slots: lighter, faster attributes)
+@dataclass(eq=False, slots=True, init=False)  # (slots: lighter, faster attributes)
 class Flight:
+    """A request in the router: its current leg, its tokens and timings, how it ended.
+    (Its own __init__: mypyc compiles it; a dataclass's generated one runs interpreted.)"""
+
     req: WorkloadRequest
     arrival: float  # at the router
     send_s: float  # when the client sent it
-    leg: int = 0
-    leg_id: str = ""
-    failures: int = 0
-    preemptions: int = 0
-    prefill: SimPrefill | None = None
-    decode: SimDecode | None = None
-    leg_prompt_len: int = 0
-    generated: int = 0
-    tokens: list = field(default_factory=list)  # router times (float) and decode segments
-    timing: dict[str, float] = field(default_factory=dict)
-    done: bool = False
-    error: str = ""
-    finish_reason: str = ""
-    end_time: float | None = None
-    prefill_done: bool = False
-    leg_first_seen: bool = False
+    leg: int
+    leg_id: str
+    failures: int
+    preemptions: int
+    prefill: SimPrefill | None
+    decode: SimDecode | None
+    leg_prompt_len: int
+    generated: int
+    tokens: list  # router times (float) and decode segments
+    timing: dict[str, float]
+    done: bool
+    error: str
+    finish_reason: str
+    end_time: float | None
+    prefill_done: bool
+    leg_first_seen: bool
+
+    def __init__(self, req: WorkloadRequest, arrival: float, send_s: float):
+        self.req, self.arrival, self.send_s = req, arrival, send_s
+        self.leg = self.failures = self.preemptions = self.leg_prompt_len = self.generated = 0
+        self.leg_id = self.error = self.finish_reason = ""
+        self.prefill, self.decode, self.end_time = None, None, None
+        self.tokens, self.timing = [], {}
+        self.done = self.prefill_done = self.leg_first_seen = False
 
 
 class SimRouter(ReserveWithAdd):
@@ -81,6 +92,7 @@ class SimRouter(ReserveWithAdd):
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
         # each decode worker's unpromised free blocks as its last load message said
         self.promisable = {w.worker_id: w.bm.num_blocks for w in sim.decode}
+        self.same_size = len({(w.bm.num_blocks, w.bm.block_size) for w in sim.decode}) == 1
         self.reserving = ReservesInFlight()  # reserves sent with adds, not yet answered
         # the placement and decode-order policies' inputs, kept current (a NamedTuple per
         # worker is rebuilt when its figures change, not per decision)

@@ -8,7 +8,8 @@ sent this way) and room for the prompt by its last load message (cluster/pool.py
 ``has_room``, the router's rule; the view is what the simulated worker published at its
 last step start, sim/decode.py). With ``pipelined_reserves`` reserves in flight do not
 stop another: the worker with the least KV usage counting the blocks they ask for (then
-the fewest of them), among those with room for the prompt after them. The answer: granted, nothing more; cannot fit,
+the fewest of them; then the first in the admission's decode order), among those with
+room for the prompt after them. The answer: granted, nothing more; cannot fit,
 RESOURCE_EXHAUSTED; refused, the leg ends on the prefill worker and a new leg queues for
 admission with the refusal counted in its round when no room was freed since it was
 asked. KV that overtakes its reserve waits on the decode worker (sim/decode.py).
@@ -36,6 +37,7 @@ class ReserveWithAdd(RouterUpkeep):
     admission: SimAdmission
     reserving: ReservesInFlight
     promisable: dict[str, int]
+    same_size: bool  # every decode worker has the same blocks and block size
 
     def place(self, flight: Flight, decode: SimDecode) -> None:
         raise NotImplementedError
@@ -56,27 +58,56 @@ class ReserveWithAdd(RouterUpkeep):
             return None
         busy, reserving, view = adm.core.busy, self.reserving, self.promisable
         if self.cfg.pipelined_reserves:
-            return self._least_promised(adm.candidates()[0], prompt_len)
+            return self._least_promised(prompt_len)
         for w in adm.candidates()[0]:
             if id(w) not in busy and id(w) not in reserving and \
                     has_room(view[w.worker_id], w.bm.block_size, prompt_len):
                 return w
         return None
 
-    def _least_promised(self, alive: list[SimDecode], prompt_len: int) -> SimDecode | None:
-        """cluster/router.py _least_promised: the least KV usage by the last load, counting
-        the reserves in flight (then the fewest of them), among those with room."""
-        best: SimDecode | None = None
-        best_key: tuple[float, int] | None = None
-        for w in alive:
-            n, blocks = self.reserving.of(id(w))
-            free, total = self.promisable[w.worker_id], w.bm.num_blocks
-            if not has_room(free - blocks, w.bm.block_size, prompt_len):
+    def _least_promised(self, prompt_len: int) -> SimDecode | None:
+        """cluster/router.py _least_promised over the admission's order of the decode
+        workers (every one: none dies here): the least KV usage by the last load, counting
+        the reserves in flight (then the fewest of them), among those with room; the
+        first in that order of those tied. The order is asked for only when there is a
+        tie (it is a sort); the key, ``(usage, n)``, is compared field by field, and most
+        arrivals find no reserve in flight anywhere and ask the ledger nothing."""
+        reserving, view = self.reserving, self.promisable
+        none = not reserving
+        if none and self.same_size:
+            return self._most_free(prompt_len)
+        workers: list[SimDecode] = self.sim.decode  # (typed: mypyc reads their fields natively)
+        best: list[SimDecode] = []  # those with the least key so far
+        best_usage, best_n = 0.0, 0
+        for w in workers:
+            n, blocks = (0, 0) if none else reserving.of(id(w))
+            bm = w.bm
+            free, total = view[w.worker_id], bm.num_blocks
+            if not has_room(free - blocks, bm.block_size, prompt_len):
                 continue
-            key = (1.0 - free / total + blocks / total, n)
-            if best_key is None or key < best_key:
-                best, best_key = w, key
-        return best
+            usage = 1.0 - free / total + blocks / total
+            if not best or usage < best_usage or (usage == best_usage and n < best_n):
+                best, best_usage, best_n = [w], usage, n
+            elif usage == best_usage and n == best_n:
+                best.append(w)
+        if len(best) > 1:
+            return next(w for w in self.admission.candidates()[0] if w in best)
+        return best[0] if best else None
+
+    def _most_free(self, prompt_len: int) -> SimDecode | None:
+        """``_least_promised`` with no reserve in flight, on decode workers of one size
+        (blocks, block size): the key is (1 - free / total, 0), so the least is the most
+        free blocks and ties are equal free counts (distinct counts of one total never
+        round to one usage); has_room grows with free, so when the most free has no room
+        none has. The same choice, without a loop in Python per worker."""
+        view = self.promisable
+        frees = list(view.values())  # (in the order of sim.decode: the dict was built so)
+        most = max(frees)
+        if not has_room(most, self.sim.decode[0].bm.block_size, prompt_len):
+            return None
+        if frees.count(most) == 1:
+            return self.sim.decode[frees.index(most)]
+        return next(w for w in self.admission.candidates()[0] if view[w.worker_id] == most)
 
     def reserve_with_add(self, f: Flight, decode: SimDecode) -> None:
         """Send the leg's reserve to ``decode`` and its add to a prefill worker, now."""
