@@ -100,10 +100,12 @@ def fit_delivery(streams: list[tuple[np.ndarray, np.ndarray]], *, first_token_s:
     """The delivery figures that best reproduce measured streams: each is (step ends,
     client arrival times) of one request's decode tokens on an idle service. The fit
     matches distributions, not token by token (the real stalls come at random): the
-    quantiles of each token's delay after its step and of the client's inter-token gaps.
-    Which steps go together depends on the gaps alone and ``token_s`` only shifts the
+    quantiles of each token's delay after its step and of the client's inter-token gaps,
+    each group weighing half (the gaps are what a client sees; weighed per quantile, the
+    seven delays outvoted the four gaps and the fit took a coalescing gap above the
+    median inter-token gap, which then set every simulated ITL). Which steps go together depends on the gaps alone and ``token_s`` only shifts the
     delays, so for each (``gap_s``, stall) on a grid the best ``token_s`` follows in closed
-    form; returned with the mean absolute difference of those quantiles. ``offset_s`` is subtracted from
+    form; returned with that weighted mean absolute difference. ``offset_s`` is subtracted from
     ``token_s`` (work the simulator already counts in the step after the measured end)."""
     target = _quantiles(streams, [a for _, a in streams])
     nl = len(LAG_Q)
@@ -118,7 +120,8 @@ def fit_delivery(streams: list[tuple[np.ndarray, np.ndarray]], *, first_token_s:
             # token_s shifts every delay quantile and no gap: the best shift in closed form
             tok = max(float(np.median(target[:nl] - got[:nl])), 0.0)
             got[:nl] += tok
-            err = float(np.mean(np.abs(got - target)))
+            diff = np.abs(got - target)
+            err = 0.5 * float(np.mean(diff[:nl])) + 0.5 * float(np.mean(diff[nl:]))
             if best is None or err < best[0]:
                 best = (err, replace(d, token_s=tok))
     err, d = best
