@@ -210,7 +210,8 @@ def describe(cal, rows: list[dict]) -> str:
             + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step, then "
             + span([f["overhead_s"] * 1e3 for f in pre]) + " ms after it; decode x"
             + span([f["scale"] for f in dec]) + " + " + span([f["offset_s"] * 1e3 for f in dec])
-            + " ms per step")
+            + " ms per step, " + span([f.get("join_s", 0.0) * 1e3 for f in dec])
+            + " ms more in a step that legs join")
     if fs:
         lines.append(
             ("" if steps else "compute scaled per row and role by the contention measured on "
