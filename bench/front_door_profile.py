@@ -1,4 +1,4 @@
-"""A native profile of the front door (and the decode worker) for bench/control_plane.py
+"""A native profile of the front door (and of each worker) for bench/control_plane.py
 --profile.
 
 With py-spy available (`pip install py-spy`, or the `profile` extra), `NativeProfile`

@@ -3,7 +3,7 @@
 reader and writer, Ray's core-worker threads, the KV receiver...) spends the CPU, native
 threads included (py-spy sees Python threads only).
 
-    snap = thread_times(pid); ...; write_table(path, snap, thread_times(pid), tokens)
+    snap = thread_times(pid); ...; text = table(snap, thread_times(pid), tokens)
 """
 
 from __future__ import annotations

@@ -246,10 +246,8 @@ class DecodeAdmission:
                 if w is not None:
                     flight.admitted = True
                     return w
-                decode_up = any(w.alive for w in self.router.decode)
-                if (not decode_up or not any(w.alive for w in self.router.prefill)) \
-                        and time.monotonic() > grace_end:  # no restart came back in time
-                    pool = "decode" if not decode_up else "prefill"
+                pool = self._dead_pool()
+                if pool is not None and time.monotonic() > grace_end:  # no restart came back
                     raise RouterError(ErrorCode.UNAVAILABLE, f"no {pool} worker is alive")
                 if limit is not None and time.monotonic() > start + limit:
                     raise RouterError(ErrorCode.RESOURCE_EXHAUSTED,
@@ -272,12 +270,17 @@ class DecodeAdmission:
             return
         if core.idle_head(core.waiters[0]):
             core.wake_head()
-        now, r = time.monotonic(), self.router
-        down = not any(w.alive for w in r.decode) or not any(w.alive for w in r.prefill)
+        now, down = time.monotonic(), self._dead_pool() is not None
         for w in core.waiters:
             if down or self._deadlines.get(w, now) < now:
                 w.event.set()
         self._timer = asyncio.get_running_loop().call_later(RETRY_S, self._retry)
+
+    def _dead_pool(self) -> str | None:
+        """The pool with no live worker ("decode" first), or None."""
+        if not any(w.alive for w in self.router.decode):
+            return "decode"
+        return None if any(w.alive for w in self.router.prefill) else "prefill"
 
     # ---- AdmissionDriver ------------------------------------------------------------
     def candidates(self) -> tuple[list[WorkerHandle], bool]:

@@ -9,8 +9,8 @@ right after the answer is taken in): it leaves when its request ended, fails wit
 error, is placed with its grant, else waits again. One tick runs every ``RETRY_S`` from
 when the queue stops being empty until it is empty again (DecodeAdmission._retry): a
 head between its tries then starts a new round; it wakes no other waiter (the router's
-tick also wakes those past ``admission_timeout_s``, which is not simulated). Workers are asked in the configured decode-order
-policy's order (cluster/routing_policies.py). Modelled: the revoked grants go back in one
+tick also wakes those past ``admission_timeout_s``, which is not simulated). Workers are
+asked in the configured decode-order policy's order (cluster/routing_policies.py). Modelled: the revoked grants go back in one
 abort call before the reserve (the router awaits one abort per grant).
 """
 

@@ -179,7 +179,8 @@ class SimDecode(KVIntake):
             self._items, self._run = [], 0
             return (import_s, False) if import_s > 0 else None
         n, first, b = len(self.step_times), self.first_step, len(items)
-        ctx = longest = joined = 0
+        ctx = longest = 0
+        joined = False
         for it in items:
             start = it.start
             ctx += start
@@ -188,7 +189,7 @@ class SimDecode(KVIntake):
             rid = it.request.request_id
             if rid not in first:
                 first[rid] = n
-                joined += 1
+                joined = True
         if joined:  # a step that legs join costs more (sim/costs.py leg_join_s)
             import_s += self.join_s
         ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token

@@ -103,9 +103,10 @@ def fit_delivery(streams: list[tuple[np.ndarray, np.ndarray]], *, first_token_s:
     quantiles of each token's delay after its step and of the client's inter-token gaps,
     each group weighing half (the gaps are what a client sees; weighed per quantile, the
     seven delays outvoted the four gaps and the fit took a coalescing gap above the
-    median inter-token gap, which then set every simulated ITL). Which steps go together depends on the gaps alone and ``token_s`` only shifts the
-    delays, so for each (``gap_s``, stall) on a grid the best ``token_s`` follows in closed
-    form; returned with that weighted mean absolute difference. ``offset_s`` is subtracted from
+    median inter-token gap, which then set every simulated ITL). Which steps go together
+    depends on the gaps alone and ``token_s`` only shifts the delays, so for each
+    (``gap_s``, stall) on a grid the best ``token_s`` follows in closed form; returned
+    with that weighted mean absolute difference. ``offset_s`` is subtracted from
     ``token_s`` (work the simulator already counts in the step after the measured end)."""
     target = _quantiles(streams, [a for _, a in streams])
     nl = len(LAG_Q)

@@ -139,7 +139,7 @@ def measure_overheads(m: Measurer, items: Sequence[int], sample_s) -> dict[str, 
                 _check_timed(execs)
                 if rep:
                     dec_s.append(wall - sum(execs) - sample_s(n))
-                    if n == 1 and firsts and execs:  # the leg's first step, then its second
+                    if n == 1 and firsts:  # the leg's first step, then its second
                         joins.append(firsts[-1] - execs[0])
                 for leg in legs:
                     dec.abort(leg)
