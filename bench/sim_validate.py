@@ -41,6 +41,7 @@ from bench.sim_validate_report import (
     describe,
     fit_link_factor,
     handoff_mean,
+    handoff_residuals,
     median_summary,
     summarize,
     table,
@@ -92,6 +93,9 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
         prompt_len=LengthDist.uniform(32, 192), output_len=LengthDist.uniform(16, 48),
         long_prompt_len=LengthDist.uniform(600, 1400), long_output_len=LengthDist.uniform(8, 16),
         long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))
+
+
+HANDOFF_MIN_LEGS = 10  # fewer matched legs: the mean handoff sets a link factor instead
 
 
 def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
@@ -150,7 +154,8 @@ def ablate(data: dict, model: str, n: int, seed: int) -> None:
             d = Delivery(**r["delivery_fit"]) if refit and r.get("delivery_fit") else None
             steps = {k: StepFit(**v) for k, v in r.get("step_fits", {}).items()}
             sim = simulate_config(config_for(base, CONFIGS[r["config"]]), reqs,
-                                  ScaledCosts(costs, f, "ablation", delivery=d, steps=steps),
+                                  ScaledCosts(costs, f, "ablation", delivery=d, steps=steps,
+                                              handoff=r.get("handoff_fit", [])),
                                   SimOptions(trace=True))
             rows.append({**r, "sim": summarize(sim)})
         print(f"-- delivery {'refitted under load' if refit else 'idle'}, KV link "
@@ -223,16 +228,22 @@ def main(argv: list[str] | None = None) -> int:
                 fit = delivery_under_load(first, ScaledCosts(costs, factors, "probe",
                                                              steps=steps))
                 delivery = fit[0] if fit else None
-                factors["link"] = fit_link_factor(handoff_mean(first), link_probe(
-                    cfg, reqs, costs, factors, delivery, steps))
+                probe = link_probe(cfg, reqs, costs, factors, delivery, steps)
+                handoff = handoff_residuals(first, probe(1.0))
+                if len(handoff) >= HANDOFF_MIN_LEGS:  # each leg's own spread, at the idle link
+                    factors["link"] = 1.0
+                else:
+                    handoff = []
+                    factors["link"] = fit_link_factor(handoff_mean(first), probe)
                 scaled = ScaledCosts(costs, factors, "contention run before these",
-                                     delivery=delivery, steps=steps)
+                                     delivery=delivery, steps=steps, handoff=handoff)
                 reals = [summarize(svc.run_workload(reqs, transport="inproc"))
                          for _ in range(args.repeats)]
                 sim = simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
                 row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
                        "step_fits": {r: f.to_dict() for r, f in steps.items()},
                        "delivery_fit": delivery.to_dict() if delivery else None,
+                       "handoff_fit": [round(x, 7) for x in handoff],
                        "real": median_summary(reals), "sim": summarize(sim),
                        "contention_run": summarize(first), "runs": reals,
                        "load_average": list(os.getloadavg())}

@@ -13,9 +13,12 @@ overhead is then in the offset.
 Why an offset: the real prefill step spends ~1.3-1.6 ms beyond its calibrated compute
 at every chunk size here (36 to 256 tokens, context 0 to 1024), so one factor per role
 (the mean step's ratio) made short prompts' steps 2x too fast and TTFT p50 ~20% low.
-Drawing each step's residual around the fit (to give the machine's stalls to the tails)
-was tried and dropped: the residuals are skewed, so the draws lowered the median steps,
-and TTFT p50 fell 5-20% further below the real runs in a validation, with no gain at p99.
+Drawing each prefill step's residual around the least-squares fit (to give the machine's
+stalls to the tails) was tried and dropped: the residuals are skewed, so the draws lowered
+the median steps, and TTFT p50 fell 5-20% further below the real runs in a validation,
+with no gain at p99. A decode step's spread is drawn around the median instead, which
+keeps the median step: the decode worker's stalls (here ~0.5% of steady periods over
+3 ms, one of 22 ms) are a share of the real ITL p99.
 """
 
 from __future__ import annotations
@@ -109,6 +112,9 @@ def _before_step(records, steps) -> float:
 
 
 def decode_fit(real, base, extras):
+    """The decode step: the calibrated step plus the median excess of the real steady
+    periods (start to next start while a leg runs on, less the sampling the simulator
+    adds), their spread around it, and what a step that legs join adds (``_join``)."""
     from sim.scaled import StepFit
 
     by_worker: dict[str, list] = defaultdict(list)
@@ -118,15 +124,21 @@ def decode_fit(real, base, extras):
     pred, period = [], []
     for steps in by_worker.values():
         steps.sort(key=lambda s: s[0])
+        before: set = set()
         for (s0, _, past, legs), (s1, _, _, after) in zip(steps, steps[1:], strict=False):
-            if not legs & after:  # nobody ran on: the loop may have napped in between
+            joined, before = bool(legs - before), legs
+            # a join is its own term; nobody ran on: the loop may have napped in between
+            if joined or not legs & after:
                 continue
             b = len(past)
             run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
             pred.append(float(np.asarray(run)[0]))
             period.append(s1 - s0 - extras.sample_s(b))
     fit = _fit(pred, period, median=True)
-    return None if fit is None else StepFit(fit[0], fit[1], 0.0, _join(by_worker))
+    if fit is None:
+        return None
+    spread = np.asarray(period) - np.asarray(pred) - fit[1]
+    return StepFit(fit[0], fit[1], 0.0, _join(by_worker), tuple(spread.tolist()))
 
 
 def _join(by_worker: dict[str, list]) -> float:

@@ -97,6 +97,17 @@ class CostModel(ABC):
         (calibrated) and 0.64 ms in the service under load, every op of that step 2-5x
         slower than in the next (the worker waited for the KV; its caches are cold)."""
 
+    def handoff_extra_s(self, leg_id: str) -> float:
+        """What a leg's KV handoff takes beyond the modelled export, link and intake. No
+        calibration has such a term (0); a cost model fitted to a run under load draws the
+        unexplained part of that run's handoffs per leg (sim/scaled.py). Asked only where
+        ``handoff_spread``."""
+        return 0.0
+
+    @property
+    def handoff_spread(self) -> bool:
+        return False
+
     def decode_s(self, batch: int, context: int, longest: int | None = None) -> float:
         """One step; ``longest`` defaults to the mean context (a uniform batch)."""
         longest = -(-context // batch) if longest is None else longest

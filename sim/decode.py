@@ -55,6 +55,7 @@ class SimDecode(KVIntake):
         self.kvb = plan.kv_bytes_per_token
         self.fast = sim.options.decode_stepping == "fast"
         self.join_s = self.costs.leg_join_s()
+        self.handoff_spread = self.costs.handoff_spread
         self.inbox: list[Piece] = []
         self.early: dict[str, list[Piece]] = {}  # KV that came before its reserve (decode_kv)
         self.closed: set[str] = set()  # legs whose later KV is dropped here

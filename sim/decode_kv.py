@@ -33,8 +33,23 @@ class KVIntake(RunCutter):
     started: dict[str, float]
     num_layers: int
     kvb: int
+    handoff_spread: bool
 
     def deliver(self, pieces: list[Piece]) -> None:
+        if self.handoff_spread:  # a leg's last piece waits its drawn extra (costs.py)
+            now, costs, keep = self.loop.now, self.costs, []
+            for p in pieces:
+                extra = costs.handoff_extra_s(p.leg_id) if p.first_token is not None else 0.0
+                if extra > 0:
+                    self.loop.at(now + extra, self._arrive, [p])
+                else:
+                    keep.append(p)
+            if not keep:
+                return
+            pieces = keep
+        self._arrive(pieces)
+
+    def _arrive(self, pieces: list[Piece]) -> None:
         self.inbox.extend(pieces)
         self._cut()
         self.wake()  # the KV doorbell ends a nap at once

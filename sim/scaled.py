@@ -12,7 +12,9 @@ same contention). ``delivery`` replaces the idle delivery figures by ones fitted
 (then ``control`` scales only the per-message latency). bench/sim_validate.py measures all
 of them on a separate run of the same configuration and load: the real workers' mean step
 time over the simulator's, the real dispatch latency over the simulated one, the real KV
-handoff over the simulated one, and the delivery fitted to that run's token streams.
+handoff over the simulated one (or, ``handoff``, each leg's real handoff less the
+simulated one at the idle link, drawn per leg), and the delivery fitted to that run's
+token streams.
 
 A single factor per role cannot hold a step whose cost under load is mostly fixed (a
 prefill of 36 tokens here: 0.47 ms of calibrated compute, 1.6 ms in the real worker's
@@ -24,6 +26,8 @@ real step spends after the traced compute, before its next step).
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -32,32 +36,41 @@ import numpy as np
 from sim.costs import ROLES, CostModel, Limits, LinkCost
 from sim.delivery import Delivery
 
+SPREAD_DRAWS = 1 << 16  # the draws cycle after this many decode steps
+
 
 @dataclass(frozen=True)
 class StepFit:
     """A role's step under load: compute ``scale * calibrated + offset_s`` per step,
     ``overhead_s`` per step in place of the calibrated overhead, and (decode) ``join_s``
-    more in a step that legs join."""
+    more in a step that legs join. ``spread_s`` (decode): the real steady steps' periods
+    less the fitted one (median 0); each simulated step adds one drawn at random, so the
+    machine's stalls reach the tail and the median step stays the fit."""
 
     scale: float
     offset_s: float
     overhead_s: float
     join_s: float = 0.0
+    spread_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0
                 and self.join_s >= 0):
             raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got {self}")
+        if not all(math.isfinite(x) for x in self.spread_s):
+            raise ValueError("a step fit's spread must be finite")
+        object.__setattr__(self, "spread_s", tuple(float(x) for x in self.spread_s))
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict:
         return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s,
-                "join_s": self.join_s}
+                "join_s": self.join_s, "spread_s": [round(x, 7) for x in self.spread_s]}
 
 
 class ScaledCosts(CostModel):
     def __init__(self, base: CostModel, factors: Mapping[str, float], why: str,
                  delivery: Delivery | None = None,
-                 steps: Mapping[str, StepFit] | None = None):
+                 steps: Mapping[str, StepFit] | None = None,
+                 handoff: Sequence[float] = ()):
         if set(factors) - {"control", "link"} != set(ROLES) or \
                 not all(f > 0 for f in factors.values()):
             raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
@@ -66,6 +79,14 @@ class ScaledCosts(CostModel):
             raise ValueError(f"step fits are per role of {ROLES}, got {sorted(steps)}")
         self.base, self.factors = base, dict(factors)
         self.steps = dict(steps or {})
+        spread = self.steps["decode"].spread_s if "decode" in self.steps else ()
+        # one stream of draws in call order, fixed per instance: a simulation is repeatable
+        self._draws = (np.asarray(spread)[np.random.default_rng(0).integers(
+            0, len(spread), size=SPREAD_DRAWS)] if spread else None)
+        self._drawn = 0
+        if not all(math.isfinite(x) for x in handoff):
+            raise ValueError("a handoff spread must be finite")
+        self._handoff = sorted(max(float(x), 0.0) for x in handoff)
         self.calibration = base.calibration
         fc = self.factors.setdefault("control", 1.0)
         fl = self.factors.setdefault("link", 1.0)
@@ -73,11 +94,14 @@ class ScaledCosts(CostModel):
             f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
             f"{st.overhead_s * 1e3:.2f} ms"
             f"{f', a step legs join +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
+            f"{f', spread drawn from {len(st.spread_s)} real steps' if st.spread_s else ''}"
             if (st := self.steps.get(r)) else
             f"x{self.factors[r]:.2f} {r}" for r in ROLES)
         self.label = (f"{base.label}; compute {compute}, control "
                       f"plane x{fc:.2f}, KV link x{fl:.2f}"
-                      f"{', delivery fitted under load' if delivery else ''} ({why})")
+                      f"{', delivery fitted under load' if delivery else ''}"
+                      f"{f', KV handoff spread drawn from {len(handoff)} real legs' if handoff else ''}"
+                      f" ({why})")
         d = base.delivery
         self._delivery = delivery or replace(
             d, first_token_s=d.first_token_s * fc, token_s=d.token_s * fc, gap_s=d.gap_s * fc)
@@ -96,9 +120,15 @@ class ScaledCosts(CostModel):
                      steps: int) -> Sequence[float]:
         run = np.asarray(self.base.decode_run_s(batch, context, longest, steps))
         st = self.steps.get("decode")
-        if st is not None:
-            return run * st.scale + st.offset_s
-        return run * self.factors["decode"]
+        if st is None:
+            return run * self.factors["decode"]
+        run = run * st.scale + st.offset_s
+        if self._draws is not None:
+            i, n = self._drawn, len(run)
+            idx = np.arange(i, i + n) % SPREAD_DRAWS
+            self._drawn = (i + n) % SPREAD_DRAWS
+            run = np.maximum(run + self._draws[idx], 0.0)
+        return run
 
     def sample_s(self, rows: int) -> float:  # both roles sample; decode does it every step
         return self.base.sample_s(rows) * self.factors["decode"]
@@ -118,6 +148,18 @@ class ScaledCosts(CostModel):
     def leg_join_s(self) -> float:
         st = self.steps.get("decode")
         return st.join_s if st is not None else self.base.leg_join_s()
+
+    @property
+    def handoff_spread(self) -> bool:
+        return bool(self._handoff)
+
+    def handoff_extra_s(self, leg_id: str) -> float:
+        """One of the measured legs' unexplained handoffs (clipped at 0), picked by a hash of
+        the leg's id: the same leg gets the same draw in every run, whatever the order."""
+        h = self._handoff
+        if not h:
+            return 0.0
+        return h[zlib.crc32(leg_id.encode()) * len(h) >> 32]
 
     def link(self, name: str) -> LinkCost:
         c, f = self.base.link(name), self.factors["link"]

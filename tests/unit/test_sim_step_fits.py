@@ -16,6 +16,7 @@ from sim.scaled import ScaledCosts, StepFit
 from sim.synthetic import synthetic_calibration
 
 MS = 1e-3
+DECODE_BATCHES = (3, 3, 3, 2, 2, 2, 1, 1, 1, 1)
 
 
 def _base():
@@ -29,8 +30,9 @@ def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
          ) -> RunOutput:
     """Prefill steps whose spans are ``p_scale * calibrated + p_offset`` and whose mean
     step is the mean span plus ``post``; decode steps at batch 1..3 whose periods are
-    ``d_scale * calibrated + d_offset`` plus the sampling; ``gaps`` delays the next step
-    (its legs running on); after step ``nap_at`` all legs end, 10 ms pass, new ones run."""
+    ``d_scale * calibrated + d_offset`` plus the sampling (the batch shrinks, so only the
+    first step is one that legs join); ``gaps`` delays the next step (its legs running
+    on); after step ``nap_at`` all legs end, 10 ms pass, new ones run."""
     events, records, spans = [], [], []
     t = 0.0
     for i, (c, p) in enumerate([(16, 0), (64, 0), (128, 128), (256, 0), (256, 256),
@@ -44,7 +46,7 @@ def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
         spans.append(span)
         t += span + 0.01
     t, epoch = 100.0, 0
-    for k, b in enumerate([1, 2, 3, 3, 2, 1, 2, 3]):
+    for k, b in enumerate(DECODE_BATCHES):
         past = [40 + j for j in range(b)]
         run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
         period = d_scale * float(np.asarray(run)[0]) + d_offset + base.sample_s(b)
@@ -56,7 +58,7 @@ def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
             t, epoch = t + 0.01, epoch + 1
     stats = {"prefill-0": {"role": "prefill", "steps": len(spans),
                            "mean_step_s": float(np.mean(spans)) + post},
-             "decode-0": {"role": "decode", "steps": 8, "mean_step_s": MS}}
+             "decode-0": {"role": "decode", "steps": len(DECODE_BATCHES), "mean_step_s": MS}}
     return RunOutput(records, events, stats)
 
 
@@ -98,14 +100,14 @@ def test_the_time_before_a_step_counts_the_requests_that_found_the_worker_idle()
 def test_a_step_legs_join_costs_what_its_span_exceeds_the_steady_steps_by() -> None:
     base, events, t = _base(), [], 0.0
     legs = ["a"]
-    for k in range(16):  # batch 1 at 0.3 ms; every third step a new leg takes over, 0.9 ms
+    for k in range(19):  # batch 1 at 0.3 ms; every third step a new leg takes over, 0.9 ms
         if k % 3 == 2:
             legs = [f"n{k}"]
         span = (0.9 if k % 3 == 2 else 0.3) * MS
         events.append(TraceEvent(f"{legs[0]}#x#1", "decode_step", "decode-0", t, t + span,
                                  past_kv_tokens=40 + k))
         t += span + 0.1 * MS
-    run = RunOutput([], events, {"decode-0": {"role": "decode", "steps": 16,
+    run = RunOutput([], events, {"decode-0": {"role": "decode", "steps": 19,
                                               "mean_step_s": MS}})
     assert step_fits(run, base, base)["decode"].join_s == pytest.approx(0.6 * MS, rel=1e-6)
 
@@ -121,8 +123,9 @@ def test_prefill_reads_back_a_slope_in_range_and_decode_the_median_difference() 
     p = step_fits(steep, base, base)["prefill"]  # slope 3 is out of range: the mean gap
     assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred) + 2.6 * MS),
                                                   rel=1e-6)
+    # the periods of the steady steps: not the first (legs joined), not the last (no next)
     runs = [float(np.asarray(base.decode_run_s(b, b * 41 + b * (b - 1) // 2 + b,
-                                               40 + b, 1))[0]) for b in (1, 2, 3, 3, 2, 1, 2)]
+                                               40 + b, 1))[0]) for b in DECODE_BATCHES[1:-1]]
     assert fits["decode"].offset_s == pytest.approx(0.5 * np.median(runs), rel=1e-6)
 
 
@@ -135,12 +138,14 @@ def test_a_nap_between_decode_steps_is_not_a_period_and_a_stall_with_legs_runnin
                                                                               rel=1e-6)
     # legs ran on through a 1 ms stall after every step: every period is 1 ms slower
     slow = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
-                gaps=(1 * MS,) * 7)
+                gaps=(1 * MS,) * len(DECODE_BATCHES))
     assert step_fits(slow, base, base)["decode"].offset_s == pytest.approx(1.2 * MS, rel=1e-6)
-    # one 20 ms stall among seven periods: the median period stays
+    # one 20 ms stall among eight periods: the median period stays, the spread has it
     one = _run(base, p_scale=1.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.2 * MS,
                gaps=(0.0, 0.0, 0.0, 20 * MS))
-    assert step_fits(one, base, base)["decode"].offset_s == pytest.approx(0.2 * MS, rel=1e-6)
+    d = step_fits(one, base, base)["decode"]
+    assert d.offset_s == pytest.approx(0.2 * MS, rel=1e-6)
+    assert sorted(d.spread_s) == pytest.approx([0.0] * 7 + [20 * MS], abs=1e-9)
 
 
 def test_few_steps_give_no_fit() -> None:
@@ -195,3 +200,23 @@ def test_the_simulator_adds_the_join_to_the_step_a_leg_joins_only() -> None:
     assert gaps[0] == pytest.approx(2 * MS, abs=1e-9) and gaps[1:] == pytest.approx(0, abs=1e-9)
     # and fast stepping still runs the steps the real scheduler runs one by one
     assert _simulated(2 * MS, "fast", 40) == _simulated(2 * MS, "exact", 40)
+
+
+def test_a_decode_step_adds_a_draw_of_the_spread_repeatably_and_keeps_the_median() -> None:
+    base = _base()
+    fit = StepFit(1.0, 0.2 * MS, 0.0, 0.0, (0.0, 0.0, 0.0, -0.1 * MS, 4 * MS))
+    assert StepFit(**fit.to_dict()) == fit  # the validation's JSON reads back
+    a, b = (ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", steps={"decode": fit})
+            for _ in range(2))
+    plain = float(np.asarray(base.decode_run_s(2, 90, 46, 1))[0]) + 0.2 * MS
+    one_by_one = np.concatenate([a.decode_run_s(2, 90, 46, 1) for _ in range(2000)])
+    # the draws go in call order, whatever the run lengths asked: the same steps
+    assert np.concatenate([b.decode_run_s(2, 90, 46, k) for k in (1, 999, 1000)]) \
+        == pytest.approx(one_by_one)
+    extra = one_by_one - plain
+    assert set(np.round(extra / MS, 6)) == {0.0, -0.1, 4.0}
+    assert np.median(extra) == pytest.approx(0.0, abs=1e-12)
+    assert np.mean(extra > 0) == pytest.approx(0.2, abs=0.03)  # one value in five
+    assert "spread drawn from 5 real steps" in a.label
+    with pytest.raises(ValueError, match="spread must be finite"):
+        StepFit(1.0, 0.0, 0.0, 0.0, (float("nan"),))
