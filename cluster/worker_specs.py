@@ -125,5 +125,5 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, tag: str, *,
             worker_id=w.worker_id, role=w.role, engine=engine, scheduler=scheduler,
             transfer=transfer if w.role != "colocated" else None,
             num_threads=w.torch_threads, actor_name=f"{tag}-{w.worker_id}", trace=trace,
-            faults=faults))
+            faults=faults, stream_interval=cfg.server.stream_interval))
     return specs

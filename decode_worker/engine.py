@@ -5,6 +5,12 @@ Each step: take arrived KV chunks from the connector into this worker's own bloc
 are complete, then run one continuous-batching decode step over every running request
 and report all new tokens of the step together. KV that overtakes its leg's reserve (the
 router sends reserve and the prefill's add at once) waits in EarlyKV until it comes.
+
+With ``stream_interval`` N > 1 a leg's tokens are reported every N tokens, as the front
+door streams them (SGLang's scheduler does the same): a step's message then carries a
+token for one leg in N, so the router and the channel do per-token work once per N
+tokens. A leg's first decode step (it carries the first token), a finish, log-probs and
+a preemption or failure report at once what the leg holds; an abort drops it.
 """
 
 from __future__ import annotations
@@ -40,8 +46,13 @@ class DecodeEngine:
         tracer: TraceRecorder | None = None,
         faults: FaultInjector | None = None,
         early: EarlyKVConfig | None = None,
+        stream_interval: int = 1,
     ):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.worker_id = worker_id
+        self.stream_interval = stream_interval
+        self._held: dict[str, list[int]] = {}  # leg -> tokens not reported yet
         self.faults = faults  # fault injection (tests only): may refuse admission
         self.config = config
         self.runner = make_runner(config, num_blocks)  # rank 0's, under TP
@@ -102,6 +113,7 @@ class DecodeEngine:
     def _end(self, leg_id: str) -> bool:
         """Forget a leg that ended here (any status); its id is free again at once."""
         self.started.pop(leg_id, None)
+        self._held.pop(leg_id, None)
         known = self.scheduler.abort(leg_id) is not None
         if known:
             self.aborted_early.ended(leg_id)
@@ -110,9 +122,19 @@ class DecodeEngine:
     def _fail(self, leg_id: str, message: str) -> list[WorkerEvent]:
         """Fail one leg (e.g. its KV intake went wrong): free it, drop its frames."""
         self.receiver.abort(leg_id)
+        held = self._flush(leg_id)
         if not self._end(leg_id) and not self.early.close(leg_id, "failed", self.receiver):
+            return held
+        return [*held, WorkerEvent(EventKind.FAILED, leg_id, self.worker_id, message=message)]
+
+    def _flush(self, leg_id: str) -> list[WorkerEvent]:
+        """The leg's held tokens as one TOKENS event (before it leaves this worker other
+        than by an abort: what it generated is the router's to keep)."""
+        held = self._held.pop(leg_id, None)
+        if not held:
             return []
-        return [WorkerEvent(EventKind.FAILED, leg_id, self.worker_id, message=message)]
+        return [WorkerEvent(EventKind.TOKENS, leg_id, self.worker_id, tuple(held), None, "",
+                            time.time())]
 
     def keepalive(self, leg_ids: list[str]) -> int:
         return self.scheduler.touch(leg_ids, time.monotonic())
@@ -128,6 +150,7 @@ class DecodeEngine:
         for r in preempted:
             self.started.pop(r.request_id, None)
             self.aborted_early.ended(r.request_id)
+            events += self._flush(r.request_id)
             events.append(WorkerEvent(EventKind.PREEMPTED, r.request_id, self.worker_id,
                                       message="decode worker out of KV blocks"))
         self.last_step_ran = bool(items)
@@ -139,7 +162,7 @@ class DecodeEngine:
         # one event per request, all sent as one message per step; locals: this loop runs
         # once per generated token
         max_len, worker, running = self.max_len, self.worker_id, RequestStatus.RUNNING
-        tokens = EventKind.TOKENS
+        tokens, interval, held_of = EventKind.TOKENS, self.stream_interval, self._held
         for s in sampled:
             r, tok = s.request, s.token_id
             r.num_cached_tokens += 1
@@ -156,7 +179,20 @@ class DecodeEngine:
             # the leg's first step also carries its first token (outputs = [first, tok]):
             # the router streams from this or the prefill's message, whichever comes first
             outs = r.output_token_ids
-            events.append(WorkerEvent(tokens, r.request_id, worker, (tok,), finish, "", wall,
+            ids: tuple[int, ...] = (tok,)
+            if interval > 1:  # held until the router's next release: k decode tokens in
+                if (len(outs) - 1) % interval and len(outs) != 2 and finish is None \
+                        and s.logprobs is None:
+                    held = held_of.get(r.request_id)
+                    if held is None:
+                        held_of[r.request_id] = [tok]
+                    else:
+                        held.append(tok)
+                    continue
+                held = held_of.pop(r.request_id, None)
+                if held:
+                    ids = (*held, tok)
+            events.append(WorkerEvent(tokens, r.request_id, worker, ids, finish, "", wall,
                                       timing, None if s.logprobs is None else (s.logprobs,),
                                       None, outs[0] if len(outs) == 2 else None))
         self.num_steps += 1

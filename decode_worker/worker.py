@@ -23,7 +23,8 @@ class DecodeWorker(WorkerBase):
         self.receiver = make_receiver(spec.transfer, **spec.connector_kwargs())
         engine = DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
                               self.num_blocks, self.tracer, faults=self.faults,
-                              early=spec.scheduler.early_kv)
+                              early=spec.scheduler.early_kv,
+                              stream_interval=spec.stream_interval)
         if self.ranks:  # a TP group: every rank receives its own heads (runtime/tp_links)
             m = self.cfg.model
             self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1, 0))

@@ -41,6 +41,7 @@ class WorkerSpec(Generic[S]):
     actor_name: str = ""  # the Ray actor's name (the "ray" connector's endpoint)
     trace: bool = False
     faults: FaultPlan = field(default_factory=FaultPlan)  # tests only
+    stream_interval: int = 1  # decode: tokens per leg per reported event (the front door's)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -49,6 +50,8 @@ class WorkerSpec(Generic[S]):
             raise ValueError(f"a {self.role} worker needs its scheduler and transfer configs")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
     def connector_kwargs(self) -> dict[str, Any]:
         """Per-connector constructor arguments of this worker's side of the link."""

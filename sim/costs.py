@@ -136,7 +136,8 @@ class CostModel(ABC):
                 d = Delivery(cal.number(f"{key}.first_token_s"), cal.number(f"{key}.token_s"),
                              cal.number(f"{key}.gap_s"), str(cal.get(f"{key}.scope")),
                              None if timeout is None else float(timeout),
-                             cal.number(f"{key}.stall_s"), int(cal.number(f"{key}.stall_every")))
+                             cal.number(f"{key}.stall_s"), int(cal.number(f"{key}.stall_every")),
+                             str(cal.get(f"{key}.stall_shape")))
             except ValueError as e:
                 raise CalibrationError(f"{cal.source}: entry {key!r}: {e}") from None
             self._delivery = d

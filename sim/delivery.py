@@ -4,7 +4,10 @@ A step's tokens leave the worker at the step's end. They reach the router ``toke
 later when the path is free; after a delivery the path is busy for ``gap_s`` (the router
 applies the events and asks again), and what the worker produces meanwhile goes with the
 next delivery, coalesced; every ``stall_every``-th delivery holds the path ``stall_s``
-longer (the stalls of a busy event loop or a thread waiting for the GIL). ``scope`` says
+longer (the stalls of a busy event loop or a thread waiting for the GIL): by ``stall_s``
+(``stall_shape`` "fixed") or by ``stall_s`` times the next of a fixed sequence of
+exponential quantiles with mean 1 ("exp": stalls of many sizes, so the figures above the
+stalls' share, e.g. an ITL p99, are not all one height). ``scope`` says
 what one path is: ``"router"`` -- every worker pushes one message per step and the
 router's event loop and detokenizer thread take what queued meanwhile as one batch (the
 per-step control channel) -- ``"worker"`` -- the router long-polls each worker (one
@@ -23,6 +26,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 SCOPES = ("router", "worker", "request")
+STALL_SHAPES = ("fixed", "exp")
+# the "exp" stalls' multipliers: the 64 mid-quantiles of an exponential with mean 1, in a
+# scrambled fixed order (41 is prime to 64: every one once per 64 stalls)
+_N = 64
+_Q = [-math.log(1.0 - (i + 0.5) / _N) for i in range(_N)]
+EXP_STALLS = tuple(_Q[(41 * k) % _N] / (sum(_Q) / _N) for k in range(_N))
 
 
 @dataclass(frozen=True)
@@ -34,8 +43,12 @@ class Delivery:
     poll_timeout_s: float | None = None
     stall_s: float = 0.0  # every stall_every-th delivery holds the path this much longer
     stall_every: int = 0  # 0: never
+    stall_shape: str = "fixed"
 
     def __post_init__(self) -> None:
+        if self.stall_shape not in STALL_SHAPES:
+            raise ValueError(f"Delivery.stall_shape must be one of {STALL_SHAPES}, "
+                             f"got {self.stall_shape!r}")
         if self.stall_every < 0:
             raise ValueError(f"Delivery.stall_every must be >= 0, got {self.stall_every}")
         for name in ("first_token_s", "token_s", "gap_s", "stall_s"):
@@ -61,6 +74,7 @@ class Delivery:
         armed, gap, timeout = ends[0], self.gap_s, self.poll_timeout_s
         cycle = None if timeout is None else timeout + gap
         i, n, count, every = 0, len(ends), 0, self.stall_every
+        sizes = EXP_STALLS if self.stall_shape == "exp" else (1.0,)
         while i < n:
             e = ends[i]
             if e < armed:
@@ -74,14 +88,17 @@ class Delivery:
             j = int(np.searchsorted(ends, taken, side="right"))
             out[i:j] = taken + self.token_s
             count += 1
-            armed = taken + gap + (self.stall_s if every and count % every == 0 else 0.0)
+            armed = taken + gap
+            if every and count % every == 0:
+                armed += self.stall_s * sizes[(count // every) % len(sizes)]
             i = j
         return out
 
     def to_dict(self) -> dict:
         return {"first_token_s": self.first_token_s, "token_s": self.token_s,
                 "gap_s": self.gap_s, "scope": self.scope, "poll_timeout_s": self.poll_timeout_s,
-                "stall_s": self.stall_s, "stall_every": self.stall_every}
+                "stall_s": self.stall_s, "stall_every": self.stall_every,
+                "stall_shape": self.stall_shape}
 
 
 LAG_Q = (10, 25, 50, 75, 90, 95, 99)  # quantiles of a token's delay after its step
@@ -112,11 +129,13 @@ def fit_delivery(streams: list[tuple[np.ndarray, np.ndarray]], *, first_token_s:
     nl = len(LAG_Q)
     best: tuple[float, Delivery] | None = None
     gaps = np.concatenate([[0.0], np.geomspace(1e-4, 0.03, 60)])
-    stalls = [(0.0, 0)] + [(float(st), n) for n in (4, 8, 16, 32)
-                           for st in np.geomspace(1e-3, 0.03, 12)]
+    stalls = [(0.0, 0, "fixed")] + [(float(st), n, shape) for n in (4, 8, 16, 32)
+                                    for st in np.geomspace(1e-3, 0.03, 12)
+                                    for shape in STALL_SHAPES]
     for gap in gaps:
-        for stall_s, every in stalls:
-            d = Delivery(first_token_s, 0.0, float(gap), scope, poll_timeout_s, stall_s, every)
+        for stall_s, every, shape in stalls:
+            d = Delivery(first_token_s, 0.0, float(gap), scope, poll_timeout_s, stall_s, every,
+                         shape)
             got = _quantiles(streams, [d.arrivals(e) for e, _ in streams])
             # token_s shifts every delay quantile and no gap: the best shift in closed form
             tok = max(float(np.median(target[:nl] - got[:nl])), 0.0)

@@ -28,7 +28,7 @@ def engine_cfg(model_dir, block_size: int, prefix: bool = True) -> EngineConfig:
 class PDPair:
     def __init__(self, model_dir, p_block=16, d_block=16, chunk=16, budget=64,
                  p_blocks=256, d_blocks=256, send_policy="eager", fairness="fcfs",
-                 headroom=64):
+                 headroom=64, stream_interval=1):
         n = next(_ids)
         tcfg = TransferConfig(connector="inproc", send_policy=send_policy)
         self.receiver = make_receiver(tcfg, name=f"d{n}")
@@ -41,7 +41,7 @@ class PDPair:
         self.decode = DecodeEngine(
             "decode-0", engine_cfg(model_dir, d_block),
             DecodeSchedulerConfig(max_model_len=1024, headroom_tokens=headroom),
-            self.receiver, d_blocks)
+            self.receiver, d_blocks, stream_interval=stream_interval)
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
         self.events: list = []
