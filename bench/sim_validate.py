@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from bench.sim_validate_report import (
     delivery_under_load,
     describe,
     fit_link_factor,
+    fit_stall_scale,
     handoff_mean,
     handoff_residuals,
     median_summary,
@@ -108,6 +110,20 @@ def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
         scaled = ScaledCosts(costs, {**factors, "link": f}, "probe", delivery=delivery,
                              steps=steps)
         return simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
+    return run
+
+
+def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff):
+    """``f -> the simulated run`` with the delivery's stalls scaled by ``f``."""
+    from sim.cluster import simulate_config
+    from sim.options import SimOptions
+    from sim.scaled import ScaledCosts
+
+    def run(f: float):
+        d = replace(delivery, stall_s=delivery.stall_s * f)
+        return simulate_config(cfg, reqs, ScaledCosts(costs, dict(factors), "probe", delivery=d,
+                                                      steps=steps, handoff=handoff),
+                               SimOptions(trace=True))
     return run
 
 
@@ -235,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     handoff = []
                     factors["link"] = fit_link_factor(handoff_mean(first), probe)
+                if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
+                    f = fit_stall_scale(summarize(first)["itl_p99"], stall_probe(
+                        cfg, reqs, costs, factors, delivery, steps, handoff))
+                    delivery = replace(delivery, stall_s=delivery.stall_s * f)
                 scaled = ScaledCosts(costs, factors, "contention run before these",
                                      delivery=delivery, steps=steps, handoff=handoff)
                 reals = [summarize(svc.run_workload(reqs, transport="inproc"))

@@ -115,6 +115,18 @@ def handoff_residuals(real, sim) -> list[float]:
     return [r[k] - s[k] for k in sorted(r) if k in s]
 
 
+def _bisect(gap: Callable[[float], float], lo: float, hi: float, iters: int) -> float:
+    """The f in [lo, hi] where the increasing ``gap(f)`` crosses 0, by bisection on log f."""
+    if gap(lo) >= 0:
+        return lo
+    if gap(hi) <= 0:
+        return hi
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
 def fit_link_factor(target: float | None, simulate: Callable[[float], Any],
                     lo: float = 0.25, hi: float = 256.0, iters: int = 14) -> float:
     """The factor on the KV link's write time (latency and seconds per byte) that makes the
@@ -129,14 +141,26 @@ def fit_link_factor(target: float | None, simulate: Callable[[float], Any],
         h = handoff_mean(simulate(f))
         return (h if h is not None else 0.0) - target
 
-    if gap(lo) >= 0:
-        return lo
-    if gap(hi) <= 0:
-        return hi
-    for _ in range(iters):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
-    return math.sqrt(lo * hi)
+    return _bisect(gap, lo, hi, iters)
+
+
+def fit_stall_scale(target: float | None, simulate: Callable[[float], Any],
+                    lo: float = 0.05, hi: float = 20.0, iters: int = 12) -> float:
+    """The factor on the delivery's stalls that makes the simulated ITL p99 the real one
+    of the same run (``target``). The stalls' size fitted on the real step ends
+    (``fit_delivery``) sets the real ITL p99 there, but in the simulator the stalls meet
+    simulated steps, whose own tail is narrower; so the stall term is taken end to end,
+    as the link's is. ``simulate(f)`` runs the simulator with the stalls scaled by ``f``."""
+    from bench.metrics import compute_metrics
+
+    if target is None:
+        return 1.0
+
+    def gap(f: float) -> float:
+        p99 = compute_metrics(simulate(f).records).itl.percentiles[99.0]
+        return (p99 if p99 is not None else 0.0) - target
+
+    return _bisect(gap, lo, hi, iters)
 
 
 def delivery_under_load(real, costs):
@@ -258,7 +282,9 @@ def describe(cal, rows: list[dict]) -> str:
                 min(f["gap_s"] for f in fits), max(f["gap_s"] for f in fits)))
             + " ms between deliveries, stalls of " + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["stall_s"] for f in fits), max(f["stall_s"] for f in fits)))
-            + " ms; first token +" + "..".join(f"{x * 1e3:.2f}" for x in (
+            + " ms (exponential sizes on "
+            + f"{sum(f.get('stall_shape') == 'exp' for f in fits)} of {len(fits)} rows)"
+            + "; first token +" + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["first_token_s"] for f in fits), max(f["first_token_s"] for f in fits)))
             + " ms")
     reps = {r["real"].get("repeats") for r in rows}
@@ -273,6 +299,7 @@ def describe(cal, rows: list[dict]) -> str:
             f" ms, tokens +{d['token_s'] * 1e3:.2f} ms after their step, "
             f"{d['gap_s'] * 1e3:.2f} ms between deliveries per {d['scope']}, every "
             f"{d.get('stall_every') or '-'}th held {d.get('stall_s', 0) * 1e3:.2f} ms longer "
+            f"{'on average (exponential sizes) ' if d.get('stall_shape') == 'exp' else ''}"
             f"(fit error {svc['fit_mean_abs_err_s'] * 1e3:.2f} ms per quantile)")
     else:
         lines.append("control plane: " + cal.source_of("control.delivery"))

@@ -11,7 +11,9 @@ colocated pool, a test's fake) is long-polled over its actor's `poll()`.
 A re-dispatch (which may queue for decode admission) runs as its own task, so one
 preemption cannot delay the other streams of that worker. An event counts only when it
 comes from the worker that holds the leg in that role. A flight's tokens are released
-every `stream_interval` tokens (the first token and the last message at once).
+every `stream_interval` tokens (the first token and the last message at once); a decode
+worker reports them at the same points (decode_worker/engine.py), so at N > 1 a step's
+message carries a token for one leg in N and this loop handles a leg's N tokens at once.
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
         f"{report['dispatch_s_median'] * 1e3:.2f} ms, first token +{first_s * 1e3:.2f} ms, "
         f"tokens +{delivery.token_s * 1e3:.2f} ms with {delivery.gap_s * 1e3:.2f} ms between "
         f"deliveries per {scope}, every {delivery.stall_every or '-'}th held "
-        f"{delivery.stall_s * 1e3:.2f} ms longer (delay p99 {report['token_lag_s_p99'] * 1e3:.2f}"
+        f"{delivery.stall_s * 1e3:.2f} ms longer"
+        f"{' on average (exponential sizes)' if delivery.stall_shape == 'exp' else ''} (delay p99 {report['token_lag_s_p99'] * 1e3:.2f}"
         f" ms; fit error {err * 1e3:.2f} ms per quantile)")
     if handoff:
         report["kv_handoff_s_median"] = statistics.median(handoff)

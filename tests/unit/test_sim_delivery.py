@@ -76,6 +76,24 @@ def test_a_stall_holds_every_nth_delivery_longer() -> None:
     assert d.arrivals(ends) / MS == pytest.approx([0.0, 1.0, 7.0, 7.0])
 
 
+def test_exp_stalls_come_in_many_sizes_with_the_fixed_ones_mean() -> None:
+    kw = {"gap_s": 1 * MS, "scope": "worker", "stall_s": 5 * MS, "stall_every": 2}
+    fixed, exp = Delivery(0.0, 0.0, **kw), Delivery(0.0, 0.0, **kw, stall_shape="exp")
+    steps = np.arange(20_000) * 0.1 * MS  # a step every 0.1 ms: each delivery takes what queued
+
+    def stalls(d: Delivery) -> np.ndarray:  # the path's hold beyond the gap, per delivery
+        return np.diff(np.unique(d.arrivals(steps))) - d.gap_s
+
+    assert stalls(fixed)[:8] / MS == pytest.approx([0, 5, 0, 5, 0, 5, 0, 5], abs=1e-6)
+    got = stalls(exp)
+    assert got[0::2][:64] == pytest.approx(0.0, abs=1e-9)  # still every 2nd delivery
+    sizes = got[1::2][:64]  # one cycle of the multipliers: the fixed stall's mean
+    assert np.mean(sizes) == pytest.approx(5 * MS, rel=1e-6)
+    assert len(set(np.round(sizes / MS, 6))) == 64 and sizes.max() > 4 * 5 * MS
+    with pytest.raises(ValueError, match="stall_shape"):
+        Delivery(0.0, 0.0, stall_shape="gamma")
+
+
 def _sim(delivery: Delivery, *, stream_interval: int = 1, decode_workers: int = 1,
          decode_order: str = "least-kv-usage") -> Simulation:
     cal = synthetic_calibration(prefill=lambda c, p: 0.010, decode=lambda b, L: 0.001,

@@ -83,6 +83,26 @@ def test_the_link_factor_makes_the_simulated_mean_kv_handoff_the_real_one() -> N
     assert sv.fit_link_factor(sv.handoff_mean(_run(3 * MS, 0, 0)), probe) == 1.0
 
 
+def test_handoff_residuals_pair_each_leg_of_the_real_run_with_its_simulated_self() -> None:
+    real = _with_admits(_run(3 * MS, 0, 0), 7 * MS)
+    real.events[-1] = TraceEvent("r1#ab1#1", "decode_admit", "decode-0",
+                                 real.events[-1].start + 2 * MS, real.events[-1].start + 2 * MS)
+    sim = _with_admits(_run(3 * MS, 0, 0), 1 * MS)
+    assert sv.handoff_residuals(real, sim) == pytest.approx([6 * MS, 8 * MS], abs=1e-9)
+    sim.events = [e for e in sim.events if not e.request_id.startswith("r0")]
+    assert sv.handoff_residuals(real, sim) == pytest.approx([8 * MS], abs=1e-9)  # r1 only
+
+
+def test_the_stall_scale_makes_the_simulated_itl_p99_the_real_one() -> None:
+    target = sv.summarize(_run(3 * MS, 0, 2.5 * MS))["itl_p99"]
+    # the simulated run's tokens lag their steps by f x 1 ms: its ITL p99 grows with f
+    probe = (lambda f: _run(3 * MS, 0, f * MS))  # noqa: E731
+    f = sv.fit_stall_scale(target, probe)
+    assert sv.summarize(probe(f))["itl_p99"] == pytest.approx(target, rel=1e-3)
+    assert sv.fit_stall_scale(None, probe) == 1.0
+    assert sv.fit_stall_scale(1.0, probe) == 20.0  # beyond the range: its bound
+
+
 def test_the_real_side_is_the_median_of_its_repeats_with_their_range_shown() -> None:
     runs = [sv.summarize(_run(d * MS, 0.5 * MS, 0.25 * MS)) for d in (3, 9, 4)]
     med = sv.median_summary(runs)
