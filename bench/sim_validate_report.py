@@ -236,7 +236,8 @@ def describe(cal, rows: list[dict]) -> str:
     lines = [f"calibration: {w.get('stat', 'min')} of {w.get('repeats')} timings per point, "
              f"taken before the real runs (load average "
              f"{', '.join(f'{x:.1f}' for x in w.get('load_average', []))})"]
-    fs = [r["factors"] for r in rows if "factors" in r]
+    scaled = [r for r in rows if "factors" in r]
+    fs = [r["factors"] for r in scaled]
 
     def span(xs: list[float], fmt: str = "{:.2f}") -> str:
         return "..".join(fmt.format(x) for x in (min(xs), max(xs)))
@@ -262,8 +263,10 @@ def describe(cal, rows: list[dict]) -> str:
              + ", decode x" + span([f["decode"] for f in fs]) + "; ")
             + "control plane (rpc_s) by real / simulated dispatch there: x"
             + span([f["control"] for f in fs])
-            + "; KV link write time fitted so the simulated mean KV handoff is the real one "
-            "there: x" + span([f.get("link", 1.0) for f in fs]))
+            + ("; KV link write time fitted so the simulated mean KV handoff is the real one "
+               "there: x" + span([f.get("link", 1.0) for f in fitted])
+               if (fitted := [f for f, r in zip(fs, scaled, strict=True)
+                              if not r.get("handoff_fit")]) else ""))
     spreads = [r["handoff_fit"] for r in rows if r.get("handoff_fit")]
     if spreads:
         flat = np.concatenate([np.maximum(x, 0.0) for x in spreads]) * 1e3
@@ -283,7 +286,8 @@ def describe(cal, rows: list[dict]) -> str:
             + " ms between deliveries, stalls of " + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["stall_s"] for f in fits), max(f["stall_s"] for f in fits)))
             + " ms (exponential sizes on "
-            + f"{sum(f.get('stall_shape') == 'exp' for f in fits)} of {len(fits)} rows)"
+            + f"{sum(f.get('stall_shape') == 'exp' for f in fits)} of {len(fits)} rows; their "
+            "size scaled so the simulated ITL p99 is that run's)"
             + "; first token +" + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["first_token_s"] for f in fits), max(f["first_token_s"] for f in fits)))
             + " ms")
