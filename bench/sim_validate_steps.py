@@ -28,7 +28,8 @@ from collections import defaultdict
 import numpy as np
 
 MIN_STEPS = 5
-SLOPE = (0.5, 2.0)  # a least-squares slope outside this is the fit's conditioning, not load
+SLOPE = (0.2, 2.0)  # a least-squares slope outside this is the fit's conditioning, not load
+SLOPE_SE = 3.0  # ... as is one within fewer standard errors of 0
 
 
 def _fit(pred: list[float], real: list[float], median: bool = False
@@ -45,9 +46,11 @@ def _fit(pred: list[float], real: list[float], median: bool = False
     x, y = np.asarray(pred), np.asarray(real)
     if median:
         return 1.0, max(float(np.median(y - x)), 0.0)
-    if np.ptp(x) > 0:
+    if np.ptp(x) > 0 and len(x) > 2:
         scale, offset = (float(v) for v in np.polyfit(x, y, 1))
-        if SLOPE[0] <= scale <= SLOPE[1] and offset >= 0:
+        resid = y - (scale * x + offset)
+        se = float(np.sqrt(resid @ resid / (len(x) - 2) / np.sum((x - x.mean()) ** 2)))
+        if SLOPE[0] <= scale <= SLOPE[1] and offset >= 0 and scale >= SLOPE_SE * se:
             return scale, offset
     return 1.0, max(float(np.mean(y - x)), 0.0)
 

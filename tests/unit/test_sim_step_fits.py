@@ -220,3 +220,16 @@ def test_a_decode_step_adds_a_draw_of_the_spread_repeatably_and_keeps_the_median
     assert "spread drawn from 5 real steps" in a.label
     with pytest.raises(ValueError, match="spread must be finite"):
         StepFit(1.0, 0.0, 0.0, 0.0, (float("nan"),))
+
+
+def test_a_shallow_slope_is_kept_when_the_steps_pin_it_down_and_dropped_when_noise_does() -> None:
+    from bench.sim_validate_steps import _fit
+
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0.2, 1.7, 200) * MS  # 64-token chunks over contexts 0..1400, as measured
+    tight = 0.4 * x + 1.4 * MS + rng.normal(0, 0.05 * MS, 200)
+    scale, offset = _fit(list(x), list(tight))
+    assert scale == pytest.approx(0.4, abs=0.03) and offset == pytest.approx(1.4 * MS, rel=0.05)
+    noisy = 0.4 * x + 1.4 * MS + rng.normal(0, 3 * MS, 200)  # its slope within ~1 SE of 0
+    assert _fit(list(x), list(noisy)) == pytest.approx(
+        (1.0, max(float(np.mean(noisy - x)), 0.0)), rel=1e-9)
