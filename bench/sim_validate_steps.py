@@ -39,8 +39,11 @@ def _fit(pred: list[float], real: list[float], median: bool = False
     not the mean skewed by the machine's stalls; and a decode run's batches span too narrow
     a range of calibrated compute to fit a slope (least squares gave slopes of 1.1-4.1
     over one validation). Otherwise (prefill: a long prompt's TTFT sums its chunks) least
-    squares, unless its slope leaves ``SLOPE`` (chunks capped at 64 tokens span little
-    compute too), then scale 1 and the mean difference. None with too few steps."""
+    squares, unless its slope leaves ``SLOPE`` or lies within ``SLOPE_SE`` standard errors
+    of 0 (the steps do not pin it down), then scale 1 and the mean difference. 64-token
+    chunks under load here gave 0.40-0.49 (SE ~0.1) in three runs: a floor of 0.5 made
+    scale 1, so short-context chunks came out short and long-context ones long (TTFT p50
+    -13 to -16%, p99 +5 to +11% on those rows). None with too few steps."""
     if len(pred) < MIN_STEPS:
         return None
     x, y = np.asarray(pred), np.asarray(real)
