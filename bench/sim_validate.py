@@ -10,13 +10,15 @@ two load levels, and the same workload runs in the simulator (sim/). The simulat
 costs are measured in this run, under the machine's load of the moment: the calibration
 (the median of its repeats, not the fastest) and the control plane on an idle 1P1D
 service (``pdserve calibrate --stat median --control``) just before the real runs. Each
-real workload first runs once as a calibration under load: this configuration's
-contention on this machine (per role, the real workers' mean step time over the
-simulator's; the real dispatch latency over the simulated one; the real KV handoff over
-the simulated one, for the KV link) and the token delivery refitted to its traces
-(sim/delivery.py's mechanism, as ``--control`` fits it at idle). Then it runs
-``--repeats`` more times (3): the median of those is compared with the simulator, and
-their range is the machine's noise.
+configuration and load first runs a contention run (the same mix, twice as many
+requests: ``--contention-requests``) as a calibration under load, and every under-load
+term comes from it: each role's step fitted to the workers' traces (with the decode
+steps' spread and the step that legs join, bench/sim_validate_steps.py), the real
+dispatch latency over the simulated one, each leg's KV handoff beyond the simulated one
+(drawn per leg), and the token delivery refitted to its traces (sim/delivery.py's
+mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
+p99 is that run's. Then the compared workload runs ``--repeats`` times (3): the median of
+those is compared with the simulator, and their range is the machine's noise.
 The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
 goal is 10%. Where a figure misses it, the last column names the term furthest off in
 seconds among those the metric is made of: dispatch, prefill queue, prefill phase and
@@ -135,6 +137,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     p.add_argument("--configs", help="comma-separated names of CONFIGS to run")
     p.add_argument("--num-requests", type=int, default=30, help="per load level")
+    p.add_argument("--contention-requests", type=int, default=None,
+                   help="requests of the contention run the under-load terms are fitted "
+                        "to (default: twice --num-requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="real runs compared (their median) after the contention run")
     p.add_argument("--seed", type=int, default=0)
@@ -237,14 +242,18 @@ def main(argv: list[str] | None = None) -> int:
                 # handoff, and the token delivery refitted to its traces; the compared
                 # figure is the median of the repeats after it, their range the noise
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
-                first = svc.run_workload(reqs, transport="inproc")
-                factors = contention(first, simulate_config(cfg, reqs, costs,
+                # the contention run is longer than a compared one: its fits (prefill
+                # slope, stall size) move less from one run to the next
+                creqs = workload(args.contention_requests or 2 * args.num_requests, rate,
+                                 vocab, args.seed)
+                first = svc.run_workload(creqs, transport="inproc")
+                factors = contention(first, simulate_config(cfg, creqs, costs,
                                                             SimOptions(trace=True)))
                 steps = step_fits(first, costs, ScaledCosts(costs, factors, "probe"))
                 fit = delivery_under_load(first, ScaledCosts(costs, factors, "probe",
                                                              steps=steps))
                 delivery = fit[0] if fit else None
-                probe = link_probe(cfg, reqs, costs, factors, delivery, steps)
+                probe = link_probe(cfg, creqs, costs, factors, delivery, steps)
                 handoff = handoff_residuals(first, probe(1.0))
                 if len(handoff) >= HANDOFF_MIN_LEGS:  # each leg's own spread, at the idle link
                     factors["link"] = 1.0
@@ -253,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                     factors["link"] = fit_link_factor(handoff_mean(first), probe)
                 if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
                     f = fit_stall_scale(summarize(first)["itl_p99"], stall_probe(
-                        cfg, reqs, costs, factors, delivery, steps, handoff))
+                        cfg, creqs, costs, factors, delivery, steps, handoff))
                     delivery = replace(delivery, stall_s=delivery.stall_s * f)
                 scaled = ScaledCosts(costs, factors, "contention run before these",
                                      delivery=delivery, steps=steps, handoff=handoff)

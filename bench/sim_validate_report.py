@@ -247,8 +247,8 @@ def describe(cal, rows: list[dict]) -> str:
         pre = [f["prefill"] for f in steps if "prefill" in f]
         dec = [f["decode"] for f in steps if "decode" in f]
         lines.append(
-            "compute per row and role fitted to the traced steps of a first run of the same "
-            "configuration and workload just before the compared ones (bench/"
+            "compute per row and role fitted to the traced steps of a contention run of the "
+            "same configuration and mix just before the compared ones (bench/"
             "sim_validate_steps.py): prefill x" + span([f["scale"] for f in pre])
             + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step, then "
             + span([f["overhead_s"] * 1e3 for f in pre]) + " ms after it; decode x"
