@@ -287,7 +287,8 @@ def describe(cal, rows: list[dict]) -> str:
                 min(f["stall_s"] for f in fits), max(f["stall_s"] for f in fits)))
             + " ms (exponential sizes on "
             + f"{sum(f.get('stall_shape') == 'exp' for f in fits)} of {len(fits)} rows; their "
-            "size scaled so the simulated ITL p99 is that run's)"
+            "size scaled so the simulated ITL p99 is that of one more run of the compared "
+            "workload)"
             + "; first token +" + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["first_token_s"] for f in fits), max(f["first_token_s"] for f in fits)))
             + " ms")
