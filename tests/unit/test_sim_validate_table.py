@@ -100,7 +100,8 @@ def test_the_stall_scale_makes_the_simulated_itl_p99_the_real_one() -> None:
     f = sv.fit_stall_scale(target, probe)
     assert sv.summarize(probe(f))["itl_p99"] == pytest.approx(target, rel=1e-3)
     assert sv.fit_stall_scale(None, probe) == 1.0
-    assert sv.fit_stall_scale(1.0, probe) == 20.0  # beyond the range: its bound
+    assert sv.fit_stall_scale(1.0, probe) == 1.0  # out of the stalls' reach: as fitted
+    assert sv.fit_stall_scale(0.0, probe) == 0.25  # below it: the smallest
 
 
 def test_the_real_side_is_the_median_of_its_repeats_with_their_range_shown() -> None:
