@@ -104,31 +104,26 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
 HANDOFF_MIN_LEGS = 10  # fewer matched legs: the mean handoff sets a link factor instead
 
 
-def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
-    """``f -> the simulated run`` with the KV link's write time scaled by ``f``."""
+def simulated(cfg, reqs: list, costs, factors: dict, delivery, steps=None, handoff=()):
+    """The traced simulated run of ``reqs`` with the under-load terms given."""
     from sim.cluster import simulate_config
     from sim.options import SimOptions
     from sim.scaled import ScaledCosts
 
-    def run(f: float):
-        scaled = ScaledCosts(costs, {**factors, "link": f}, "probe", delivery=delivery,
-                             steps=steps)
-        return simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
-    return run
+    return simulate_config(cfg, reqs, ScaledCosts(costs, dict(factors), "probe",
+                                                  delivery=delivery, steps=steps,
+                                                  handoff=handoff), SimOptions(trace=True))
+
+
+def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
+    """``f -> the simulated run`` with the KV link's write time scaled by ``f``."""
+    return lambda f: simulated(cfg, reqs, costs, {**factors, "link": f}, delivery, steps)
 
 
 def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff):
     """``f -> the simulated run`` with the delivery's stalls scaled by ``f``."""
-    from sim.cluster import simulate_config
-    from sim.options import SimOptions
-    from sim.scaled import ScaledCosts
-
-    def run(f: float):
-        d = replace(delivery, stall_s=delivery.stall_s * f)
-        return simulate_config(cfg, reqs, ScaledCosts(costs, dict(factors), "probe", delivery=d,
-                                                      steps=steps, handoff=handoff),
-                               SimOptions(trace=True))
-    return run
+    return lambda f: simulated(cfg, reqs, costs, factors,
+                               replace(delivery, stall_s=delivery.stall_s * f), steps, handoff)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

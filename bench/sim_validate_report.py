@@ -94,24 +94,17 @@ def handoff_mean(out) -> float | None:
     from sim.measure_control import samples
 
     h = samples(out, lambda r: 0.0)[2]
-    return float(np.mean(h)) if h else None
+    return float(np.mean(list(h.values()))) if h else None
 
 
 def handoff_residuals(real, sim) -> list[float]:
     """Each leg's KV handoff (its last chunk computed -> its decode worker admits it) in
     the traced ``real`` run less the same leg's in ``sim`` (the same workload simulated
-    at the idle link): what the model leaves out of that leg's handoff under this load."""
-    def by_request(out) -> dict[str, float]:
-        ends: dict[str, float] = {}
-        admits: dict[str, float] = {}
-        for e in out.events:
-            rid = e.request_id.split("#")[0]
-            if e.phase == "prefill_chunk":
-                ends[rid] = max(ends.get(rid, e.end), e.end)
-            elif e.phase == "decode_admit":
-                admits[rid] = min(admits.get(rid, e.start), e.start)
-        return {r: admits[r] - ends[r] for r in admits if r in ends}
-    r, s = by_request(real), by_request(sim)
+    at the idle link): what the model leaves out of that leg's handoff under this load.
+    The handoffs are ``handoff_mean``'s (sim/measure_control.py ``samples``)."""
+    from sim.measure_control import samples
+
+    r, s = samples(real, lambda _: 0.0)[2], samples(sim, lambda _: 0.0)[2]
     return [r[k] - s[k] for k in sorted(r) if k in s]
 
 

@@ -130,9 +130,8 @@ def decode_fit(real, base, extras):
     pred, period = [], []
     for steps in by_worker.values():
         steps.sort(key=lambda s: s[0])
-        before: set = set()
-        for (s0, _, past, legs), (s1, _, _, after) in zip(steps, steps[1:], strict=False):
-            joined, before = bool(legs - before), legs
+        for (s0, _, past, legs), joined, (s1, _, _, after) in zip(
+                steps, _joined(steps), steps[1:], strict=False):
             # a join is its own term; nobody ran on: the loop may have napped in between
             if joined or not legs & after:
                 continue
@@ -147,6 +146,16 @@ def decode_fit(real, base, extras):
     return StepFit(fit[0], fit[1], 0.0, _join(by_worker), tuple(spread.tolist()))
 
 
+def _joined(steps: list) -> list[bool]:
+    """Per step of one worker (sorted by start): did a leg join it (not in the step before)?"""
+    before: set = set()
+    out = []
+    for *_, legs in steps:
+        out.append(bool(legs - before))
+        before = legs
+    return out
+
+
 def _join(by_worker: dict[str, list]) -> float:
     """What a step that legs join costs more: the median, over such steps, of the span
     beyond the median span of steps of the same batch that no leg joined (on the tiny
@@ -155,13 +164,11 @@ def _join(by_worker: dict[str, list]) -> float:
     steady: dict[int, list[float]] = defaultdict(list)
     joins: list[tuple[int, float]] = []
     for steps in by_worker.values():  # (start, end, past, legs), sorted by start
-        before: set = set()
-        for start, end, _, legs in steps:
-            if legs - before:
+        for (start, end, _, legs), joined in zip(steps, _joined(steps), strict=True):
+            if joined:
                 joins.append((len(legs), end - start))
             else:
                 steady[len(legs)].append(end - start)
-            before = legs
     typical = {b: float(np.median(v)) for b, v in steady.items() if len(v) >= MIN_STEPS}
     excess = [span - typical[b] for b, span in joins if b in typical]
     return max(float(np.median(excess)), 0.0) if len(excess) >= MIN_STEPS else 0.0

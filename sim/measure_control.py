@@ -117,7 +117,7 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
         f"{' on average (exponential sizes)' if delivery.stall_shape == 'exp' else ''} (delay p99 {report['token_lag_s_p99'] * 1e3:.2f}"
         f" ms; fit error {err * 1e3:.2f} ms per quantile)")
     if handoff:
-        report["kv_handoff_s_median"] = statistics.median(handoff)
+        report["kv_handoff_s_median"] = statistics.median(handoff.values())
         conn = cfg.transfer.connector
         log(f"  KV handoff at idle: {report['kv_handoff_s_median'] * 1e3:.2f} ms after the "
             f"post-compute work (the {conn} link in-process: "
@@ -127,16 +127,19 @@ def measure_control(cfg, costs: TableCosts, *, requests: int = 12,
 
 
 def samples(out, after_compute: Callable[[Any], float]
-            ) -> tuple[list[float], list[float], list[float], list]:
+            ) -> tuple[list[float], list[float], dict[str, float], list]:
     """From a traced run (bench/studies/service.py RunOutput), per request with complete
     traces and one decode leg: the dispatch, the first token's delay after its last chunk's
     compute (less ``after_compute(record)``: the work the simulator counts in that step
-    after the compute), the KV handoff the same way, and (decode step ends, client arrival
-    times) of its decode tokens, all on the wall clock."""
+    after the compute), the KV handoff the same way (by request id), and (decode step
+    ends, client arrival times) of its decode tokens, all on the wall clock."""
     by_leg: dict[str, dict[str, list]] = {}
     for e in out.events:
         by_leg.setdefault(e.request_id.split("#")[0], {}).setdefault(e.phase, []).append(e)
-    dispatch, first, handoff, streams = [], [], [], []
+    dispatch: list[float] = []
+    first: list[float] = []
+    handoff: dict[str, float] = {}
+    streams: list = []
     for r in out.records:
         ev = by_leg.get(r.request_id, {})
         chunks = sorted(ev.get("prefill_chunk", []), key=lambda e: e.start)
@@ -149,7 +152,7 @@ def samples(out, after_compute: Callable[[Any], float]
         first.append(t[0] - chunks[-1].end - post)
         admit = ev.get("decode_admit", [])
         if admit:
-            handoff.append(min(a.start for a in admit) - chunks[-1].end - post)
+            handoff[r.request_id] = min(a.start for a in admit) - chunks[-1].end - post
         if len(steps):
             streams.append((np.array([e.end for e in steps]), t[1:]))
     return dispatch, first, handoff, streams
