@@ -104,15 +104,26 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
 HANDOFF_MIN_LEGS = 10  # fewer matched legs: the mean handoff sets a link factor instead
 
 
-def simulated(cfg, reqs: list, costs, factors: dict, delivery, steps=None, handoff=()):
-    """The traced simulated run of ``reqs`` with the under-load terms given."""
+def simulated(cfg, reqs: list, costs, factors: dict, delivery, steps=None, handoff=(),
+              seed: int = 0):
+    """The traced simulated run of ``reqs`` with the under-load terms given; ``seed`` picks
+    the draws of the drawn terms (the decode steps' spread, each leg's handoff)."""
     from sim.cluster import simulate_config
     from sim.options import SimOptions
     from sim.scaled import ScaledCosts
 
     return simulate_config(cfg, reqs, ScaledCosts(costs, dict(factors), "probe",
                                                   delivery=delivery, steps=steps,
-                                                  handoff=handoff), SimOptions(trace=True))
+                                                  handoff=handoff, seed=seed),
+                           SimOptions(trace=True))
+
+
+def seeded(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff, seeds: int
+           ) -> list:
+    """The simulated runs of seeds 0 .. ``seeds - 1``: the simulator's repeats, as the
+    real side's are repeats of the same workload."""
+    return [simulated(cfg, reqs, costs, factors, delivery, steps, handoff, seed=k)
+            for k in range(seeds)]
 
 
 def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
@@ -120,10 +131,11 @@ def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
     return lambda f: simulated(cfg, reqs, costs, {**factors, "link": f}, delivery, steps)
 
 
-def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff):
-    """``f -> the simulated run`` with the delivery's stalls scaled by ``f``."""
-    return lambda f: simulated(cfg, reqs, costs, factors,
-                               replace(delivery, stall_s=delivery.stall_s * f), steps, handoff)
+def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff, seeds: int):
+    """``f -> the seeded simulated runs`` with the delivery's stalls scaled by ``f``."""
+    return lambda f: seeded(cfg, reqs, costs, factors,
+                            replace(delivery, stall_s=delivery.stall_s * f), steps, handoff,
+                            seeds)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,6 +152,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3,
                    help="real runs compared (their median) after the contention run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sim-seeds", type=int, default=5,
+                   help="simulated runs per row, each with its own draws of the drawn terms "
+                        "(decode steps' spread, each leg's KV handoff); their median is "
+                        "compared, as the real repeats' is")
     p.add_argument("--out", default="sim_validate_out", help="calibration, JSON, table")
     p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run's "
                    "sim_validate.json and exit")
@@ -149,17 +165,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def ablate(data: dict, model: str, n: int, seed: int) -> None:
+def ablate(data: dict, model: str, n: int, seed: int, seeds: int) -> None:
     """The rows of an earlier run simulated again with the idle or the loaded delivery and
     with or without the fitted link factor: which under-load term moves which figure."""
     from engine.loader import load_model_config
     from sim.adapters import resolve_model_dir
     from sim.calibration import Calibration
-    from sim.cluster import simulate_config
     from sim.cost_loader import load_costs
     from sim.delivery import Delivery
-    from sim.options import SimOptions
-    from sim.scaled import ScaledCosts, StepFit
+    from sim.scaled import StepFit
 
     costs = load_costs(Calibration.load(data["calibration"]))
     model_dir = str(resolve_model_dir(model))
@@ -171,25 +185,23 @@ def ablate(data: dict, model: str, n: int, seed: int) -> None:
             f = {**r["factors"], **({} if link else {"link": 1.0})}
             d = Delivery(**r["delivery_fit"]) if refit and r.get("delivery_fit") else None
             steps = {k: StepFit(**v) for k, v in r.get("step_fits", {}).items()}
-            sim = simulate_config(config_for(base, CONFIGS[r["config"]]), reqs,
-                                  ScaledCosts(costs, f, "ablation", delivery=d, steps=steps,
-                                              handoff=r.get("handoff_fit", [])),
-                                  SimOptions(trace=True))
-            rows.append({**r, "sim": summarize(sim)})
+            sims = seeded(config_for(base, CONFIGS[r["config"]]), reqs, costs, f, d, steps,
+                          r.get("handoff_fit", []), seeds)
+            rows.append({**r, "sim": median_summary([summarize(x) for x in sims])})
         print(f"-- delivery {'refitted under load' if refit else 'idle'}, KV link "
               f"{'fitted to the handoff' if link else 'idle'}:\n{counts(rows)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
+    if args.repeats < 1 or args.sim_seeds < 1:
+        raise SystemExit("--repeats and --sim-seeds must be >= 1")
     if args.reprint:
         data = json.loads(Path(args.reprint).read_text())
         print(f"cost model: {data['label']}\n{data.get('header', '')}\n{table(data['rows'])}\n"
               f"{counts(data['rows'])}")
         if args.ablate:
-            ablate(data, args.model, args.num_requests, args.seed)
+            ablate(data, args.model, args.num_requests, args.seed, args.sim_seeds)
         return 0
     logging.basicConfig(level=logging.WARNING)
     from bench.studies.service import ServicePool, ensure_ray
@@ -262,18 +274,18 @@ def main(argv: list[str] | None = None) -> int:
                     # target is one more run of the compared workload (not a compared one)
                     target = summarize(svc.run_workload(reqs, transport="inproc"))
                     f = fit_stall_scale(target["itl_p99"], stall_probe(
-                        cfg, reqs, costs, factors, delivery, steps, handoff))
+                        cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
                     delivery = replace(delivery, stall_s=delivery.stall_s * f)
-                scaled = ScaledCosts(costs, factors, "contention run before these",
-                                     delivery=delivery, steps=steps, handoff=handoff)
                 reals = [summarize(svc.run_workload(reqs, transport="inproc"))
                          for _ in range(args.repeats)]
-                sim = simulate_config(cfg, reqs, scaled, SimOptions(trace=True))
+                sims = seeded(cfg, reqs, costs, factors, delivery, steps, handoff,
+                              args.sim_seeds)
                 row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
                        "step_fits": {r: f.to_dict() for r, f in steps.items()},
                        "delivery_fit": delivery.to_dict() if delivery else None,
                        "handoff_fit": [round(x, 7) for x in handoff],
-                       "real": median_summary(reals), "sim": summarize(sim),
+                       "real": median_summary(reals),
+                       "sim": median_summary([summarize(x) for x in sims]),
                        "contention_run": summarize(first), "runs": reals,
                        "load_average": list(os.getloadavg())}
                 rows.append(row)

@@ -139,22 +139,23 @@ def fit_link_factor(target: float | None, simulate: Callable[[float], Any],
 
 def fit_stall_scale(target: float | None, simulate: Callable[[float], Any],
                     lo: float = 0.25, hi: float = 4.0, iters: int = 10) -> float:
-    """The factor on the delivery's stalls that makes the simulated ITL p99 the real one
-    (``target``). The stalls' size fitted on the real step ends (``fit_delivery``) sets
+    """The factor on the delivery's stalls that makes the simulated ITL p99 (the median of
+    the seeded runs ``simulate(f)`` gives) the real one (``target``). The stalls' size fitted on the real step ends (``fit_delivery``) sets
     the real ITL p99 there, but in the simulator the stalls meet simulated steps, whose
     own tail is narrower; so the stall term is taken end to end, as the link's is. A
     target that even ``hi`` times the stalls cannot reach is not the stalls' (the paced
     rows' ITL p99 is the KV pacing's first gap, 36-55 ms): then 1, as fitted (scaled to
     13-24 ms there, the stalls coalesced nearly every token: ITL p50 0). ``simulate(f)``
-    runs the simulator with the stalls scaled by ``f``."""
+    runs the simulator with the stalls scaled by ``f``, once per seed."""
     from bench.metrics import compute_metrics
 
     if target is None:
         return 1.0
 
     def gap(f: float) -> float:
-        p99 = compute_metrics(simulate(f).records).itl.percentiles[99.0]
-        return (p99 if p99 is not None else 0.0) - target
+        p99s = [compute_metrics(run.records).itl.percentiles[99.0] for run in simulate(f)]
+        p99s = [p for p in p99s if p is not None]
+        return (float(np.median(p99s)) if p99s else 0.0) - target
 
     if gap(hi) < 0:
         return 1.0
@@ -318,23 +319,23 @@ def within_spread(r: dict, k: str) -> bool:
 
 
 def table(rows: list[dict]) -> str:
-    """Real (the median of the repeats, their range) vs simulated, the relative error, and
-    the term furthest off where a figure misses the goal."""
-    head = ("config", "load", "TTFT p50 ms real [range] / sim / err",
-            "TTFT p99 ms real [range] / sim / err", "ITL p50 ms real [range] / sim / err",
-            "ITL p99 ms real [range] / sim / err", "real spread (max-min)/median",
+    """Real (the median of the repeats, their range) vs simulated (the median of the seeded
+    runs, their range), the relative error, and the term furthest off where a figure misses
+    the goal."""
+    head = ("config", "load", *(f"{m} ms real [range] / sim [range] / err" for m in (
+        "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")), "real spread (max-min)/median",
             "term off (sim vs real)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells, off, noise = [r["config"], r["load"]], [], []
-        spread = r["real"].get("spread", {})
+        spread, sim_spread = r["real"].get("spread", {}), r["sim"].get("spread", {})
         for k in METRICS:
             a, b = r["real"][k], r["sim"][k]
             e = rel(a, b)
-            rng = (f" [{spread[k][0] * 1e3:.1f}-{spread[k][1] * 1e3:.1f}]" if k in spread
-                   else "")
-            cells.append(f"{a * 1e3:.1f}{rng} / {b * 1e3:.1f} / {e:+.0%}" if e is not None
-                         else "-")
+            rng, srng = (f" [{sp[k][0] * 1e3:.1f}-{sp[k][1] * 1e3:.1f}]" if k in sp else ""
+                         for sp in (spread, sim_spread))
+            cells.append(f"{a * 1e3:.1f}{rng} / {b * 1e3:.1f}{srng} / {e:+.0%}"
+                         if e is not None else "-")
             if e is not None and abs(e) > GOAL:
                 off.append(f"{k}: {diagnose(r['real'], r['sim'], k)}")
             if k in spread and a:

@@ -16,8 +16,10 @@ before it: an idle step's first token costs no thread hop. Else it queues for th
 writer thread: a slow front door never blocks the loop, and a big step's message is
 encoded beside the next step (~0.5 us an event) instead of before it. Events go to the
 link whose command created the leg (`add` / `reserve`); each message also carries the
-worker's load, and links without events get it at most every LOAD_PERIOD_S (and when
-the worker goes idle), so every front door places requests on fresh per-worker load.
+worker's load, and links without events get it at most every LOAD_PERIOD_S while the
+worker steps, and at once when it does not (idle, or its legs wait for KV: a reserve
+there changes the load with no step to carry it), so every front door places requests
+on fresh per-worker load.
 """
 
 from __future__ import annotations

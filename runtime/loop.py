@@ -4,8 +4,10 @@ Every engine (PrefillEngine, DecodeEngine, the colocated engine) is single-threa
 design: commands from other threads (add, abort, reserve, stats) are queued and run on
 the loop thread between steps. A step's events go to `on_events` (called on the loop
 thread) or, without it, to an outbox that `poll` long-polls. With `every_step`,
-`on_events` is called after every step that ran or emitted (even with no events) and
-once when the engine goes idle, so a channel can publish the worker's load. `wake()`
+`on_events` is called after every step that ran or emitted (even with no events), once
+when the engine goes idle, and after the step that follows commands (a reserve on a
+worker that waits for KV changes its load with no step running), so a channel can
+publish the worker's load. `wake()`
 ends a nap early (e.g. KV arrived for a leg that waits on it).
 
 A step that raises fails the legs the engine holds (`fail_all`: FAILED events, resources
@@ -108,12 +110,13 @@ class WorkerLoop:
             self._outbox.extend(events)
             self._cond.notify_all()
 
-    def _drain_commands(self, block_s: float) -> None:
+    def _drain_commands(self, block_s: float) -> bool:
+        """Run the queued commands (waiting up to ``block_s`` for one); did any run?"""
         try:
             fn, fut = self._commands.get(timeout=block_s) if block_s > 0 else \
                 self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             if fut.set_running_or_notify_cancel():
                 try:
@@ -123,7 +126,7 @@ class WorkerLoop:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _step(self, failures: int) -> tuple[list[WorkerEvent], int]:
         try:
@@ -144,7 +147,7 @@ class WorkerLoop:
 
     def _run(self) -> None:
         failures = 0
-        was_busy = False
+        was_busy = commanded = False
         if self._thread_init is not None:
             try:
                 self._thread_init()
@@ -154,7 +157,7 @@ class WorkerLoop:
         while not self._stop.is_set() and self.fatal is None:
             events, failures = self._step(failures)
             ran = self.engine.last_step_ran
-            if events or (self.every_step and (ran or was_busy)):
+            if events or (self.every_step and (ran or was_busy or commanded)):
                 self._on_events(events)
             was_busy = ran or bool(events)
             if self.fatal is not None:
@@ -168,7 +171,7 @@ class WorkerLoop:
             else:
                 wait = self.idle_wait_s if self.engine.has_work else 0.05
             self.napping = wait > 0
-            self._drain_commands(wait)
+            commanded = self._drain_commands(wait)
             self.napping = False
         if self.fatal is not None:
             self._reject_commands()

@@ -123,7 +123,7 @@ class WorkerBase:
         host = self.spec.transfer.bind_host
         self.channel = ChannelServer(
             self.spec.worker_id, self.spec.role, secret, self.channel_commands(), host=host,
-            load=self.load, idle=lambda: not engine.has_work, unrouted=self._unrouted)
+            load=self.load, idle=lambda: not engine.last_step_ran, unrouted=self._unrouted)
         self.loop = WorkerLoop(engine, thread_init=thread_init, on_events=self.channel.publish,
                                every_step=True)
 

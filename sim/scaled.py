@@ -70,7 +70,7 @@ class ScaledCosts(CostModel):
     def __init__(self, base: CostModel, factors: Mapping[str, float], why: str,
                  delivery: Delivery | None = None,
                  steps: Mapping[str, StepFit] | None = None,
-                 handoff: Sequence[float] = ()):
+                 handoff: Sequence[float] = (), seed: int = 0):
         if set(factors) - {"control", "link"} != set(ROLES) or \
                 not all(f > 0 for f in factors.values()):
             raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
@@ -80,8 +80,10 @@ class ScaledCosts(CostModel):
         self.base, self.factors = base, dict(factors)
         self.steps = dict(steps or {})
         spread = self.steps["decode"].spread_s if "decode" in self.steps else ()
-        # one stream of draws in call order, fixed per instance: a simulation is repeatable
-        self._draws = (np.asarray(spread)[np.random.default_rng(0).integers(
+        # one stream of draws in call order, fixed by ``seed``: a simulation is repeatable,
+        # and another seed is another draw of the same terms (a repeat of the real run)
+        self.seed = seed
+        self._draws = (np.asarray(spread)[np.random.default_rng(seed).integers(
             0, len(spread), size=SPREAD_DRAWS)] if spread else None)
         self._drawn = 0
         if not all(math.isfinite(x) for x in handoff):
@@ -155,11 +157,13 @@ class ScaledCosts(CostModel):
 
     def handoff_extra_s(self, leg_id: str) -> float:
         """One of the measured legs' unexplained handoffs (clipped at 0), picked by a hash of
-        the leg's id: the same leg gets the same draw in every run, whatever the order."""
+        the leg's id (and the seed): the same leg gets the same draw in every run of one
+        seed, whatever the order."""
         h = self._handoff
         if not h:
             return 0.0
-        return h[zlib.crc32(leg_id.encode()) * len(h) >> 32]
+        return h[zlib.crc32(f"{self.seed}:{leg_id}".encode() if self.seed else leg_id.encode())
+                 * len(h) >> 32]
 
     def link(self, name: str) -> LinkCost:
         c, f = self.base.link(name), self.factors["link"]

@@ -27,6 +27,7 @@ from runtime.channel import (
     frame,
     read_frame,
 )
+from runtime.loop import WorkerLoop
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent, WorkerLoad
 
 SECRET = b"s" * 32
@@ -135,6 +136,60 @@ def test_load_reaches_an_idle_link_and_a_wrong_secret_is_refused():
     got = asyncio.run(go())
     srv.close()
     assert got[0] == (WorkerLoad(kv_blocks_used=5), [])
+
+
+class WaitingEngine:
+    """A decode engine whose reserved legs wait for KV that never comes: it has work but
+    no step runs (WorkerLoop's engine protocol)."""
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []
+        self.last_step_ran = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[WorkerEvent]:
+        return []
+
+    def fail_all(self, message: str) -> list[WorkerEvent]:
+        return []
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(kv_blocks_promisable=100 - 10 * len(self.pending))
+
+
+def test_a_reserve_on_a_worker_waiting_for_kv_sends_its_load_with_no_step_running():
+    # the router places on the load of the last message: a reserve on a worker whose legs
+    # wait for KV runs no step, and its load must still go out (else the next request sees
+    # the worker as free and queues behind that leg's transfer) -- at once, even right
+    # after another message, since no step is running to carry it later
+    eng = WaitingEngine()
+    srv = ChannelServer("w0", "decode", SECRET, {
+        "hello": lambda: "w0",
+        "reserve": lambda task: loop.submit(lambda: eng.pending.append(task.leg_id) or True)},
+        load=eng.load, idle=lambda: not eng.last_step_ran)
+    loop = WorkerLoop(eng, on_events=srv.publish, every_step=True)
+
+    async def go():
+        got: list = []
+        ch = await _connect(srv, got)
+        await _until(lambda: srv._links and all(k.subscribed for k in srv._links),
+                     "the link subscribed")
+        assert await ch.call("reserve", _task("a")) is True
+        await _until(lambda: any(ld.kv_blocks_promisable == 90 for ld, _ in got), "load 90")
+        assert await ch.call("reserve", _task("b")) is True  # within LOAD_PERIOD_S
+        await _until(lambda: any(ld.kv_blocks_promisable == 80 for ld, _ in got), "load 80")
+        ch.close()
+        return got
+
+    try:
+        got = asyncio.run(go())
+    finally:
+        loop.stop()
+        srv.close()
+    assert all(entries == [] for _, entries in got)  # load-only messages
 
 
 def test_a_lost_link_fails_its_pending_calls_and_the_actor_wrapper_routes_commands():

@@ -233,3 +233,24 @@ def test_a_shallow_slope_is_kept_when_the_steps_pin_it_down_and_dropped_when_noi
     noisy = 0.4 * x + 1.4 * MS + rng.normal(0, 3 * MS, 200)  # its slope within ~1 SE of 0
     assert _fit(list(x), list(noisy)) == pytest.approx(
         (1.0, max(float(np.mean(noisy - x)), 0.0)), rel=1e-9)
+
+
+def test_a_seed_is_another_draw_of_the_drawn_terms_and_each_seed_repeats() -> None:
+    base = _base()
+    fit = StepFit(1.0, 0.0, 0.0, 0.0, tuple(k * 0.01 * MS for k in range(50)))
+    handoff = (-1 * MS, 2 * MS, 3 * MS, 5 * MS)
+
+    def costs(seed: int) -> ScaledCosts:
+        return ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", steps={"decode": fit},
+                           handoff=handoff, seed=seed)
+
+    legs = [f"r{i}#ab#1" for i in range(64)]
+    draws = {seed: [costs(seed).handoff_extra_s(leg) for leg in legs] for seed in range(3)}
+    assert draws[0] == [costs(0).handoff_extra_s(leg) for leg in reversed(legs)][::-1]
+    assert set(draws[0]) <= {0.0, 2 * MS, 3 * MS, 5 * MS}  # measured ones, clipped at 0
+    assert draws[0] != draws[1] != draws[2]  # another seed: the legs draw others
+    assert ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", handoff=handoff
+                       ).handoff_extra_s(legs[0]) == draws[0][0]  # seed 0 is the default
+    zero, one = (np.asarray(costs(seed).decode_run_s(2, 90, 46, 200)) for seed in (0, 1))
+    assert not np.allclose(zero, one)  # the decode steps' spread: another stream of draws
+    assert np.array_equal(np.asarray(costs(0).decode_run_s(2, 90, 46, 200)), zero)

@@ -96,12 +96,15 @@ def test_handoff_residuals_pair_each_leg_of_the_real_run_with_its_simulated_self
 def test_the_stall_scale_makes_the_simulated_itl_p99_the_real_one() -> None:
     target = sv.summarize(_run(3 * MS, 0, 2.5 * MS))["itl_p99"]
     # the simulated run's tokens lag their steps by f x 1 ms: its ITL p99 grows with f
-    probe = (lambda f: _run(3 * MS, 0, f * MS))  # noqa: E731
+    probe = (lambda f: [_run(3 * MS, 0, f * MS)])  # noqa: E731
     f = sv.fit_stall_scale(target, probe)
-    assert sv.summarize(probe(f))["itl_p99"] == pytest.approx(target, rel=1e-3)
+    assert sv.summarize(probe(f)[0])["itl_p99"] == pytest.approx(target, rel=1e-3)
     assert sv.fit_stall_scale(None, probe) == 1.0
     assert sv.fit_stall_scale(1.0, probe) == 1.0  # out of the stalls' reach: as fitted
     assert sv.fit_stall_scale(0.0, probe) == 0.25  # below it: the smallest
+    # seeded runs: the median's ITL p99 is the target (seeds lagging 0.5x, 1x and 9x f ms)
+    seeds = (lambda f: [_run(3 * MS, 0, k * f * MS) for k in (0.5, 9.0, 1.0)])  # noqa: E731
+    assert sv.fit_stall_scale(target, seeds) == pytest.approx(f, rel=1e-2)
 
 
 def test_the_real_side_is_the_median_of_its_repeats_with_their_range_shown() -> None:
