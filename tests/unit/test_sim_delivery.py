@@ -211,3 +211,17 @@ def test_one_router_path_coalesces_the_steps_of_every_decode_worker() -> None:
     # a path per worker: the two workers' deliveries interleave closer than that
     assert np.diff(deliveries("router")).min() >= 0.0015 - 1e-12
     assert np.diff(deliveries("worker")).min() < 0.0015 - 1e-9
+
+
+def test_the_fit_finds_a_coalescing_gap_between_its_grid_points() -> None:
+    # a gap just above the decode period sets the ITL p50: the grid's 10% steps are refined
+    truth = Delivery(0.0, 0.1 * MS, gap_s=0.5 * MS, scope="router")
+    rng = np.random.default_rng(1)
+    streams = []
+    for _ in range(8):
+        ends = np.cumsum(rng.uniform(0.4, 0.55, 40)) * MS
+        streams.append((ends, truth.arrivals(ends)))
+    got, err = fit_delivery(streams, first_token_s=0.0, scope="router", poll_timeout_s=None)
+    itl = lambda d: np.concatenate([np.diff(d.arrivals(e)) for e, _ in streams])  # noqa: E731
+    assert np.median(itl(got)) == pytest.approx(np.median(itl(truth)), rel=0.02)
+    assert got.gap_s == pytest.approx(0.5 * MS, rel=0.02) and err < 0.02 * MS
