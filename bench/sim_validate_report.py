@@ -249,8 +249,11 @@ def describe(cal, rows: list[dict]) -> str:
             "compute per row and role fitted to the traced steps of a contention run of the "
             "same configuration and mix just before the compared ones (bench/"
             "sim_validate_steps.py): prefill x" + span([f["scale"] for f in pre])
-            + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step, then "
-            + span([f["overhead_s"] * 1e3 for f in pre]) + " ms after it; decode x"
+            + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step (the typical "
+            "step; each adds a draw of the real steps' spread around it), "
+            + span([f.get("join_s", 0.0) * 1e3 for f in pre]) + " ms more in a step with a "
+            "request's first chunk, then " + span([f["overhead_s"] * 1e3 for f in pre])
+            + " ms after it; decode x"
             + span([f["scale"] for f in dec]) + " + " + span([f["offset_s"] * 1e3 for f in dec])
             + " ms per step, " + span([f.get("join_s", 0.0) * 1e3 for f in dec])
             + " ms more in a step that legs join")

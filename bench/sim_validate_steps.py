@@ -13,12 +13,20 @@ overhead is then in the offset.
 Why an offset: the real prefill step spends ~1.3-1.6 ms beyond its calibrated compute
 at every chunk size here (36 to 256 tokens, context 0 to 1024), so one factor per role
 (the mean step's ratio) made short prompts' steps 2x too fast and TTFT p50 ~20% low.
-Drawing each prefill step's residual around the least-squares fit (to give the machine's
-stalls to the tails) was tried and dropped: the residuals are skewed, so the draws lowered
-the median steps, and TTFT p50 fell 5-20% further below the real runs in a validation,
-with no gain at p99. A decode step's spread is drawn around the median instead, which
-keeps the median step: the decode worker's stalls (here ~0.5% of steady periods over
-3 ms, one of 22 ms) are a share of the real ITL p99.
+A step that runs a request's first chunk costs more (``join_s``, fitted beside the line:
+0.2-0.35 ms here, the arrival's dispatch and reserve run beside it). Without it the
+64-token rows' slope was rejected in four validations (scale 1: their long prompts came
+out 8-15% slow at TTFT p99); with it a recorded row's was kept (0.32).
+
+Each step is the typical one plus a draw of the real steps' residuals: the line is moved
+to the residuals' median and the residuals (median 0) are drawn per simulated step, so a
+short prompt's one or two steps are typical ones (its TTFT is a p50) and a long prompt's
+twenty keep the mean (its TTFT is a p99). Drawn around the least-squares line instead
+(mean 0), the skewed residuals lowered the typical step and TTFT p50 fell 5-20% (an
+earlier session). On five recorded rows, against the run they were fitted to, TTFT p50
+errors went from 26/1/3/6/5% to 11/6/0/5/8%, p99 from 0/11/5/0/2% to 1/3/10/3/4%. A
+decode step's spread is drawn around the median the same way: the decode worker's stalls
+(here ~0.5% of steady periods over 3 ms, one of 22 ms) are a share of the real ITL p99.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ SLOPE = (0.2, 2.0)  # a least-squares slope outside this is the fit's conditioni
 SLOPE_SE = 3.0  # ... as is one within fewer standard errors of 0
 
 
-def _fit(pred: list[float], real: list[float], median: bool = False
-         ) -> tuple[float, float] | None:
-    """``real = scale * pred + offset``. With ``median`` (decode) the scale is 1 and the
+def _fit(pred: list[float], real: list[float], median: bool = False,
+         first: list[bool] | None = None) -> tuple[float, float, float] | None:
+    """``real = scale * pred + offset (+ join where first)``, as (scale, offset, join):
+    ``first`` marks the steps with a request's first chunk (their excess is only fitted
+    with at least MIN_STEPS of each kind). With ``median`` (decode) the scale is 1 and the
     offset the median difference: the typical step, as a decode token's gap is one period,
     not the mean skewed by the machine's stalls; and a decode run's batches span too narrow
     a range of calibrated compute to fit a slope (least squares gave slopes of 1.1-4.1
@@ -48,14 +58,22 @@ def _fit(pred: list[float], real: list[float], median: bool = False
         return None
     x, y = np.asarray(pred), np.asarray(real)
     if median:
-        return 1.0, max(float(np.median(y - x)), 0.0)
-    if np.ptp(x) > 0 and len(x) > 2:
-        scale, offset = (float(v) for v in np.polyfit(x, y, 1))
-        resid = y - (scale * x + offset)
-        se = float(np.sqrt(resid @ resid / (len(x) - 2) / np.sum((x - x.mean()) ** 2)))
+        return 1.0, max(float(np.median(y - x)), 0.0), 0.0
+    f = np.zeros(len(x)) if first is None else np.asarray(first, dtype=float)
+    if not MIN_STEPS <= f.sum() <= len(f) - MIN_STEPS:
+        f = np.zeros(len(x))  # too few of either kind to tell them apart
+    a = np.column_stack([x, np.ones(len(x))] + ([f] if f.any() else []))
+    k = a.shape[1]
+    if np.ptp(x) > 0 and len(x) > k and np.linalg.matrix_rank(a) == k:
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        resid = y - a @ coef
+        se = float(np.sqrt(resid @ resid / (len(x) - k) * np.linalg.inv(a.T @ a)[0, 0]))
+        scale, offset = float(coef[0]), float(coef[1])
         if SLOPE[0] <= scale <= SLOPE[1] and offset >= 0 and scale >= SLOPE_SE * se:
-            return scale, offset
-    return 1.0, max(float(np.mean(y - x)), 0.0)
+            return scale, offset, max(float(coef[2]), 0.0) if k > 2 else 0.0
+    d = y - x  # scale 1: each kind's mean difference
+    rest = float(np.mean(d[f == 0]))
+    return 1.0, max(rest, 0.0), max(float(np.mean(d[f == 1])) - rest, 0.0) if f.any() else 0.0
 
 
 def _steps(events, phase: str) -> dict[tuple[str, float, float], list]:
@@ -71,21 +89,29 @@ def prefill_fit(real, base, extras):
     from sim.scaled import StepFit
 
     prompt = {r.request_id: r.prompt_len for r in real.records}
-    pred, span, post = [], [], []
+    pred, span, post, first = [], [], [], []
     steps = _steps(real.events, "prefill_chunk")
     for (_, start, end), evs in steps.items():
         chunks = [(e.scheduled_tokens, e.past_kv_tokens) for e in evs]
         pred.append(base.prefill_s(chunks))
         span.append(end - start)
+        first.append(any(p == 0 for _, p in chunks))
         finals = sum(e.token_end >= prompt.get(e.request_id.split("#")[0], 1 << 30)
                      for e in evs)
         post.append(sum(extras.kv_export_s(c) for c, _ in chunks)
                     + (extras.sample_s(finals) if finals else 0.0))
-    fit, mean = _fit(pred, span), mean_step_s(real.worker_stats, "prefill")
+    fit, mean = _fit(pred, span, first=first), mean_step_s(real.worker_stats, "prefill")
     if fit is None or mean is None:
         return None
+    scale, offset, join = fit
+    # the line is the steps' mean; a step is the line's median plus a drawn residual, so
+    # a short prompt's few steps are typical ones and a long prompt's sum keeps the mean
+    x, y, f = np.asarray(pred), np.asarray(span), np.asarray(first, dtype=float)
+    resid = y - (scale * x + offset + join * f)
+    mid = float(np.median(resid))
     overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
-    return StepFit(fit[0], fit[1] + _before_step(real.records, steps), overhead)
+    return StepFit(scale, max(offset + mid, 0.0) + _before_step(real.records, steps), overhead,
+                   join, tuple((resid - mid).tolist()))
 
 
 def _before_step(records, steps) -> float:

@@ -108,6 +108,16 @@ class CostModel(ABC):
     def handoff_spread(self) -> bool:
         return False
 
+    def prefill_extra_s(self) -> float:
+        """What the next prefill step takes beyond its modelled compute: no calibration
+        has such a term (0); a cost model fitted to a run under load draws it from that
+        run's steps (sim/scaled.py). Asked only where ``prefill_spread``."""
+        return 0.0
+
+    @property
+    def prefill_spread(self) -> bool:
+        return False
+
     def decode_s(self, batch: int, context: int, longest: int | None = None) -> float:
         """One step; ``longest`` defaults to the mean context (a uniform batch)."""
         longest = -(-context // batch) if longest is None else longest

@@ -59,6 +59,7 @@ class SimPrefill(SimWorker):
         self._export: dict[int, float] = {}
         self._overhead: dict[int, float] = {}
         self.kv_bytes_sent = 0
+        self.spread = self.costs.prefill_spread  # a drawn extra per step (sim/costs.py)
 
     @property
     def has_work(self) -> bool:
@@ -162,6 +163,8 @@ class SimPrefill(SimWorker):
             overhead = self._overhead[len(items)] = costs.step_overhead_s("prefill", len(items))
         duration = (self._compute + exported + overhead
                     + (costs.sample_s(finals) if finals else 0.0))
+        if self.spread:
+            duration = max(duration + costs.prefill_extra_s(), 0.0)
         self._items = items
         self.num_steps += 1
         self.busy_s += duration

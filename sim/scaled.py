@@ -36,16 +36,18 @@ import numpy as np
 from sim.costs import ROLES, CostModel, Limits, LinkCost
 from sim.delivery import Delivery
 
-SPREAD_DRAWS = 1 << 16  # the draws cycle after this many decode steps
+SPREAD_DRAWS = 1 << 16  # the draws cycle after this many steps
+JOINS = {"prefill": "with a first chunk", "decode": "legs join"}  # StepFit.join_s, per role
 
 
 @dataclass(frozen=True)
 class StepFit:
     """A role's step under load: compute ``scale * calibrated + offset_s`` per step,
-    ``overhead_s`` per step in place of the calibrated overhead, and (decode) ``join_s``
-    more in a step that legs join. ``spread_s`` (decode): the real steady steps' periods
-    less the fitted one (median 0); each simulated step adds one drawn at random, so the
-    machine's stalls reach the tail and the median step stays the fit."""
+    ``overhead_s`` per step in place of the calibrated overhead, and ``join_s`` more in a
+    step that legs join (decode) or that runs a request's first chunk (prefill: a chunk at
+    context 0; the arrival's dispatch and reserve run beside it). ``spread_s``: the real
+    steps less the fitted one (median 0); each simulated step adds one drawn at random, so
+    the machine's stalls reach the tail and the median step stays the fit."""
 
     scale: float
     offset_s: float
@@ -79,13 +81,14 @@ class ScaledCosts(CostModel):
             raise ValueError(f"step fits are per role of {ROLES}, got {sorted(steps)}")
         self.base, self.factors = base, dict(factors)
         self.steps = dict(steps or {})
-        spread = self.steps["decode"].spread_s if "decode" in self.steps else ()
-        # one stream of draws in call order, fixed by ``seed``: a simulation is repeatable,
-        # and another seed is another draw of the same terms (a repeat of the real run)
+        # one stream of draws per role in call order, fixed by ``seed``: a simulation is
+        # repeatable, and another seed is another draw of the same terms (a repeat of the
+        # real run)
         self.seed = seed
-        self._draws = (np.asarray(spread)[np.random.default_rng(seed).integers(
-            0, len(spread), size=SPREAD_DRAWS)] if spread else None)
+        self._draws = self._stream("decode", seed)
         self._drawn = 0
+        self._pdraws = self._stream("prefill", [seed, 1])
+        self._pdrawn = 0
         if not all(math.isfinite(x) for x in handoff):
             raise ValueError("a handoff spread must be finite")
         self._handoff = sorted(max(float(x), 0.0) for x in handoff)
@@ -95,7 +98,7 @@ class ScaledCosts(CostModel):
         compute = ", ".join(
             f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
             f"{st.overhead_s * 1e3:.2f} ms"
-            f"{f', a step legs join +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
+            f"{f', a step {JOINS[r]} +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
             f"{f', spread drawn from {len(st.spread_s)} real steps' if st.spread_s else ''}"
             if (st := self.steps.get(r)) else
             f"x{self.factors[r]:.2f} {r}" for r in ROLES)
@@ -108,6 +111,11 @@ class ScaledCosts(CostModel):
         self._delivery = delivery or replace(
             d, first_token_s=d.first_token_s * fc, token_s=d.token_s * fc, gap_s=d.gap_s * fc)
 
+    def _stream(self, role: str, seed) -> np.ndarray | None:
+        spread = self.steps[role].spread_s if role in self.steps else ()
+        return (np.asarray(spread)[np.random.default_rng(seed).integers(
+            0, len(spread), size=SPREAD_DRAWS)] if spread else None)
+
     @property
     def rpc_s(self) -> float:
         return self.base.rpc_s * self.factors["control"]
@@ -115,7 +123,8 @@ class ScaledCosts(CostModel):
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         st = self.steps.get("prefill")
         if st is not None:
-            return self.base.prefill_s(chunks) * st.scale + st.offset_s
+            first = st.join_s if st.join_s and any(p == 0 for _, p in chunks) else 0.0
+            return self.base.prefill_s(chunks) * st.scale + st.offset_s + first
         return self.base.prefill_s(chunks) * self.factors["prefill"]
 
     def decode_run_s(self, batch: int, context: int, longest: int,
@@ -150,6 +159,18 @@ class ScaledCosts(CostModel):
     def leg_join_s(self) -> float:
         st = self.steps.get("decode")
         return st.join_s if st is not None else self.base.leg_join_s()
+
+    @property
+    def prefill_spread(self) -> bool:
+        return self._pdraws is not None
+
+    def prefill_extra_s(self) -> float:
+        """The next draw of the prefill steps' spread (0 without one)."""
+        if self._pdraws is None:
+            return 0.0
+        i = self._pdrawn
+        self._pdrawn = (i + 1) % SPREAD_DRAWS
+        return float(self._pdraws[i])
 
     @property
     def handoff_spread(self) -> bool:

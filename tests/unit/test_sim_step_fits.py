@@ -120,9 +120,12 @@ def test_prefill_reads_back_a_slope_in_range_and_decode_the_median_difference() 
     steep = _run(base, p_scale=3.0, p_offset=0.0, post=0.0, d_scale=1.0, d_offset=0.0)
     pred = [base.prefill_s([cp]) for cp in [(16, 0), (64, 0), (128, 128), (256, 0),
                                             (256, 256), (32, 0)]]
-    p = step_fits(steep, base, base)["prefill"]  # slope 3 is out of range: the mean gap
-    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.mean(pred) + 2.6 * MS),
+    p = step_fits(steep, base, base)["prefill"]  # slope 3 is out of range: scale 1, and
+    # the median gap (the typical step), the rest of each step drawn from its spread
+    assert (p.scale, p.offset_s) == pytest.approx((1.0, 2.0 * np.median(pred) + 2.6 * MS),
                                                   rel=1e-6)
+    assert np.median(p.spread_s) == pytest.approx(0.0, abs=1e-12)
+    assert np.mean(p.spread_s) == pytest.approx(2.0 * (np.mean(pred) - np.median(pred)))
     # the periods of the steady steps: not the first (legs joined), not the last (no next)
     runs = [float(np.asarray(base.decode_run_s(b, b * 41 + b * (b - 1) // 2 + b,
                                                40 + b, 1))[0]) for b in DECODE_BATCHES[1:-1]]
@@ -228,11 +231,59 @@ def test_a_shallow_slope_is_kept_when_the_steps_pin_it_down_and_dropped_when_noi
     rng = np.random.default_rng(3)
     x = rng.uniform(0.2, 1.7, 200) * MS  # 64-token chunks over contexts 0..1400, as measured
     tight = 0.4 * x + 1.4 * MS + rng.normal(0, 0.05 * MS, 200)
-    scale, offset = _fit(list(x), list(tight))
+    scale, offset, _ = _fit(list(x), list(tight))
     assert scale == pytest.approx(0.4, abs=0.03) and offset == pytest.approx(1.4 * MS, rel=0.05)
     noisy = 0.4 * x + 1.4 * MS + rng.normal(0, 3 * MS, 200)  # its slope within ~1 SE of 0
     assert _fit(list(x), list(noisy)) == pytest.approx(
-        (1.0, max(float(np.mean(noisy - x)), 0.0)), rel=1e-9)
+        (1.0, max(float(np.mean(noisy - x)), 0.0), 0.0), rel=1e-9)
+
+
+def test_a_first_chunk_costs_its_own_excess_and_the_typical_step_is_the_median() -> None:
+    from bench.sim_validate_steps import _fit, prefill_fit
+
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.2, 1.7, 300) * MS
+    first = rng.uniform(size=300) < 0.4  # the step runs a request's first chunk
+    y = 0.5 * x + 1.2 * MS + 0.3 * MS * first + rng.normal(0, 0.05 * MS, 300)
+    assert _fit(list(x), list(y), first=list(first)) == pytest.approx(
+        (0.5, 1.2 * MS, 0.3 * MS), rel=0.05)
+    # skewed steps (one in five 2 ms slower): the line of the typical ones, the rest drawn
+    base, events, t = _base(), [], 0.0
+    for i in range(100):
+        c, p = (64, 0) if i % 2 == 0 else (64, 64 * (1 + i % 7))
+        span = base.prefill_s([(c, p)]) + 1.0 * MS + (2 * MS if i % 5 == 4 else 0.0)
+        events.append(TraceEvent(f"r{i}#x#1", "prefill_chunk", "prefill-0", t, t + span,
+                                 scheduled_tokens=c, past_kv_tokens=p, token_start=p,
+                                 token_end=p + c))
+        t += span + MS
+    run = RunOutput([], events, {"prefill-0": {"role": "prefill", "steps": 100,
+                                               "mean_step_s": 3 * MS}})
+    f = prefill_fit(run, base, base)
+    assert (f.scale, f.offset_s) == pytest.approx((1.0, 1.0 * MS), rel=1e-6)
+    assert f.join_s == pytest.approx(0.0, abs=1e-9)  # first chunks cost no more here
+    assert sorted(set(np.round(np.asarray(f.spread_s) / MS, 9))) == [0.0, 2.0]
+
+
+def test_the_scaled_prefill_step_adds_the_first_chunks_excess_and_a_draw_per_step() -> None:
+    base = _base()
+    fit = StepFit(1.0, 0.5 * MS, 0.0, 0.3 * MS, (0.0, 0.0, 0.0, 2 * MS))
+
+    def costs(seed: int = 0) -> ScaledCosts:
+        return ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", steps={"prefill": fit},
+                           seed=seed)
+
+    c = costs()
+    assert c.prefill_spread and "a step with a first chunk +0.30 ms" in c.label
+    later = base.prefill_s([(64, 64)]) + 0.5 * MS
+    assert c.prefill_s([(64, 64)]) == pytest.approx(later)
+    assert c.prefill_s([(64, 64), (32, 0)]) == pytest.approx(
+        base.prefill_s([(64, 64), (32, 0)]) + 0.8 * MS)
+    draws = [c.prefill_extra_s() for _ in range(400)]
+    assert set(draws) == {0.0, 2 * MS} and np.mean(draws) == pytest.approx(0.5 * MS, rel=0.2)
+    assert draws == [costs().prefill_extra_s() for _ in range(1)] + draws[1:]  # repeatable
+    assert draws != [costs(1).prefill_extra_s() for _ in range(400)]
+    plain = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t")
+    assert not plain.prefill_spread and plain.prefill_extra_s() == 0.0
 
 
 def test_a_seed_is_another_draw_of_the_drawn_terms_and_each_seed_repeats() -> None:
