@@ -17,10 +17,11 @@ steps' spread and the step that legs join, bench/sim_validate_steps.py), the rea
 dispatch latency over the simulated one, each leg's KV handoff beyond the simulated one
 (drawn per leg), and the token delivery refitted to its traces (sim/delivery.py's
 mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
-p99 is that of one more run of the compared workload (a 60-request run's ITL p99 did not
-carry over to the 30-request workload: +12 to +26% on 4 rows). Then the compared
-workload runs ``--repeats`` times (3): the median of those is compared with the
-simulator, and their range is the machine's noise.
+p99 is the median of ``--stall-target-runs`` (3) more runs of the compared workload (a
+60-request run's ITL p99 did not carry over to the 30-request workload: +12 to +26% on
+4 rows). Then the compared workload runs ``--repeats`` times (3): the median of those is
+compared with the median of ``--sim-seeds`` (5) simulated runs, each with its own draws
+of the drawn terms, and each side's range is shown (the real one is the machine's noise).
 The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
 goal is 10%. Where a figure misses it, the last column names the term furthest off in
 seconds among those the metric is made of: dispatch, prefill queue, prefill phase and
@@ -38,6 +39,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench.sim_validate_report import (
     contention,
@@ -151,10 +154,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "to (default: twice --num-requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="real runs compared (their median) after the contention run")
+    p.add_argument("--stall-target-runs", type=int, default=3,
+                   help="runs of the compared workload, before the compared ones, whose "
+                        "median ITL p99 the delivery's stalls are scaled to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sim-seeds", type=int, default=5,
                    help="simulated runs per row, each with its own draws of the drawn terms "
-                        "(decode steps' spread, each leg's KV handoff); their median is "
+                        "(the steps' spread, each leg's KV handoff); their median is "
                         "compared, as the real repeats' is")
     p.add_argument("--out", default="sim_validate_out", help="calibration, JSON, table")
     p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run's "
@@ -194,8 +200,8 @@ def ablate(data: dict, model: str, n: int, seed: int, seeds: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.repeats < 1 or args.sim_seeds < 1:
-        raise SystemExit("--repeats and --sim-seeds must be >= 1")
+    if min(args.repeats, args.sim_seeds, args.stall_target_runs) < 1:
+        raise SystemExit("--repeats, --sim-seeds and --stall-target-runs must be >= 1")
     if args.reprint:
         data = json.loads(Path(args.reprint).read_text())
         print(f"cost model: {data['label']}\n{data.get('header', '')}\n{table(data['rows'])}\n"
@@ -271,9 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                     factors["link"] = fit_link_factor(handoff_mean(first), probe)
                 if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
                     # the ITL p99 moves with the workload's own mix of long prompts: its
-                    # target is one more run of the compared workload (not a compared one)
-                    target = summarize(svc.run_workload(reqs, transport="inproc"))
-                    f = fit_stall_scale(target["itl_p99"], stall_probe(
+                    # target is the median of more runs of the compared workload (not the
+                    # compared ones); one run's ITL p99 moved 8-25% from the next
+                    target = float(np.median([summarize(svc.run_workload(
+                        reqs, transport="inproc"))["itl_p99"]
+                        for _ in range(args.stall_target_runs)]))
+                    f = fit_stall_scale(target, stall_probe(
                         cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
                     delivery = replace(delivery, stall_s=delivery.stall_s * f)
                 reals = [summarize(svc.run_workload(reqs, transport="inproc"))
