@@ -289,8 +289,8 @@ def describe(cal, rows: list[dict]) -> str:
                 min(f["stall_s"] for f in fits), max(f["stall_s"] for f in fits)))
             + " ms (exponential sizes on "
             + f"{sum(f.get('stall_shape') == 'exp' for f in fits)} of {len(fits)} rows; their "
-            "size scaled so the simulated ITL p99 is that of one more run of the compared "
-            "workload)"
+            "size scaled so the simulated ITL p99 is the median of more runs of the "
+            "compared workload)"
             + "; first token +" + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["first_token_s"] for f in fits), max(f["first_token_s"] for f in fits)))
             + " ms")
@@ -298,6 +298,11 @@ def describe(cal, rows: list[dict]) -> str:
     if reps - {None}:
         lines.append(f"real: the median of {'/'.join(str(x) for x in sorted(reps - {None}))} "
                      "repeats after the contention run, [their range] shown")
+    seeds = {r["sim"].get("repeats") for r in rows}
+    if seeds - {None}:
+        lines.append(f"sim: the median of {'/'.join(str(x) for x in sorted(seeds - {None}))} "
+                     "seeded runs (each its own draws of the drawn terms), [their range] "
+                     "shown")
     if svc:
         lines.append(
             f"control plane measured on a real 1P1D service at idle ({svc['requests']} "
