@@ -15,8 +15,8 @@ at every chunk size here (36 to 256 tokens, context 0 to 1024), so one factor pe
 (the mean step's ratio) made short prompts' steps 2x too fast and TTFT p50 ~20% low.
 A step that runs a request's first chunk costs more (``join_s``, fitted beside the line:
 0.2-0.35 ms here, the arrival's dispatch and reserve run beside it). Without it the
-64-token rows' slope was rejected in four validations (scale 1: their long prompts came
-out 8-15% slow at TTFT p99); with it a recorded row's was kept (0.32).
+64-token rows' slope was rejected in 7 of 8 fits over four validations (scale 1: their
+long prompts came out 6-15% slow at TTFT p99); with it a recorded row's was kept (0.32).
 
 Each step is the typical one plus a draw of the real steps' residuals: the line is moved
 to the residuals' median and the residuals (median 0) are drawn per simulated step, so a
