@@ -40,6 +40,21 @@ SPREAD_DRAWS = 1 << 16  # the draws cycle after this many steps
 JOINS = {"prefill": "with a first chunk", "decode": "legs join"}  # StepFit.join_s, per role
 
 
+class _Draws:
+    """A role's step spread drawn in call order: a fixed stream of ``SPREAD_DRAWS`` draws
+    from ``spread``, seeded, taken in turn and cycling after the last."""
+
+    def __init__(self, spread: Sequence[float], seed) -> None:
+        self.values = np.asarray(spread)[np.random.default_rng(seed).integers(
+            0, len(spread), size=SPREAD_DRAWS)]
+        self.at = 0
+
+    def take(self, n: int) -> np.ndarray:
+        idx = np.arange(self.at, self.at + n) % SPREAD_DRAWS
+        self.at = (self.at + n) % SPREAD_DRAWS
+        return self.values[idx]
+
+
 @dataclass(frozen=True)
 class StepFit:
     """A role's step under load: compute ``scale * calibrated + offset_s`` per step,
@@ -85,10 +100,9 @@ class ScaledCosts(CostModel):
         # repeatable, and another seed is another draw of the same terms (a repeat of the
         # real run)
         self.seed = seed
-        self._draws = self._stream("decode", seed)
-        self._drawn = 0
-        self._pdraws = self._stream("prefill", [seed, 1])
-        self._pdrawn = 0
+        self._draws = {role: _Draws(st.spread_s, [seed, i] if i else seed)
+                       for i, role in enumerate(("decode", "prefill"))
+                       if (st := self.steps.get(role)) is not None and st.spread_s}
         if not all(math.isfinite(x) for x in handoff):
             raise ValueError("a handoff spread must be finite")
         self._handoff = sorted(max(float(x), 0.0) for x in handoff)
@@ -111,11 +125,6 @@ class ScaledCosts(CostModel):
         self._delivery = delivery or replace(
             d, first_token_s=d.first_token_s * fc, token_s=d.token_s * fc, gap_s=d.gap_s * fc)
 
-    def _stream(self, role: str, seed) -> np.ndarray | None:
-        spread = self.steps[role].spread_s if role in self.steps else ()
-        return (np.asarray(spread)[np.random.default_rng(seed).integers(
-            0, len(spread), size=SPREAD_DRAWS)] if spread else None)
-
     @property
     def rpc_s(self) -> float:
         return self.base.rpc_s * self.factors["control"]
@@ -134,11 +143,9 @@ class ScaledCosts(CostModel):
         if st is None:
             return run * self.factors["decode"]
         run = run * st.scale + st.offset_s
-        if self._draws is not None:
-            i, n = self._drawn, len(run)
-            idx = np.arange(i, i + n) % SPREAD_DRAWS
-            self._drawn = (i + n) % SPREAD_DRAWS
-            run = np.maximum(run + self._draws[idx], 0.0)
+        draws = self._draws.get("decode")
+        if draws is not None:
+            run = np.maximum(run + draws.take(len(run)), 0.0)
         return run
 
     def sample_s(self, rows: int) -> float:  # both roles sample; decode does it every step
@@ -162,15 +169,12 @@ class ScaledCosts(CostModel):
 
     @property
     def prefill_spread(self) -> bool:
-        return self._pdraws is not None
+        return "prefill" in self._draws
 
     def prefill_extra_s(self) -> float:
         """The next draw of the prefill steps' spread (0 without one)."""
-        if self._pdraws is None:
-            return 0.0
-        i = self._pdrawn
-        self._pdrawn = (i + 1) % SPREAD_DRAWS
-        return float(self._pdraws[i])
+        draws = self._draws.get("prefill")
+        return float(draws.take(1)[0]) if draws is not None else 0.0
 
     @property
     def handoff_spread(self) -> bool:
