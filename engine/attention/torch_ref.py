@@ -36,39 +36,24 @@ def _per_step(kind: str, a: torch.Tensor, b: torch.Tensor | None, build: Callabl
     return value
 
 
-def _gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
-    block_size = cache.shape[1]
-    n_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:n_blocks].long())
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]  # [seq_len, kvh, d]
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [q_len, H, D] at the last q_len positions of k/v [kv_len, KVH, D] (bottom-right causal).
+def _attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """q `[n, q_len, H, D]` at the last q_len positions of k/v `[n, kv_len, KVH, D]`
+    (bottom-right causal; `mask` `[q_len, kv_len]` when 1 < q_len < kv_len) -> `[n, q_len,
+    H, D]`.
 
     Computed in fp32 by `F.scaled_dot_product_attention` (one fused kernel; a square chunk
     uses `is_causal`, so the masked half is never computed). Query head `h` reads KV head
     `h // (H // KVH)`, as in HF's `repeat_kv`.
     """
-    q_len, num_heads, _ = q.shape
-    kv_len, num_kv_heads, _ = k.shape
-    qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, H, q, d] (views, no copies)
-    kh = k.float().transpose(0, 1).unsqueeze(0)  # [1, KVH, kv, d]
-    vh = v.float().transpose(0, 1).unsqueeze(0)
-    mask = None
-    if 1 < q_len < kv_len:
-        # query i sits at absolute position kv_len - q_len + i and sees keys j <= that
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device).unsqueeze(1)
-        mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= q_pos  # [q, kv]
+    q_len, num_heads = q.shape[1], q.shape[2]
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
     out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, is_causal=q_len > 1 and q_len == kv_len, scale=scale,
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=mask, is_causal=q_len > 1 and q_len == kv_len, scale=scale,
         enable_gqa=num_heads != num_kv_heads,
-    )  # [1, H, q, d]
-    return out[0].transpose(0, 1).to(q.dtype)
+    )  # [n, H, q, d] (the transposes are views, no copies)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -85,18 +70,77 @@ def paged_prefill_attention(
     q `[total_q, H, D]`; `query_start_loc` `[num_seqs + 1]`; `seq_lens` `[num_seqs]` is the
     context length *including* this chunk, whose K/V are already in the cache. Query `i`
     of a sequence sits at absolute position `seq_len - q_len + i`.
+
+    Sequences of the same (chunk, context) lengths -- a burst of equal prompts, the
+    chunks of long prompts at the same offset -- share one gather and one kernel call (a
+    batch of them), so a step of many short prompts is not one Python round per prompt
+    per layer. Each sequence's rows are computed as alone (the kernel splits work per
+    batch row and head, never across them).
     """
     out = torch.empty_like(q)
-    starts, lens = _per_step("prefill", query_start_loc, seq_lens,
-                             lambda: (query_start_loc.tolist(), seq_lens.tolist()))
-    for s, seq_len in enumerate(lens):
-        a, b = starts[s], starts[s + 1]
-        if a == b:
-            continue
-        k = _gather_kv(k_cache, block_tables[s], seq_len)
-        v = _gather_kv(v_cache, block_tables[s], seq_len)
-        out[a:b] = _attend(q[a:b], k, v, scale)
+    groups = _per_step("prefill", query_start_loc, seq_lens,
+                       lambda: _prefill_plan(block_tables, query_start_loc, seq_lens,
+                                             k_cache.shape[1]))
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    for g in groups:
+        n = len(g.seqs)
+        if g.rows is None:  # one sequence: its rows are a slice
+            qg = q[g.start:g.start + g.q_len].unsqueeze(0)
+        else:
+            qg = q.index_select(0, g.rows).view(n, g.q_len, num_heads, head_dim)
+        k = k_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, g.blocks).view(n, -1, num_kv_heads, head_dim)
+        res = _attend_batch(qg, k[:, :g.kv_len], v[:, :g.kv_len], scale, g.mask)
+        if g.rows is None:
+            out[g.start:g.start + g.q_len] = res[0]
+        else:
+            out.index_copy_(0, g.rows, res.reshape(n * g.q_len, num_heads, head_dim))
     return out
+
+
+class _Group:
+    """Prefill sequences of one (q_len, kv_len): their query rows (None for a single
+    sequence: rows [start, start + q_len)), block gather index and mask."""
+
+    __slots__ = ("seqs", "q_len", "kv_len", "start", "rows", "blocks", "mask")
+
+    def __init__(self, q_len: int, kv_len: int):
+        self.seqs: list[int] = []
+        self.q_len, self.kv_len = q_len, kv_len
+        self.start = 0
+        self.rows = self.blocks = self.mask = None
+
+
+def _prefill_plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_size: int) -> list[_Group]:
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    by_shape: dict[tuple[int, int], _Group] = {}
+    for s, kv_len in enumerate(lens):
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        g = by_shape.get((q_len, kv_len))
+        if g is None:
+            g = by_shape[(q_len, kv_len)] = _Group(q_len, kv_len)
+        g.seqs.append(s)
+    dev = block_tables.device
+    for g in by_shape.values():
+        n_blocks = (g.kv_len + block_size - 1) // block_size
+        g.start = starts[g.seqs[0]]
+        if len(g.seqs) == 1:
+            tables = block_tables[g.seqs[0]:g.seqs[0] + 1, :n_blocks]
+        else:
+            tables = block_tables.index_select(0, torch.tensor(g.seqs, device=dev))[:, :n_blocks]
+        g.blocks = tables.reshape(-1).long()
+        if len(g.seqs) > 1:
+            first = torch.tensor([starts[s] for s in g.seqs], device=dev)
+            g.rows = (first.unsqueeze(1) + torch.arange(g.q_len, device=dev)).reshape(-1)
+        if 1 < g.q_len < g.kv_len:
+            # query i sits at absolute position kv_len - q_len + i and sees keys j <= that
+            q_pos = torch.arange(g.kv_len - g.q_len, g.kv_len, device=dev).unsqueeze(1)
+            g.mask = torch.arange(g.kv_len, device=dev).unsqueeze(0) <= q_pos  # [q, kv]
+    return list(by_shape.values())
 
 
 def paged_decode_attention(

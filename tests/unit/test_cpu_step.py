@@ -69,8 +69,8 @@ def _reference(q, k_cache, v_cache, table, n):
     bs = k_cache.shape[1]
     slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(n)])
     flat = (-1, k_cache.shape[2], k_cache.shape[3])
-    return torch_ref._attend(q, k_cache.reshape(flat)[slots], v_cache.reshape(flat)[slots],
-                             0.125)
+    return torch_ref._attend_batch(q[None], k_cache.reshape(flat)[slots][None],
+                                   v_cache.reshape(flat)[slots][None], 0.125, None)[0]
 
 
 def test_a_steps_decode_plan_serves_its_layers_and_never_another_step():
