@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import ray
@@ -30,19 +29,9 @@ class DecodeWorker(WorkerBase):
             self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1, 0))
             engine.receiver = GroupReceiver(self.receiver, engine.runner)
         self.start(engine)
-        threading.Thread(target=self._doorbell, name="kv-doorbell", daemon=True).start()
-
-    def _doorbell(self) -> None:
-        """Wake the loop when KV arrives (a leg waiting on its KV starts on arrival, not at
-        the next nap's end). A wake during a step ends the next nap at once, so one wake
-        per arrival is enough; waiting for news, not for an empty inbox, keeps this thread
-        asleep while a step runs with chunks in the inbox."""
-        seen = 0
-        while not self.loop.stopped:
-            arrivals = self.receiver.wait_for_arrival(seen, 0.1)
-            if arrivals != seen:
-                seen = arrivals
-                self.loop.wake()
+        # a leg waiting on its KV starts on arrival, not at the nap's end: the link's
+        # thread wakes the loop itself (no doorbell thread between them)
+        self.receiver.set_arrival_hook(self.loop.wake)
 
     def channel_commands(self) -> dict:
         e = self.engine

@@ -22,6 +22,7 @@ name (``kv_transfer.registry``); every transport honours the same contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -242,12 +243,12 @@ class KVReceiver(ABC):
         time.sleep(timeout_s)
         return True
 
-    def wait_for_arrival(self, seen: int, timeout_s: float) -> int:
-        """Block until something arrived after arrival number `seen` (or `timeout_s`);
-        returns the arrival count. Unlike ``wait`` it does not return at once while the
-        owner has not polled yet, so a doorbell thread can wait for news without spinning.
-        Without an arrival count: ``wait``, every positive answer counted as news."""
-        return seen + 1 if self.wait(timeout_s) else seen
+    def set_arrival_hook(self, hook: Callable[[], None] | None) -> None:
+        """Run `hook()` after every arrival (a chunk, a completion or a failure to
+        ``poll``), on the thread that stored it: the owner's wake-up, with no thread of
+        its own between the link and the owner. It runs under the receiver's lock: it
+        must be quick and must not call the receiver."""
+        raise NotImplementedError(f"{type(self).__name__} has no arrival hook")
 
     @abstractmethod
     def release(self, chunk: KVChunk) -> None:

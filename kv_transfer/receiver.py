@@ -22,8 +22,10 @@ the id) is DROPPED, so its credit comes back and the sender learns why.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,13 +38,14 @@ from kv_transfer.heads import HeadRange
 from kv_transfer.rx_streams import ClosedId, RxLink, RxRequest, RxStream
 from kv_transfer.wire import ChecksumError, FrameHeader, verify
 
+log = logging.getLogger(__name__)
 _MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
 class InboxReceiver(KVReceiver):
     def __init__(self, cfg: TransferConfig) -> None:
         self.cfg = cfg
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # notified when the inbox grows
-        self._arrivals = 0  # times it was notified (wait_for_arrival)
+        self._hook: Callable[[], None] | None = None  # set_arrival_hook
         self._inbox: deque[KVChunk] = deque()
         self._events = ReceiveEvents()
         self._requests: dict[str, RxRequest] = {}
@@ -72,11 +75,17 @@ class InboxReceiver(KVReceiver):
                 self._arrived.wait(timeout_s)
             return bool(self._inbox or self._events.failed or self._events.completed)
 
-    def wait_for_arrival(self, seen: int, timeout_s: float) -> int:
+    def set_arrival_hook(self, hook: Callable[[], None] | None) -> None:
         with self._lock:
-            if self._arrivals == seen:
-                self._arrived.wait(timeout_s)
-            return self._arrivals
+            self._hook = hook
+
+    def _notify_locked(self) -> None:
+        self._arrived.notify_all()
+        if self._hook is not None:
+            try:
+                self._hook()
+            except Exception:  # the owner's wake-up must not end the link that stored
+                log.exception("KV arrival hook failed")
 
     def release(self, chunk: KVChunk) -> None:
         with self._lock:
@@ -216,8 +225,7 @@ class InboxReceiver(KVReceiver):
                         h.is_final, h.first_token, h.tenant, h.layer_start,
                         h.head_start, h.num_kv_heads)
         self._inbox.append(chunk)
-        self._arrivals += 1
-        self._arrived.notify_all()
+        self._notify_locked()
         self._unreleased.setdefault(h.request_id, {})[
             (h.seq_no, h.layer_start, h.token_start, h.head_start)] = (
             link, Ack(h.request_id, h.seq_no, h.part, AckStatus.OK, "", h.tx), payload.nbytes)
@@ -257,8 +265,7 @@ class InboxReceiver(KVReceiver):
         if report is not None:
             self._events.failed.append((rid, report))
             self._counters["requests_failed"] += 1
-            self._arrivals += 1
-            self._arrived.notify_all()
+            self._notify_locked()
         if status is None:
             return []
         return [(link, ack._replace(status=status, reason=why)) for link, ack, _ in entries.values()]

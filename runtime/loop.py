@@ -57,7 +57,9 @@ class WorkerLoop:
         self.max_step_failures = max_step_failures
         self.every_step = every_step
         self.napping = False  # waiting on I/O between steps: wake() ends it
-        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = \
+            queue.SimpleQueue()
+        self._wake_queued = False  # a wake()'s no-op waits in _commands
         self._outbox: list[WorkerEvent] = []
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -88,9 +90,15 @@ class WorkerLoop:
         return self.submit(fn).result(timeout=timeout)
 
     def wake(self) -> None:
-        """End the current nap (a no-op command); harmless when the loop is busy."""
-        if not self._stop.is_set():
-            self._commands.put((_nothing, Future()))
+        """End the current nap (a no-op command); harmless when the loop is busy. Wakes
+        before that no-op runs add nothing: it has yet to end a nap, and the step after it
+        sees everything they announced."""
+        if not self._stop.is_set() and not self._wake_queued:
+            self._wake_queued = True
+            self._commands.put((self._woken, Future()))
+
+    def _woken(self) -> None:
+        self._wake_queued = False
 
     def poll(self, timeout_s: float) -> list[WorkerEvent]:
         """Events since the last poll; waits up to `timeout_s` for the first one."""
@@ -190,8 +198,5 @@ class WorkerLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self._commands.put((self._woken, Future()))  # ends a nap at once
         self._thread.join(timeout=10)
-
-
-def _nothing() -> None:
-    return None

@@ -196,19 +196,35 @@ def test_idle_owner_can_block_in_wait_until_a_chunk_arrives(connector):
         rx.close()
 
 
-def test_wait_for_arrival_waits_for_news_not_for_an_empty_inbox(connector):
-    """The decode worker's doorbell: a chunk the owner has not polled yet does not make
-    `wait_for_arrival` return at once again (no spin), a new one does."""
+def test_the_arrival_hook_runs_once_per_arrival_on_the_storing_thread(connector):
+    """The decode worker's wake-up: every chunk runs the hook (on the link's thread for
+    tcp); a hook that raises does not end the link; a cleared hook is not called."""
+    import threading
+
     cfg = _cfg(connector)
     rx, tx = make_receiver(cfg), make_sender(cfg)
+    calls: list[str] = []
+    arrived = threading.Semaphore(0)
+
+    def hook():
+        calls.append(threading.current_thread().name)
+        arrived.release()
+        if len(calls) == 1:
+            raise RuntimeError("a broken owner")
+
+    rx.set_arrival_hook(hook)
     try:
         tx.send(_one("r", 0, False), dest=rx.endpoint)
-        seen = rx.wait_for_arrival(0, 10.0)
-        assert seen == 1
-        assert rx.wait_for_arrival(seen, 0.05) == seen  # unpolled, nothing new: it waited
+        assert arrived.acquire(timeout=10.0)
         tx.send(_one("r", 1, True), dest=rx.endpoint)
-        assert rx.wait_for_arrival(seen, 10.0) == seen + 1
+        assert arrived.acquire(timeout=10.0)
         assert [c.seq_no for c in rx.poll().chunks] == [0, 1]
+        assert len(calls) == 2
+        if connector == "tcp":
+            assert all(name.startswith("kv-rx-link") for name in calls)
+        rx.set_arrival_hook(None)
+        tx.send(_one("q", 0, True), dest=rx.endpoint)
+        assert rx.wait(10.0) and len(calls) == 2
     finally:
         tx.close()
         rx.close()

@@ -89,3 +89,26 @@ def test_failing_steps_in_a_row_declare_the_engine_dead():
             loop.poll(0.01)
     finally:
         loop.stop()
+
+
+def test_wakes_end_a_nap_at_once_and_a_burst_of_them_queues_one_no_op():
+    """A loop whose engine waits on I/O naps `idle_wait_s` between steps (here a minute);
+    wake() (a KV arrival) ends the nap. Wakes before the queued no-op ran add nothing;
+    after it ran, the next wake queues another."""
+    eng = FlakyEngine()
+    loop = WorkerLoop(eng, idle_wait_s=60.0)
+    try:
+        loop.call(lambda: eng.add("a"))  # work, no step ran: the loop naps a minute
+        running, held = threading.Event(), threading.Event()
+        loop.submit(lambda: running.set() or held.wait())  # busy while the wakes come
+        assert running.wait(5.0)
+        for _ in range(5):
+            loop.wake()
+        assert loop._commands.qsize() == 1  # the burst's one no-op
+        held.set()
+        loop.call(lambda: None)  # the no-op ran, then this; the loop naps again
+        eng.stepped.clear()
+        loop.wake()
+        assert eng.stepped.wait(30.0)  # well inside the minute: the wake ended the nap
+    finally:
+        loop.stop()
