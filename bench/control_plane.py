@@ -163,6 +163,13 @@ def report_throughput(streams: int, eng: dict, svc: dict, floor: dict,
     if "ttft_max_s" in svc:  # the burst's ramp: all streams start at once, as in the engine
         print(f"{tag} service ramp: first token p50 {svc['ttft_p50_s'] * 1e3:,.0f} ms, last "
               f"{svc['ttft_max_s'] * 1e3:,.0f} ms, of a {svc['wall_s'] * 1e3:,.0f} ms run")
+    # per request (each stream is one): what the tree spends beyond the engine here
+    # grows with requests, not tokens, at stream_interval > 1 or short outputs
+    floor_call = floor["us_per_message"] * floor["messages"] / streams
+    print(f"{tag} CPU per request: " +
+          ", ".join(f"{g} {svc['cpu'][g] / streams * 1e6:,.0f} us" for g in GROUPS) +
+          f"; engine.LLM {eng['cpu_s'] / streams * 1e6:,.0f} us; grpc floor per call "
+          f"({floor['messages'] // streams} messages) {floor_call:,.0f} us")
     print(f"{tag} ratio cpu per token: {total / eng_us:.2f}")
     print(f"{tag} ratio tokens/s: {tps / eng_tps:.2f}")
     fd_msg = svc["cpu"]["front door"] / max(1, svc["messages"]) * 1e6

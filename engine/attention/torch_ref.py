@@ -23,16 +23,17 @@ _T = TypeVar("_T")
 _memo = threading.local()  # per thread: engines on other threads keep their own entries
 
 
-def _per_step(kind: str, a: torch.Tensor, b: torch.Tensor | None, build: Callable[[], _T]
+def _per_step(kind: str, keys: tuple[torch.Tensor | None, ...], build: Callable[[], _T]
               ) -> _T:
-    """`build()`, or what it returned for these very tensor objects `a`, `b` (the last
-    call of this `kind` on this thread). The entry holds the tensors, so an id is never
-    reused while it is compared; a step's metadata tensors are new objects every step."""
+    """`build()`, or what it returned for these very tensor objects `keys` (the last call
+    of this `kind` on this thread). The entry holds the tensors, so an id is never reused
+    while it is compared; a step's metadata tensors are new objects every step."""
     hit = _memo.__dict__.get(kind)
-    if hit is not None and hit[0] is a and hit[1] is b:
-        return hit[2]
+    if hit is not None and len(hit[0]) == len(keys) and all(
+            x is y for x, y in zip(hit[0], keys, strict=True)):
+        return hit[1]
     value = build()
-    _memo.__dict__[kind] = (a, b, value)
+    _memo.__dict__[kind] = (keys, value)
     return value
 
 
@@ -78,7 +79,7 @@ def paged_prefill_attention(
     batch row and head, never across them).
     """
     out = torch.empty_like(q)
-    groups = _per_step("prefill", query_start_loc, seq_lens,
+    groups = _per_step("prefill", (query_start_loc, seq_lens, block_tables),
                        lambda: _prefill_plan(block_tables, query_start_loc, seq_lens,
                                              k_cache.shape[1]))
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -163,7 +164,7 @@ def paged_decode_attention(
         return torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    idx, width, keys, mask = _per_step("decode", block_tables, seq_lens,
+    idx, width, keys, mask = _per_step("decode", (block_tables, seq_lens),
                                        lambda: _decode_plan(block_tables, seq_lens, block_size))
     # [S, kvh, T, d] strided views of the gathered blocks (one copy: the gather)
     k = k_cache.index_select(0, idx).view(num_seqs, width, num_kv_heads, head_dim)
@@ -202,7 +203,7 @@ def write_kv(
     A negative slot (-1) marks a padding token and is skipped (padding rows trail)."""
     flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    idx, n = _per_step("write", slot_mapping, None, lambda: _write_plan(slot_mapping))
+    idx, n = _per_step("write", (slot_mapping,), lambda: _write_plan(slot_mapping))
     if n < k.shape[0]:
         k, v = k[:n], v[:n]
     if k.dtype != k_cache.dtype:

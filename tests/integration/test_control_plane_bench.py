@@ -29,6 +29,9 @@ def test_control_plane_bench_quick_prints_its_lines(tmp_path):
                     r"service: [\d,]+ tok/s; CPU per token: front door [\d.]+ us, decode "
                     r"[\d.]+ us, prefill [\d.]+ us, ray daemons [\d.]+ us",
                     r"service ramp: first token p50 [\d,]+ ms, last [\d,]+ ms, of a [\d,]+ ms run",
+                    r"CPU per request: front door [\d,]+ us, decode [\d,]+ us, prefill [\d,]+ "
+                    r"us, ray daemons [\d,]+ us; engine.LLM [\d,]+ us; grpc floor per call "
+                    r"\(\d+ messages\) [\d,]+ us",
                     r"idle: service TTFT \d+\.\d+ ms", r"load \d+\.\d+"):
         assert re.search(pattern, text), f"no line matches {pattern!r} in:\n{text}"
     for name in ("front_door_16_threads.txt", "decode_16_threads.txt"):  # CPU per thread
