@@ -40,6 +40,8 @@ from kv_transfer.wire import ChecksumError, FrameHeader, verify
 
 log = logging.getLogger(__name__)
 _MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
+
+
 class InboxReceiver(KVReceiver):
     def __init__(self, cfg: TransferConfig) -> None:
         self.cfg = cfg
