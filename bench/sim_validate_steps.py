@@ -86,7 +86,7 @@ def _steps(events, phase: str) -> dict[tuple[str, float, float], list]:
 
 def prefill_fit(real, base, extras):
     from bench.studies.service import mean_step_s
-    from sim.scaled import StepFit
+    from sim.scaled import StepFit, runs_first_chunk
 
     prompt = {r.request_id: r.prompt_len for r in real.records}
     pred, span, post, first = [], [], [], []
@@ -95,7 +95,7 @@ def prefill_fit(real, base, extras):
         chunks = [(e.scheduled_tokens, e.past_kv_tokens) for e in evs]
         pred.append(base.prefill_s(chunks))
         span.append(end - start)
-        first.append(any(p == 0 for _, p in chunks))
+        first.append(runs_first_chunk(chunks))
         finals = sum(e.token_end >= prompt.get(e.request_id.split("#")[0], 1 << 30)
                      for e in evs)
         post.append(sum(extras.kv_export_s(c) for c, _ in chunks)

@@ -40,6 +40,12 @@ SPREAD_DRAWS = 1 << 16  # the draws cycle after this many steps
 JOINS = {"prefill": "with a first chunk", "decode": "legs join"}  # StepFit.join_s, per role
 
 
+def runs_first_chunk(chunks: Sequence[tuple[int, int]]) -> bool:
+    """Whether a prefill step of (chunk tokens, context) items runs a request's first chunk
+    (one at context 0): the steps ``StepFit.join_s`` adds to, as fitted and as simulated."""
+    return any(p == 0 for _, p in chunks)
+
+
 class _Draws:
     """A role's step spread drawn in call order: a fixed stream of ``SPREAD_DRAWS`` draws
     from ``spread``, seeded, taken in turn and cycling after the last."""
@@ -132,7 +138,7 @@ class ScaledCosts(CostModel):
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         st = self.steps.get("prefill")
         if st is not None:
-            first = st.join_s if st.join_s and any(p == 0 for _, p in chunks) else 0.0
+            first = st.join_s if st.join_s and runs_first_chunk(chunks) else 0.0
             return self.base.prefill_s(chunks) * st.scale + st.offset_s + first
         return self.base.prefill_s(chunks) * self.factors["prefill"]
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -199,8 +200,6 @@ def test_idle_owner_can_block_in_wait_until_a_chunk_arrives(connector):
 def test_the_arrival_hook_runs_once_per_arrival_on_the_storing_thread(connector):
     """The decode worker's wake-up: every chunk runs the hook (on the link's thread for
     tcp); a hook that raises does not end the link; a cleared hook is not called."""
-    import threading
-
     cfg = _cfg(connector)
     rx, tx = make_receiver(cfg), make_sender(cfg)
     calls: list[str] = []
