@@ -11,15 +11,15 @@ costs are measured in this run, under the machine's load of the moment: the cali
 (the median of its repeats, not the fastest) and the control plane on an idle 1P1D
 service (``pdserve calibrate --stat median --control``) just before the real runs. Each
 configuration and load first runs a contention run (the same mix, twice as many
-requests: ``--contention-requests``) as a calibration under load, and every under-load
-term comes from it: each role's step fitted to the workers' traces (with the decode
-steps' spread and the step that legs join, bench/sim_validate_steps.py), the real
-dispatch latency over the simulated one, each leg's KV handoff beyond the simulated one
-(drawn per leg), and the token delivery refitted to its traces (sim/delivery.py's
+requests: ``--contention-requests``) and ``--fit-runs`` (3) runs of the compared
+workload as a calibration under load, and every under-load term comes from them: each
+role's step fitted to the workers' traces of all of them (with the decode steps' spread
+and the step that legs join, bench/sim_validate_steps.py), the real dispatch latency
+over the simulated one, each leg's KV handoff beyond the simulated one (drawn per leg),
+and the token delivery refitted to the contention run's traces (sim/delivery.py's
 mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
-p99 is the median of ``--stall-target-runs`` (3) more runs of the compared workload (a
-60-request run's ITL p99 did not carry over to the 30-request workload: +12 to +26% on
-4 rows). Then the compared workload runs ``--repeats`` times (3): the median of those is
+p99 is the median of the fit runs' (a 60-request run's ITL p99 did not carry over to the
+30-request workload: +12 to +26% on 4 rows). Then the compared workload runs ``--repeats`` times (3): the median of those is
 compared with the median of ``--sim-seeds`` (5) simulated runs, each with its own draws
 of the drawn terms, and each side's range is shown (the real one is the machine's noise).
 The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
@@ -154,9 +154,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "to (default: twice --num-requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="real runs compared (their median) after the contention run")
-    p.add_argument("--stall-target-runs", type=int, default=3,
-                   help="runs of the compared workload, before the compared ones, whose "
-                        "median ITL p99 the delivery's stalls are scaled to")
+    p.add_argument("--fit-runs", type=int, default=3,
+                   help="runs of the compared workload, before the compared ones: the "
+                        "steps are fitted to them with the contention run, and the "
+                        "delivery's stalls scaled to their median ITL p99")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sim-seeds", type=int, default=5,
                    help="simulated runs per row, each with its own draws of the drawn terms "
@@ -200,8 +201,8 @@ def ablate(data: dict, model: str, n: int, seed: int, seeds: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if min(args.repeats, args.sim_seeds, args.stall_target_runs) < 1:
-        raise SystemExit("--repeats, --sim-seeds and --stall-target-runs must be >= 1")
+    if min(args.repeats, args.sim_seeds, args.fit_runs) < 1:
+        raise SystemExit("--repeats, --sim-seeds and --fit-runs must be >= 1")
     if args.reprint:
         data = json.loads(Path(args.reprint).read_text())
         print(f"cost model: {data['label']}\n{data.get('header', '')}\n{table(data['rows'])}\n"
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             ablate(data, args.model, args.num_requests, args.seed, args.sim_seeds)
         return 0
     logging.basicConfig(level=logging.WARNING)
-    from bench.studies.service import ServicePool, ensure_ray
+    from bench.studies.service import ServicePool, ensure_ray, merge_runs
     from sim.adapters import resolve_model_dir
     from sim.calibrate import calibrate
     from sim.calibration import Calibration
@@ -262,9 +263,15 @@ def main(argv: list[str] | None = None) -> int:
                 creqs = workload(args.contention_requests or 2 * args.num_requests, rate,
                                  vocab, args.seed)
                 first = svc.run_workload(creqs, transport="inproc")
+                # more runs of the compared workload (not the compared ones): the steps
+                # are fitted to them with the first (one slow run's decode step made a
+                # row's ITL p50 +15%), and the stalls scaled to their ITL p99
+                more = [svc.run_workload(reqs, transport="inproc")
+                        for _ in range(args.fit_runs)]
                 factors = contention(first, simulate_config(cfg, creqs, costs,
                                                             SimOptions(trace=True)))
-                steps = step_fits(first, costs, ScaledCosts(costs, factors, "probe"))
+                steps = step_fits(merge_runs([first, *more]), costs,
+                                  ScaledCosts(costs, factors, "probe"))
                 fit = delivery_under_load(first, ScaledCosts(costs, factors, "probe",
                                                              steps=steps))
                 delivery = fit[0] if fit else None
@@ -276,12 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                     handoff = []
                     factors["link"] = fit_link_factor(handoff_mean(first), probe)
                 if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
-                    # the ITL p99 moves with the workload's own mix of long prompts: its
-                    # target is the median of more runs of the compared workload (not the
-                    # compared ones); one run's ITL p99 moved 8-25% from the next
-                    target = float(np.median([summarize(svc.run_workload(
-                        reqs, transport="inproc"))["itl_p99"]
-                        for _ in range(args.stall_target_runs)]))
+                    # the ITL p99 moves with the workload's own mix of long prompts: one
+                    # run's ITL p99 moved 8-25% from the next
+                    target = float(np.median([summarize(r)["itl_p99"] for r in more]))
                     f = fit_stall_scale(target, stall_probe(
                         cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
                     delivery = replace(delivery, stall_s=delivery.stall_s * f)
@@ -296,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                        "real": median_summary(reals),
                        "sim": median_summary([summarize(x) for x in sims]),
                        "contention_run": summarize(first), "runs": reals,
+                       "fit_runs": [summarize(r) for r in more],
                        "load_average": list(os.getloadavg())}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], f"(load {os.getloadavg()[0]:.1f})",

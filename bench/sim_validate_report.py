@@ -245,10 +245,13 @@ def describe(cal, rows: list[dict]) -> str:
     if steps:
         pre = [f["prefill"] for f in steps if "prefill" in f]
         dec = [f["decode"] for f in steps if "decode" in f]
+        pooled = {len(r["fit_runs"]) for r in rows if r.get("fit_runs")}
         lines.append(
             "compute per row and role fitted to the traced steps of a contention run of the "
-            "same configuration and mix just before the compared ones (bench/"
-            "sim_validate_steps.py): prefill x" + span([f["scale"] for f in pre])
+            "same configuration and mix"
+            + (f" and {'/'.join(map(str, sorted(pooled)))} runs of the compared workload"
+               if pooled else "")
+            + " just before the compared ones (bench/sim_validate_steps.py): prefill x" + span([f["scale"] for f in pre])
             + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step (the typical "
             "step; each adds a draw of the real steps' spread around it), "
             + span([f.get("join_s", 0.0) * 1e3 for f in pre]) + " ms more in a step with a "

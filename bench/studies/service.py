@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.records import RequestRecord
 from bench.workload import WorkloadRequest
@@ -188,6 +188,29 @@ def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
                     "mean_step_s": busy / steps if steps > 0 else None,
                     "kv_bytes_sent": a.get("kv_bytes_sent", 0.0) - b.get("kv_bytes_sent", 0.0)}
     return out
+
+
+def merge_runs(runs: Sequence[RunOutput]) -> RunOutput:
+    """Runs as one, for fits over more steps: each run's request ids tagged with its index
+    (runs of one workload reuse them), each worker's steps and busy time summed."""
+    def tag(i: int, rid: str) -> str:
+        return rid if rid == "*" else ",".join(f"{i}/{x}" for x in rid.split(","))
+
+    records, events, stats = [], [], {}
+    for i, run in enumerate(runs):
+        records += [replace(r, request_id=tag(i, r.request_id)) for r in run.records]
+        events += [replace(e, request_id=tag(i, e.request_id)) for e in run.events]
+        for wid, d in run.worker_stats.items():
+            s = stats.setdefault(wid, {"role": d["role"], "steps": 0, "busy": 0.0,
+                                       "kv_bytes_sent": 0.0})
+            if d["mean_step_s"]:
+                s["steps"] += d["steps"]
+                s["busy"] += d["steps"] * d["mean_step_s"]
+            s["kv_bytes_sent"] += d.get("kv_bytes_sent", 0.0)
+    delta = {wid: {"role": s["role"], "steps": s["steps"],
+                   "mean_step_s": s["busy"] / s["steps"] if s["steps"] else None,
+                   "kv_bytes_sent": s["kv_bytes_sent"]} for wid, s in stats.items()}
+    return RunOutput(records, events, delta, runs[0].wall_offset if runs else 0.0)
 
 
 def mean_step_s(delta: dict[str, dict], role: str) -> float | None:

@@ -4,12 +4,14 @@ calibrated compute, read back as the calibrated compute plus a per-step offset."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from bench.records import RequestRecord
 from bench.sim_validate_steps import step_fits
-from bench.studies.service import RunOutput
+from bench.studies.service import RunOutput, merge_runs
 from engine.tracing import TraceEvent
 from sim.cost_loader import load_costs
 from sim.scaled import ScaledCosts, StepFit
@@ -306,3 +308,44 @@ def test_a_seed_is_another_draw_of_the_drawn_terms_and_each_seed_repeats() -> No
     zero, one = (np.asarray(costs(seed).decode_run_s(2, 90, 46, 200)) for seed in (0, 1))
     assert not np.allclose(zero, one)  # the decode steps' spread: another stream of draws
     assert np.array_equal(np.asarray(costs(0).decode_run_s(2, 90, 46, 200)), zero)
+
+
+def _later(run: RunOutput, dt: float) -> RunOutput:
+    return RunOutput(run.records, [replace(e, start=e.start + dt, end=e.end + dt)
+                                   for e in run.events], run.worker_stats)
+
+
+def test_merged_runs_tag_their_request_ids_and_sum_each_workers_steps() -> None:
+    base = _base()
+    a = _run(base, p_scale=1.0, p_offset=MS, post=0.0, d_scale=1.0, d_offset=0.2 * MS)
+    b = _later(_run(base, p_scale=1.0, p_offset=3 * MS, post=0.0, d_scale=1.0,
+                    d_offset=0.2 * MS), 1000.0)
+    b.events.append(TraceEvent("x,y", "decode_batch", "decode-0", 1500.0, 1500.001))
+    b.events.append(TraceEvent("*", "decode_batch", "decode-0", 1501.0, 1501.001))
+    m = merge_runs([a, b])
+    assert [r.request_id for r in m.records] == [f"{i}/r{k}" for i in (0, 1)
+                                                 for k in range(6)]
+    assert m.events[0].request_id == "0/r0#x#1"
+    assert [e.request_id for e in m.events[-2:]] == ["1/x,1/y", "*"]
+    assert len(m.events) == len(a.events) + len(b.events)
+    pre = m.worker_stats["prefill-0"]
+    assert pre["steps"] == 12
+    assert pre["mean_step_s"] == pytest.approx((a.worker_stats["prefill-0"]["mean_step_s"]
+                                                + b.worker_stats["prefill-0"]["mean_step_s"])
+                                               / 2, rel=1e-12)
+
+
+def test_fits_over_merged_runs_pool_their_steps_within_each_run() -> None:
+    base = _base()
+    runs = [_later(_run(base, p_scale=1.0, p_offset=MS, post=0.0, d_scale=1.0,
+                        d_offset=off), 1000.0 * i)
+            for i, off in enumerate((0.6 * MS, 0.2 * MS, 0.2 * MS))]
+    fits = step_fits(merge_runs(runs), base, base)
+    d = fits["decode"]
+    assert d.offset_s == pytest.approx(0.2 * MS, rel=1e-6)  # the slow run is outvoted
+    # 8 steady periods a run: a run's last step and the next run's first make no period
+    # (the runs reuse request ids; tagged, their legs are not the same legs)
+    assert len(d.spread_s) == 3 * 8
+    one = step_fits(runs[1], base, base)["prefill"]
+    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx(
+        (one.scale, one.offset_s), rel=1e-6)
