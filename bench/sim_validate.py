@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.machine_canary import canary_s
 from bench.sim_validate_report import (
     contention,
     counts,
@@ -102,6 +103,16 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
         prompt_len=LengthDist.uniform(32, 192), output_len=LengthDist.uniform(16, 48),
         long_prompt_len=LengthDist.uniform(600, 1400), long_output_len=LengthDist.uniform(8, 16),
         long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))
+
+
+def timed_runs(svc, work: list, n: int, canary: list[float]) -> list:
+    """``n`` real runs of ``work``, each after the machine canary (its time appended to
+    ``canary``): whether the machine's speed moved between runs of a row."""
+    out = []
+    for _ in range(n):
+        canary.append(canary_s())
+        out.append(svc.run_workload(work, transport="inproc"))
+    return out
 
 
 HANDOFF_MIN_LEGS = 10  # fewer matched legs: the mean handoff sets a link factor instead
@@ -262,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                 # slope, stall size) move less from one run to the next
                 creqs = workload(args.contention_requests or 2 * args.num_requests, rate,
                                  vocab, args.seed)
-                first = svc.run_workload(creqs, transport="inproc")
+                canary: dict[str, list[float]] = {"fit": [], "compared": []}
                 # more runs of the compared workload (not the compared ones): the steps
                 # are fitted to them with the first (one slow run's decode step made a
                 # row's ITL p50 +15%), and the stalls scaled to their ITL p99
-                more = [svc.run_workload(reqs, transport="inproc")
-                        for _ in range(args.fit_runs)]
+                first, *more = (timed_runs(svc, creqs, 1, canary["fit"])
+                                + timed_runs(svc, reqs, args.fit_runs, canary["fit"]))
                 factors = contention(first, simulate_config(cfg, creqs, costs,
                                                             SimOptions(trace=True)))
                 steps = step_fits(merge_runs([first, *more]), costs,
@@ -289,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                     f = fit_stall_scale(target, stall_probe(
                         cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
                     delivery = replace(delivery, stall_s=delivery.stall_s * f)
-                reals = [summarize(svc.run_workload(reqs, transport="inproc"))
-                         for _ in range(args.repeats)]
+                reals = [summarize(x) for x in timed_runs(svc, reqs, args.repeats,
+                                                          canary["compared"])]
                 sims = seeded(cfg, reqs, costs, factors, delivery, steps, handoff,
                               args.sim_seeds)
                 row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
@@ -301,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                        "sim": median_summary([summarize(x) for x in sims]),
                        "contention_run": summarize(first), "runs": reals,
                        "fit_runs": [summarize(r) for r in more],
+                       "canary_ms": {k: [round(x * 1e3, 3) for x in v]
+                                     for k, v in canary.items()},
                        "load_average": list(os.getloadavg())}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], f"(load {os.getloadavg()[0]:.1f})",

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 GOAL = 0.10
+STEADY = 0.05  # the machine canary moved less than this between a row's fit and compared runs
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 
@@ -306,6 +307,13 @@ def describe(cal, rows: list[dict]) -> str:
         lines.append(f"sim: the median of {'/'.join(str(x) for x in sorted(seeds - {None}))} "
                      "seeded runs (each its own draws of the drawn terms), [their range] "
                      "shown")
+    canaries = [x for r in rows for v in (r.get("canary_ms") or {}).values() for x in v]
+    if canaries:
+        lines.append(
+            "machine: a fixed CPU job (bench/machine_canary.py) timed before every real run, "
+            f"{min(canaries):.2f}-{max(canaries):.2f} ms over this validation; the column "
+            "'machine' is its median before a row's compared runs over that before its fit "
+            "runs (the contention run and the fit runs), less 1")
     if svc:
         lines.append(
             f"control plane measured on a real 1P1D service at idle ({svc['requests']} "
@@ -329,13 +337,22 @@ def within_spread(r: dict, k: str) -> bool:
     return (e is not None and abs(e) <= GOAL) or (b is not None and lo <= b <= hi)
 
 
+def machine_drift(r: dict) -> float | None:
+    """How much slower the machine canary ran before the row's compared runs than before
+    the runs its terms were fitted to (bench/machine_canary.py); None without canaries."""
+    from bench.machine_canary import drift
+
+    c = r.get("canary_ms") or {}
+    return drift(c.get("fit", []), c.get("compared", []))
+
+
 def table(rows: list[dict]) -> str:
     """Real (the median of the repeats, their range) vs simulated (the median of the seeded
-    runs, their range), the relative error, and the term furthest off where a figure misses
-    the goal."""
+    runs, their range), the relative error, the machine's drift from the fit runs to the
+    compared ones, and the term furthest off where a figure misses the goal."""
     head = ("config", "load", *(f"{m} ms real [range] / sim [range] / err" for m in (
         "TTFT p50", "TTFT p99", "ITL p50", "ITL p99")), "real spread (max-min)/median",
-            "term off (sim vs real)")
+            "machine: fit -> compared runs", "term off (sim vs real)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells, off, noise = [r["config"], r["load"]], [], []
@@ -352,18 +369,32 @@ def table(rows: list[dict]) -> str:
             if k in spread and a:
                 noise.append(f"{(spread[k][1] - spread[k][0]) / a:.0%}")
         cells.append(" / ".join(noise) or "-")
+        d = machine_drift(r)
+        cells.append("-" if d is None else f"{d:+.0%}")
         cells.append("; ".join(dict.fromkeys(off)) or "within 10%")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def row_within_goal(r: dict) -> bool:
+    return all((e := rel(r["real"][k], r["sim"][k])) is not None and abs(e) <= GOAL
+               for k in METRICS)
+
+
 def counts(rows: list[dict]) -> str:
-    """Rows within the goal, and figures within the goal or the real repeats' range."""
-    ok_rows = sum(all((e := rel(r["real"][k], r["sim"][k])) is not None and abs(e) <= GOAL
-                      for k in METRICS) for r in rows)
+    """Rows within the goal, figures within the goal or the real repeats' range, and the
+    rows within the goal among those where the machine held steady."""
     per = ", ".join(
         f"{k} {sum((e := rel(r['real'][k], r['sim'][k])) is not None and abs(e) <= GOAL for r in rows)}"
         f"/{sum(within_spread(r, k) for r in rows)}" for k in METRICS)
-    return (f"{ok_rows} of {len(rows)} rows within {GOAL:.0%} at p50 and p99\n"
-            f"figures within {GOAL:.0%} / within {GOAL:.0%} or the real repeats' range, of "
-            f"{len(rows)}: {per}")
+    text = (f"{sum(map(row_within_goal, rows))} of {len(rows)} rows within {GOAL:.0%} at p50 "
+            f"and p99\nfigures within {GOAL:.0%} / within {GOAL:.0%} or the real repeats' "
+            f"range, of {len(rows)}: {per}")
+    drifts = [(r, d) for r in rows if (d := machine_drift(r)) is not None]
+    if drifts:
+        steady = [r for r, d in drifts if abs(d) < STEADY]
+        text += (f"\nthe machine canary moved {min(d for _, d in drifts):+.0%} to "
+                 f"{max(d for _, d in drifts):+.0%} from a row's fit runs to its compared "
+                 f"runs; of the {len(steady)} rows where it held within {STEADY:.0%}, "
+                 f"{sum(map(row_within_goal, steady))} within {GOAL:.0%} at p50 and p99")
+    return text

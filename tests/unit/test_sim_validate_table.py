@@ -122,3 +122,38 @@ def test_the_real_side_is_the_median_of_its_repeats_with_their_range_shown() -> 
     text = sv.counts([row])
     assert text.startswith("0 of 1 rows within 10%") and "ttft_p50 0/1" in text
     assert "itl_p50 1/1" in text
+
+
+def test_the_table_shows_the_machines_drift_and_counts_the_rows_where_it_held() -> None:
+    run = sv.summarize(_run(3 * MS, 0.5 * MS, 0.25 * MS))
+    off = sv.summarize(_run(9 * MS, 0.5 * MS, 0.25 * MS))  # TTFT 10%+ off
+    steady = {"config": "a", "load": "low", "real": sv.median_summary([run]), "sim": run,
+              "canary_ms": {"fit": [7.0, 7.2, 7.1], "compared": [7.3, 7.2, 7.4]}}
+    slow = {**steady, "config": "b", "sim": off,
+            "canary_ms": {"fit": [7.0, 7.1, 7.0], "compared": [9.1, 9.0, 8.8]}}
+    older = {k: v for k, v in steady.items() if k != "canary_ms"}  # a run before canaries
+    lines = sv.table([steady, slow, older]).splitlines()
+    assert lines[0].count("|") == lines[2].count("|") == lines[4].count("|")
+    assert "| +3% | within 10% |" in lines[2]  # 7.3 / 7.1 ms
+    assert "| +29% | ttft_p50" in lines[3]  # 9.0 / 7.0 ms
+    assert "| - | within 10% |" in lines[4]
+    text = sv.counts([steady, slow, older])
+    assert text.startswith("2 of 3 rows within 10%")
+    assert text.endswith("the machine canary moved +3% to +29% from a row's fit runs to its "
+                         "compared runs; of the 1 rows where it held within 5%, 1 within 10% "
+                         "at p50 and p99")
+    assert "canary" not in sv.counts([older])
+
+
+def test_the_machine_canary_times_a_fixed_job_and_its_drift_is_a_ratio_of_medians() -> None:
+    import torch
+
+    from bench.machine_canary import canary_s, drift
+
+    threads = torch.get_num_threads()
+    assert canary_s(repeats=1) > 0.0
+    assert torch.get_num_threads() == threads  # one thread while it runs, then as before
+    with pytest.raises(ValueError, match="repeats"):
+        canary_s(repeats=0)
+    assert drift([2.0, 1.0, 9.0], [3.0]) == pytest.approx(0.5)
+    assert drift([], [1.0]) is None and drift([1.0], []) is None
