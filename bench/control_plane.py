@@ -16,8 +16,11 @@ sums each process group's CPU over the load window: front door(s), decode worker
 prefill worker, Ray daemons), load from a client in another process, and a bare
 `grpc.aio` server streaming 24-byte messages to a client process (server CPU per
 message: the floor any gRPC front door pays per streamed message), on the front door's
-event loop (server.event_loop: uvloop where installed) and, for reference, on asyncio's. Each figure line
-carries the 1-minute load average (other work on the machine inflates CPU and latency).
+event loop (server.event_loop: uvloop where installed) and, for reference, on asyncio's.
+Each figure line carries the 1-minute load average (other work on the machine inflates
+CPU and latency) and the machine canary (bench/machine_canary.py: a fixed CPU job's time
+and two threads' wake-up round trip, which show a shared host running slower than in an
+earlier run).
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ ROLES = [sys.executable, "-m", "bench.control_plane_roles"]
 
 
 def load_avg() -> str:
-    return f"load {os.getloadavg()[0]:.2f}"
+    """The 1-minute load average and the machine canary (a fixed CPU job's time: a shared
+    host's speed moves by tens of percent within minutes, unseen by the load average)."""
+    from bench.machine_canary import canary_s, wake_s
+
+    return (f"load {os.getloadavg()[0]:.2f}, canary {canary_s() * 1e3:.1f} ms, "
+            f"thread wake round trip {wake_s() * 1e6:.0f} us")
 
 
 # ---- child processes ----------------------------------------------------------------

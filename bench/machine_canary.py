@@ -5,12 +5,15 @@ frequency), which the load average does not show. The job is what a tiny-model w
 step is made of -- a few small float32 matmuls on one thread and an interpreter loop --
 so its time moves as the workers' steps do. bench/sim_validate.py times it before every
 real run of a row: when it moved between the runs the terms were fitted to and the
-compared runs, the machine did, not the model.
+compared runs, the machine did, not the model. ``wake_s`` times the other thing a shared
+host slows: a thread woken by another (every hop on a request's path is one; on this VM
+its round trip ran ~65-90 us on a quiet host and ms-long on a crowded one).
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
@@ -43,6 +46,31 @@ def canary_s(repeats: int = 5) -> float:
         return statistics.median(times)
     finally:
         torch.set_num_threads(threads)
+
+
+def wake_s(round_trips: int = 200) -> float:
+    """The median round trip of two threads waking each other through Events (seconds)."""
+    if round_trips < 1:
+        raise ValueError(f"round_trips must be >= 1, got {round_trips}")
+    ping, pong = threading.Event(), threading.Event()
+
+    def peer() -> None:
+        for _ in range(round_trips):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    t = threading.Thread(target=peer, name="wake-canary", daemon=True)
+    t.start()
+    times = []
+    for _ in range(round_trips):
+        t0 = time.perf_counter()
+        ping.set()
+        pong.wait()
+        pong.clear()
+        times.append(time.perf_counter() - t0)
+    t.join()
+    return statistics.median(times)
 
 
 def drift(before: list[float], after: list[float]) -> float | None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.machine_canary import canary_s
+from bench.machine_canary import canary_s, wake_s
 from bench.sim_validate_report import (
     contention,
     counts,
@@ -105,12 +105,13 @@ def workload(n: int, rate: float, vocab: int, seed: int) -> list:
         long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))
 
 
-def timed_runs(svc, work: list, n: int, canary: list[float]) -> list:
-    """``n`` real runs of ``work``, each after the machine canary (its time appended to
-    ``canary``): whether the machine's speed moved between runs of a row."""
+def timed_runs(svc, work: list, n: int, canary: list[float], wake: list[float]) -> list:
+    """``n`` real runs of ``work``, each after the machine canary (its times appended to
+    ``canary`` and ``wake``): whether the machine's speed moved between runs of a row."""
     out = []
     for _ in range(n):
         canary.append(canary_s())
+        wake.append(wake_s())
         out.append(svc.run_workload(work, transport="inproc"))
     return out
 
@@ -252,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "pools.decode_workers": 1}),
                     log=lambda s: print(f"  {s}"))
     costs = load_costs(Calibration.load(cal_path))
-    print(f"cost model: {costs.label}")
+    machine = {"canary_ms": round(canary_s() * 1e3, 3), "wake_us": round(wake_s() * 1e6, 1)}
+    print(f"cost model: {costs.label}; machine canary {machine['canary_ms']:.2f} ms, two "
+          f"threads' wake-up round trip {machine['wake_us']:.0f} us")
     from engine.loader import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
@@ -274,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                 creqs = workload(args.contention_requests or 2 * args.num_requests, rate,
                                  vocab, args.seed)
                 canary: dict[str, list[float]] = {"fit": [], "compared": []}
+                wake: list[float] = []
                 # more runs of the compared workload (not the compared ones): the steps
                 # are fitted to them with the first (one slow run's decode step made a
                 # row's ITL p50 +15%), and the stalls scaled to their ITL p99
-                first, *more = (timed_runs(svc, creqs, 1, canary["fit"])
-                                + timed_runs(svc, reqs, args.fit_runs, canary["fit"]))
+                first, *more = (timed_runs(svc, creqs, 1, canary["fit"], wake)
+                                + timed_runs(svc, reqs, args.fit_runs, canary["fit"], wake))
                 factors = contention(first, simulate_config(cfg, creqs, costs,
                                                             SimOptions(trace=True)))
                 steps = step_fits(merge_runs([first, *more]), costs,
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
                     delivery = replace(delivery, stall_s=delivery.stall_s * f)
                 reals = [summarize(x) for x in timed_runs(svc, reqs, args.repeats,
-                                                          canary["compared"])]
+                                                          canary["compared"], wake)]
                 sims = seeded(cfg, reqs, costs, factors, delivery, steps, handoff,
                               args.sim_seeds)
                 row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
@@ -314,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                        "fit_runs": [summarize(r) for r in more],
                        "canary_ms": {k: [round(x * 1e3, 3) for x in v]
                                      for k, v in canary.items()},
+                       "wake_us": [round(x * 1e6, 1) for x in wake],
                        "load_average": list(os.getloadavg())}
                 rows.append(row)
                 print(table([row]).splitlines()[-1], f"(load {os.getloadavg()[0]:.1f})",
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     (out / "sim_validate.md").write_text(header + "\n" + text + "\n" + counts(rows) + "\n")
     (out / "sim_validate.json").write_text(json.dumps(
-        {"calibration": cal_path, "label": costs.label, "header": header, "rows": rows}, indent=1, default=str))
+        {"calibration": cal_path, "label": costs.label, "header": header, "rows": rows,
+         "machine_after_calibration": machine}, indent=1, default=str))
     return 0
 
 

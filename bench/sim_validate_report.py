@@ -313,7 +313,9 @@ def describe(cal, rows: list[dict]) -> str:
             "machine: a fixed CPU job (bench/machine_canary.py) timed before every real run, "
             f"{min(canaries):.2f}-{max(canaries):.2f} ms over this validation; the column "
             "'machine' is its median before a row's compared runs over that before its fit "
-            "runs (the contention run and the fit runs), less 1")
+            "runs (the contention run and the fit runs), less 1"
+            + (f"; two threads' wake-up round trip {min(w):.0f}-{max(w):.0f} us"
+               if (w := [x for r in rows for x in r.get("wake_us", [])]) else ""))
     if svc:
         lines.append(
             f"control plane measured on a real 1P1D service at idle ({svc['requests']} "

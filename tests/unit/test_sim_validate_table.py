@@ -4,6 +4,8 @@ names when a row misses."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from bench import sim_validate_report as sv
@@ -148,12 +150,29 @@ def test_the_table_shows_the_machines_drift_and_counts_the_rows_where_it_held() 
 def test_the_machine_canary_times_a_fixed_job_and_its_drift_is_a_ratio_of_medians() -> None:
     import torch
 
-    from bench.machine_canary import canary_s, drift
+    from bench.machine_canary import canary_s, drift, wake_s
 
     threads = torch.get_num_threads()
     assert canary_s(repeats=1) > 0.0
     assert torch.get_num_threads() == threads  # one thread while it runs, then as before
     with pytest.raises(ValueError, match="repeats"):
         canary_s(repeats=0)
+    assert wake_s(round_trips=3) > 0.0
+    assert not any(t.name == "wake-canary" for t in threading.enumerate())  # joined
+    with pytest.raises(ValueError, match="round_trips"):
+        wake_s(round_trips=0)
     assert drift([2.0, 1.0, 9.0], [3.0]) == pytest.approx(0.5)
     assert drift([], [1.0]) is None and drift([1.0], []) is None
+
+
+def test_the_header_gives_the_canarys_range_and_the_wake_up_round_trips() -> None:
+    from types import SimpleNamespace
+
+    run = sv.summarize(_run(3 * MS, 0.5 * MS, 0.25 * MS))
+    row = {"config": "a", "load": "low", "real": sv.median_summary([run]), "sim": run,
+           "canary_ms": {"fit": [7.0, 9.5], "compared": [6.5]}, "wake_us": [80.0, 1200.0]}
+    cal = SimpleNamespace(data={}, source_of=lambda key: f"{key}: analytic")
+    text = sv.describe(cal, [row])
+    assert "timed before every real run, 6.50-9.50 ms over this validation" in text
+    assert "two threads' wake-up round trip 80-1200 us" in text
+    assert "machine:" not in sv.describe(cal, [{**row, "canary_ms": {}}])
