@@ -12,15 +12,15 @@ costs are measured in this run, under the machine's load of the moment: the cali
 service (``pdserve calibrate --stat median --control``) just before the real runs. Each
 configuration and load first runs a contention run (the same mix, twice as many
 requests: ``--contention-requests``) and ``--fit-runs`` (3) runs of the compared
-workload as a calibration under load, and every under-load term comes from them: each
-role's step fitted to the workers' traces of all of them (with the decode steps' spread
-and the step that legs join, bench/sim_validate_steps.py), the real dispatch latency
-over the simulated one, each leg's KV handoff beyond the simulated one (drawn per leg),
-and the token delivery refitted to the contention run's traces (sim/delivery.py's
+workload as a calibration under load, and every under-load term comes from all of them
+together (``merge_runs``): each role's step fitted to the workers' traces (with the
+decode steps' spread and the step that legs join, bench/sim_validate_steps.py), the real
+dispatch latency over the simulated one, each leg's KV handoff beyond the simulated one
+(drawn per leg), and the token delivery refitted to their traces (sim/delivery.py's
 mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
 p99 is the median of the fit runs' (a 60-request run's ITL p99 did not carry over to the
-30-request workload: +12 to +26% on 4 rows). Then the compared workload runs ``--repeats`` times (3): the median of those is
-compared with the median of ``--sim-seeds`` (5) simulated runs, each with its own draws
+30-request workload: +12 to +26% on 4 rows). Then the compared workload runs
+``--repeats`` times (3): the median of those is compared with the median of ``--sim-seeds`` (5) simulated runs, each with its own draws
 of the drawn terms, and each side's range is shown (the real one is the machine's noise).
 The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
 goal is 10%. Where a figure misses it, the last column names the term furthest off in
@@ -36,7 +36,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,15 @@ def timed_runs(svc, work: list, n: int, canary: list[float], wake: list[float]) 
         wake.append(wake_s())
         out.append(svc.run_workload(work, transport="inproc"))
     return out
+
+
+def as_fit_runs(run: Callable[[list], Any], creqs: list, reqs: list, n: int):
+    """The simulated counterparts of a row's fit runs: ``run`` of the contention run's
+    workload once and of the compared workload ``n`` times, merged as the real ones are."""
+    from bench.studies.service import merge_runs
+
+    once, again = run(creqs), run(reqs)
+    return merge_runs([once] + [again] * n)
 
 
 HANDOFF_MIN_LEGS = 10  # fewer matched legs: the mean handoff sets a link factor instead
@@ -266,11 +277,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_for(base, CONFIGS[name])
             svc = pool.get(cfg)
             for load, rate in LOADS.items():
-                # the contention of this configuration at this load on this machine, from a
-                # first run of the same workload just before (a calibration under load):
-                # real mean step / simulated per role, real / simulated dispatch and KV
-                # handoff, and the token delivery refitted to its traces; the compared
-                # figure is the median of the repeats after it, their range the noise
+                # the contention of this configuration at this load on this machine, from
+                # runs of the same workload just before (a calibration under load): real
+                # mean step / simulated per role, real / simulated dispatch and KV
+                # handoff, and the token delivery refitted to their traces; the compared
+                # figure is the median of the repeats after them, their range the noise
                 reqs = workload(args.num_requests, rate, vocab, args.seed)
                 # the contention run is longer than a compared one: its fits (prefill
                 # slope, stall size) move less from one run to the next
@@ -278,25 +289,29 @@ def main(argv: list[str] | None = None) -> int:
                                  vocab, args.seed)
                 canary: dict[str, list[float]] = {"fit": [], "compared": []}
                 wake: list[float] = []
-                # more runs of the compared workload (not the compared ones): the steps
-                # are fitted to them with the first (one slow run's decode step made a
-                # row's ITL p50 +15%), and the stalls scaled to their ITL p99
+                # and more runs of the compared workload (not the compared ones): every term
+                # is fitted to all of them (one run's terms carried its moment of the
+                # machine: a slow run's decode step made a row's ITL p50 +15%, and on a
+                # host whose speed moved the simulated TTFT p50 followed the first run's)
                 first, *more = (timed_runs(svc, creqs, 1, canary["fit"], wake)
                                 + timed_runs(svc, reqs, args.fit_runs, canary["fit"], wake))
-                factors = contention(first, simulate_config(cfg, creqs, costs,
-                                                            SimOptions(trace=True)))
-                steps = step_fits(merge_runs([first, *more]), costs,
-                                  ScaledCosts(costs, factors, "probe"))
-                fit = delivery_under_load(first, ScaledCosts(costs, factors, "probe",
-                                                             steps=steps))
+                pooled = merge_runs([first, *more])
+                factors = contention(pooled, as_fit_runs(partial(
+                    simulate_config, cfg, costs=costs, options=SimOptions(trace=True)),
+                    creqs, reqs, len(more)))
+                steps = step_fits(pooled, costs, ScaledCosts(costs, factors, "probe"))
+                fit = delivery_under_load(pooled, ScaledCosts(costs, factors, "probe",
+                                                              steps=steps))
                 delivery = fit[0] if fit else None
-                probe = link_probe(cfg, creqs, costs, factors, delivery, steps)
-                handoff = handoff_residuals(first, probe(1.0))
+                handoff = handoff_residuals(pooled, as_fit_runs(partial(
+                    simulated, cfg, costs=costs, factors={**factors, "link": 1.0},
+                    delivery=delivery, steps=steps), creqs, reqs, len(more)))
                 if len(handoff) >= HANDOFF_MIN_LEGS:  # each leg's own spread, at the idle link
                     factors["link"] = 1.0
                 else:
                     handoff = []
-                    factors["link"] = fit_link_factor(handoff_mean(first), probe)
+                    factors["link"] = fit_link_factor(handoff_mean(first), link_probe(
+                        cfg, creqs, costs, factors, delivery, steps))
                 if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
                     # the ITL p99 moves with the workload's own mix of long prompts: one
                     # run's ITL p99 moved 8-25% from the next

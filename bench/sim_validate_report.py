@@ -242,6 +242,9 @@ def describe(cal, rows: list[dict]) -> str:
     def span(xs: list[float], fmt: str = "{:.2f}") -> str:
         return "..".join(fmt.format(x) for x in (min(xs), max(xs)))
 
+    # the runs the terms were fitted to: the contention run, and since the fit runs, all
+    runs = ("those runs'" if any(r.get("fit_runs") for r in rows)
+            else "that first run's")
     steps = [r["step_fits"] for r in rows if r.get("step_fits")]
     if steps:
         pre = [f["prefill"] for f in steps if "prefill" in f]
@@ -278,13 +281,13 @@ def describe(cal, rows: list[dict]) -> str:
         flat = np.concatenate([np.maximum(x, 0.0) for x in spreads]) * 1e3
         lines.append(
             f"KV handoff: on {len(spreads)} rows the link stays idle (x1) and each leg's "
-            "handoff adds one drawn from that first run's legs' real handoffs less the "
+            f"handoff adds one drawn from {runs} legs' real handoffs less the "
             f"simulated ones (p50 {np.percentile(flat, 50):.2f} ms, p90 "
             f"{np.percentile(flat, 90):.2f} ms, max {flat.max():.2f} ms over the rows)")
     fits = [r["delivery_fit"] for r in rows if r.get("delivery_fit")]
     if fits:
         lines.append(
-            "token delivery refitted per row to that first run's traces (sim/delivery.py): "
+            f"token delivery refitted per row to {runs} traces (sim/delivery.py): "
             "tokens +" + "..".join(f"{x * 1e3:.2f}" for x in (
                 min(f["token_s"] for f in fits), max(f["token_s"] for f in fits)))
             + " ms after their step, " + "..".join(f"{x * 1e3:.2f}" for x in (

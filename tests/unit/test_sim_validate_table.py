@@ -176,3 +176,25 @@ def test_the_header_gives_the_canarys_range_and_the_wake_up_round_trips() -> Non
     assert "timed before every real run, 6.50-9.50 ms over this validation" in text
     assert "two threads' wake-up round trip 80-1200 us" in text
     assert "machine:" not in sv.describe(cal, [{**row, "canary_ms": {}}])
+
+
+def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike() -> None:
+    from bench.sim_validate import as_fit_runs
+    from bench.studies.service import merge_runs
+
+    calls = []
+
+    def run(work: list) -> RunOutput:  # a "simulator": dispatch 2 ms, or 4 ms on the long one
+        calls.append(len(work))
+        return _run((4 if len(work) > 1 else 2) * MS, 0.5 * MS, 0.25 * MS)
+
+    sim = as_fit_runs(run, ["c", "c"], ["r"], 3)
+    assert calls == [2, 1]  # each workload simulated once: a run is deterministic
+    assert sorted({r.request_id.split("/")[0] for r in sim.records}) == ["0", "1", "2", "3"]
+    # real: the contention run's dispatch 8 ms, the fit runs' 2 ms: the pooled median over
+    # the eight requests is the fit runs' 2 ms, as the simulated one is
+    real = merge_runs([_run(d * MS, 0.5 * MS, 0.25 * MS) for d in (8, 2, 2, 2)])
+    assert sv.contention(real, sim)["control"] == pytest.approx(1.0, rel=1e-6)
+    # the first run alone against its own twin: 8 / 4 ms
+    first = _run(8 * MS, 0.5 * MS, 0.25 * MS)
+    assert sv.contention(first, run(["c", "c"]))["control"] == pytest.approx(2.0, rel=1e-6)
