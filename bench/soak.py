@@ -36,6 +36,8 @@ from engine.quantiles import median
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
+DEADLINE_SLACK_S = 0.002  # grpc core's timers count whole milliseconds
+
 __all__ = ["PHASES", "TERMINAL", "KillRecord", "SoakConfig", "SoakHooks", "SoakRequest",
            "SoakRunner", "build_plan", "find_victims", "router_leg_probe",
            "router_phase_probe", "run_soak"]
@@ -152,11 +154,13 @@ class SoakRunner:
 
     async def _stream(self, stub, md, req: SoakRequest, rec: RequestRecord) -> None:
         deadline = min(req.client_deadline_s or math.inf, self.cfg.deadline_s)
+        # before the call: its deadline runs from its creation, so a client deadline's
+        # DEADLINE_EXCEEDED is never seen "early" when creating the call takes a while
+        t0 = time.monotonic()
         call = stub.Generate(build_request(
             list(req.prompt), request_id=req.request_id, temperature=req.temperature,
             max_tokens=req.max_tokens, ignore_eos=req.ignore_eos, seed=req.seed),
             metadata=md, timeout=deadline)
-        t0 = time.monotonic()
         rec.start_s = t0 - self._t0
         self._open += 1
         act = (lambda: self._abort(stub, md, req, rec)) if req.abort_phase else (
@@ -209,7 +213,7 @@ class SoakRunner:
         elif code == "CANCELLED" and rec.cancel_sent:
             self._end(rec, "CANCELLED", e.details() or "")
         elif code == "DEADLINE_EXCEEDED" and rec.client_deadline_s is not None \
-                and elapsed >= rec.client_deadline_s * 0.99:
+                and elapsed >= rec.client_deadline_s * 0.99 - DEADLINE_SLACK_S:
             self._end(rec, "DEADLINE_EXCEEDED", e.details() or "client deadline")
         elif code == "DEADLINE_EXCEEDED":
             self._end(rec, "hang", f"no end within {self.cfg.deadline_s:g}s")

@@ -157,3 +157,47 @@ def test_soak_cli_pressure_defaults_and_the_plain_soak_unchanged():
                                      "0.5", "--pool-tokens", "512", "--no-progress"]))
     assert remote.addr == "h:1" and not remote.drain and remote.abort_rate == 0.5
     assert remote.pool_tokens == 512
+
+
+class _SlowToCreateStub:
+    """Creating the call takes `create_s` (a busy host); the call's deadline runs from its
+    creation, as grpc's does, and its first read fails DEADLINE_EXCEEDED once it passed."""
+
+    def __init__(self, create_s: float):
+        self.create_s = create_s
+
+    def Generate(self, request, metadata=None, timeout=None):  # noqa: N802 (gRPC's name)
+        import time
+
+        import grpc
+
+        ends = time.monotonic() + timeout
+        time.sleep(self.create_s)
+
+        class _Call:
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                await asyncio.sleep(max(ends - time.monotonic(), 0.0))
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="Deadline Exceeded")
+
+        return _Call()
+
+
+def test_a_client_deadline_passed_while_the_call_was_created_is_no_hang():
+    runner = SoakRunner(SoakConfig(requests=1))
+    req = SoakRequest("r0", "chat", 0.0, (1, 2, 3), 2, 0.0, True, client_deadline_s=0.01)
+
+    async def go():
+        from tqdm import tqdm
+
+        runner._bar = tqdm(total=1, disable=True)
+        await runner._one(_SlowToCreateStub(create_s=0.03), (), req)
+
+    asyncio.run(go())
+    rec = runner.records["r0"]
+    assert rec.outcome == "DEADLINE_EXCEEDED" and rec.terminal_count == 1
+    assert rec.message == "Deadline Exceeded" and not rec.violations
