@@ -20,8 +20,11 @@ dispatch latency over the simulated one, each leg's KV handoff beyond the simula
 mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
 p99 is the median of the fit runs' (a 60-request run's ITL p99 did not carry over to the
 30-request workload: +12 to +26% on 4 rows). Then the compared workload runs
-``--repeats`` times (3): the median of those is compared with the median of ``--sim-seeds`` (5) simulated runs, each with its own draws
-of the drawn terms, and each side's range is shown (the real one is the machine's noise).
+``--repeats`` times (3): the median of those is compared with the median of
+``--sim-seeds`` (5) simulated runs, each with its own draws of the drawn terms, and each
+side's range is shown (the real one is the machine's noise). Before every real run a
+machine canary (bench/machine_canary.py) times a fixed CPU job and a thread wake-up: the
+table shows how far the job moved from a row's fit runs to its compared runs.
 The table gives TTFT and ITL p50 / p99, real vs simulated, and the relative error; the
 goal is 10%. Where a figure misses it, the last column names the term furthest off in
 seconds among those the metric is made of: dispatch, prefill queue, prefill phase and
@@ -178,9 +181,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3,
                    help="real runs compared (their median) after the contention run")
     p.add_argument("--fit-runs", type=int, default=3,
-                   help="runs of the compared workload, before the compared ones: the "
-                        "steps are fitted to them with the contention run, and the "
-                        "delivery's stalls scaled to their median ITL p99")
+                   help="runs of the compared workload, before the compared ones: every "
+                        "under-load term is fitted to them with the contention run, and "
+                        "the delivery's stalls scaled to their median ITL p99")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sim-seeds", type=int, default=5,
                    help="simulated runs per row, each with its own draws of the drawn terms "

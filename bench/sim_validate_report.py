@@ -255,7 +255,8 @@ def describe(cal, rows: list[dict]) -> str:
             "same configuration and mix"
             + (f" and {'/'.join(map(str, sorted(pooled)))} runs of the compared workload"
                if pooled else "")
-            + " just before the compared ones (bench/sim_validate_steps.py): prefill x" + span([f["scale"] for f in pre])
+            + " just before the compared ones (bench/sim_validate_steps.py): prefill x"
+            + span([f["scale"] for f in pre])
             + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step (the typical "
             "step; each adds a draw of the real steps' spread around it), "
             + span([f.get("join_s", 0.0) * 1e3 for f in pre]) + " ms more in a step with a "
