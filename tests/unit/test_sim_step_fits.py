@@ -349,3 +349,19 @@ def test_fits_over_merged_runs_pool_their_steps_within_each_run() -> None:
     one = step_fits(runs[1], base, base)["prefill"]
     assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx(
         (one.scale, one.offset_s), rel=1e-6)
+
+
+def test_a_run_holds_the_objects_before_it_off_the_collector_and_gives_them_back() -> None:
+    import gc
+
+    from bench.studies.service import heap_frozen
+
+    before = [object()]  # an object alive when the run starts
+    frozen = gc.get_freeze_count()
+    with heap_frozen():
+        assert gc.get_freeze_count() > frozen
+        assert all(o is not before for o in gc.get_objects())  # off the collector
+        during = [object()]
+        assert any(o is during for o in gc.get_objects())  # the run's own: on it
+    assert gc.get_freeze_count() == 0
+    assert any(o is before for o in gc.get_objects())
