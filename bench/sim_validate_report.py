@@ -335,12 +335,17 @@ def describe(cal, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def within_goal(r: dict, k: str) -> bool:
+    """The simulated figure ``k`` is within the goal of the real one."""
+    e = rel(r["real"][k], r["sim"][k])
+    return e is not None and abs(e) <= GOAL
+
+
 def within_spread(r: dict, k: str) -> bool:
     """The simulated figure lies within the real repeats' range (or within the goal)."""
     a, b = r["real"][k], r["sim"][k]
-    e = rel(a, b)
     lo, hi = r["real"].get("spread", {}).get(k, (a, a))
-    return (e is not None and abs(e) <= GOAL) or (b is not None and lo <= b <= hi)
+    return within_goal(r, k) or (b is not None and lo <= b <= hi)
 
 
 def machine_drift(r: dict) -> float | None:
@@ -383,16 +388,15 @@ def table(rows: list[dict]) -> str:
 
 
 def row_within_goal(r: dict) -> bool:
-    return all((e := rel(r["real"][k], r["sim"][k])) is not None and abs(e) <= GOAL
-               for k in METRICS)
+    return all(within_goal(r, k) for k in METRICS)
 
 
 def counts(rows: list[dict]) -> str:
     """Rows within the goal, figures within the goal or the real repeats' range, and the
     rows within the goal among those where the machine held steady."""
     per = ", ".join(
-        f"{k} {sum((e := rel(r['real'][k], r['sim'][k])) is not None and abs(e) <= GOAL for r in rows)}"
-        f"/{sum(within_spread(r, k) for r in rows)}" for k in METRICS)
+        f"{k} {sum(within_goal(r, k) for r in rows)}/{sum(within_spread(r, k) for r in rows)}"
+        for k in METRICS)
     text = (f"{sum(map(row_within_goal, rows))} of {len(rows)} rows within {GOAL:.0%} at p50 "
             f"and p99\nfigures within {GOAL:.0%} / within {GOAL:.0%} or the real repeats' "
             f"range, of {len(rows)}: {per}")
