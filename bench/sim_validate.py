@@ -19,8 +19,9 @@ dispatch latency over the simulated one, each leg's KV handoff beyond the simula
 (drawn per leg), and the token delivery refitted to their traces (sim/delivery.py's
 mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
 p99 is the median of the fit runs' (a 60-request run's ITL p99 did not carry over to the
-30-request workload: +12 to +26% on 4 rows). Then the compared workload runs
-``--repeats`` times (3): the median of those is compared with the median of
+30-request workload: +12 to +26% on 4 rows). The compared workload also runs
+``--repeats`` times (3), alternating with the fit runs so a drift of the host falls on
+both alike; these runs are never fitted to: their median is compared with the median of
 ``--sim-seeds`` (5) simulated runs, each with its own draws of the drawn terms, and each
 side's range is shown (the real one is the machine's noise). Before every real run a
 machine canary (bench/machine_canary.py) times a fixed CPU job and a thread wake-up: the
@@ -42,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,20 @@ def timed_runs(svc, work: list, n: int, canary: list[float], wake: list[float]) 
     return out
 
 
+def alternated_runs(svc, work: list, fits: int, repeats: int, canary: dict[str, list[float]],
+                    wake: list[float]) -> tuple[list, list]:
+    """``fits`` fit runs and ``repeats`` compared runs of ``work``, alternating (a fit run
+    first): a drift of the host over the row's minutes falls on both alike. Run in turn
+    (fits before compared), a row's TTFT p50 moved by up to +60% from its fit runs to its
+    compared runs with the machine canary unchanged (val25, val27)."""
+    order = [kind for pair in zip_longest(["fit"] * fits, ["compared"] * repeats)
+             for kind in pair if kind]
+    runs: dict[str, list] = {"fit": [], "compared": []}
+    for kind in order:
+        runs[kind] += timed_runs(svc, work, 1, canary[kind], wake)
+    return runs["fit"], runs["compared"]
+
+
 def as_fit_runs(run: Callable[[list], Any], creqs: list, reqs: list, n: int):
     """The simulated counterparts of a row's fit runs: ``run`` of the contention run's
     workload once and of the compared workload ``n`` times, merged as the real ones are."""
@@ -167,6 +183,76 @@ def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff,
                             seeds)
 
 
+def validate_row(svc, cfg, costs, name: str, load: str, rate: float, vocab: int,
+                 args: argparse.Namespace) -> tuple[dict, list, list]:
+    """One row of the table: the real runs of ``name`` at ``load`` on ``svc``, the terms
+    fitted to them, and the simulated runs; returns the row with the compared real runs
+    and the simulated ones (their records and traces, for a closer look)."""
+    from bench.studies.service import merge_runs
+    from sim.cluster import simulate_config
+    from sim.options import SimOptions
+    from sim.scaled import ScaledCosts
+
+    # the contention of this configuration at this load on this machine, from runs of
+    # the same workload (a calibration under load): real mean step / simulated per role,
+    # real / simulated dispatch and KV handoff, and the token delivery refitted to their
+    # traces; the compared figure is the median of other repeats, their range the noise
+    reqs = workload(args.num_requests, rate, vocab, args.seed)
+    # the contention run is longer than a compared one: its fits (prefill slope, stall
+    # size) move less from one run to the next
+    creqs = workload(args.contention_requests or 2 * args.num_requests, rate,
+                     vocab, args.seed)
+    canary: dict[str, list[float]] = {"fit": [], "compared": []}
+    wake: list[float] = []
+    # and more runs of the compared workload (not the compared ones, which alternate with
+    # them): every term is fitted to all of them (one run's terms carried its moment of
+    # the machine: a slow run's decode step made a row's ITL p50 +15%, and on a host
+    # whose speed moved the simulated TTFT p50 followed the first run's)
+    first = timed_runs(svc, creqs, 1, canary["fit"], wake)[0]
+    more, compared = alternated_runs(svc, reqs, args.fit_runs, args.repeats,
+                                     canary, wake)
+    pooled = merge_runs([first, *more])
+    factors = contention(pooled, as_fit_runs(partial(
+        simulate_config, cfg, costs=costs, options=SimOptions(trace=True)),
+        creqs, reqs, len(more)))
+    steps = step_fits(pooled, costs, ScaledCosts(costs, factors, "probe"))
+    fit = delivery_under_load(pooled, ScaledCosts(costs, factors, "probe",
+                                                  steps=steps))
+    delivery = fit[0] if fit else None
+    handoff = handoff_residuals(pooled, as_fit_runs(partial(
+        simulated, cfg, costs=costs, factors={**factors, "link": 1.0},
+        delivery=delivery, steps=steps), creqs, reqs, len(more)))
+    if len(handoff) >= HANDOFF_MIN_LEGS:  # each leg's own spread, at the idle link
+        factors["link"] = 1.0
+    else:
+        handoff = []
+        factors["link"] = fit_link_factor(handoff_mean(first), link_probe(
+            cfg, creqs, costs, factors, delivery, steps))
+    if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
+        # the ITL p99 moves with the workload's own mix of long prompts: one
+        # run's ITL p99 moved 8-25% from the next
+        target = float(np.median([summarize(r)["itl_p99"] for r in more]))
+        f = fit_stall_scale(target, stall_probe(
+            cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
+        delivery = replace(delivery, stall_s=delivery.stall_s * f)
+    reals = [summarize(x) for x in compared]
+    sims = seeded(cfg, reqs, costs, factors, delivery, steps, handoff,
+                  args.sim_seeds)
+    row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
+           "step_fits": {r: f.to_dict() for r, f in steps.items()},
+           "delivery_fit": delivery.to_dict() if delivery else None,
+           "handoff_fit": [round(x, 7) for x in handoff],
+           "real": median_summary(reals),
+           "sim": median_summary([summarize(x) for x in sims]),
+           "contention_run": summarize(first), "runs": reals,
+           "fit_runs": [summarize(r) for r in more], "run_order": "alternated",
+           "canary_ms": {k: [round(x * 1e3, 3) for x in v]
+                         for k, v in canary.items()},
+           "wake_us": [round(x * 1e6, 1) for x in wake],
+           "load_average": list(os.getloadavg())}
+    return row, compared, sims
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.sim_validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,9 +265,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests of the contention run the under-load terms are fitted "
                         "to (default: twice --num-requests)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="real runs compared (their median) after the contention run")
+                   help="real runs compared (their median), alternating with the fit runs")
     p.add_argument("--fit-runs", type=int, default=3,
-                   help="runs of the compared workload, before the compared ones: every "
+                   help="runs of the compared workload, alternating with the compared ones: every "
                         "under-load term is fitted to them with the contention run, and "
                         "the delivery's stalls scaled to their median ITL p99")
     p.add_argument("--seed", type=int, default=0)
@@ -237,15 +323,12 @@ def main(argv: list[str] | None = None) -> int:
             ablate(data, args.model, args.num_requests, args.seed, args.sim_seeds)
         return 0
     logging.basicConfig(level=logging.WARNING)
-    from bench.studies.service import ServicePool, ensure_ray, merge_runs
+    from bench.studies.service import ServicePool, ensure_ray
     from sim.adapters import resolve_model_dir
     from sim.calibrate import calibrate
     from sim.calibration import Calibration
-    from sim.cluster import simulate_config
     from sim.cost_loader import load_costs
     from sim.measure_control import add_control
-    from sim.options import SimOptions
-    from sim.scaled import ScaledCosts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,64 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_for(base, CONFIGS[name])
             svc = pool.get(cfg)
             for load, rate in LOADS.items():
-                # the contention of this configuration at this load on this machine, from
-                # runs of the same workload just before (a calibration under load): real
-                # mean step / simulated per role, real / simulated dispatch and KV
-                # handoff, and the token delivery refitted to their traces; the compared
-                # figure is the median of the repeats after them, their range the noise
-                reqs = workload(args.num_requests, rate, vocab, args.seed)
-                # the contention run is longer than a compared one: its fits (prefill
-                # slope, stall size) move less from one run to the next
-                creqs = workload(args.contention_requests or 2 * args.num_requests, rate,
-                                 vocab, args.seed)
-                canary: dict[str, list[float]] = {"fit": [], "compared": []}
-                wake: list[float] = []
-                # and more runs of the compared workload (not the compared ones): every term
-                # is fitted to all of them (one run's terms carried its moment of the
-                # machine: a slow run's decode step made a row's ITL p50 +15%, and on a
-                # host whose speed moved the simulated TTFT p50 followed the first run's)
-                first, *more = (timed_runs(svc, creqs, 1, canary["fit"], wake)
-                                + timed_runs(svc, reqs, args.fit_runs, canary["fit"], wake))
-                pooled = merge_runs([first, *more])
-                factors = contention(pooled, as_fit_runs(partial(
-                    simulate_config, cfg, costs=costs, options=SimOptions(trace=True)),
-                    creqs, reqs, len(more)))
-                steps = step_fits(pooled, costs, ScaledCosts(costs, factors, "probe"))
-                fit = delivery_under_load(pooled, ScaledCosts(costs, factors, "probe",
-                                                              steps=steps))
-                delivery = fit[0] if fit else None
-                handoff = handoff_residuals(pooled, as_fit_runs(partial(
-                    simulated, cfg, costs=costs, factors={**factors, "link": 1.0},
-                    delivery=delivery, steps=steps), creqs, reqs, len(more)))
-                if len(handoff) >= HANDOFF_MIN_LEGS:  # each leg's own spread, at the idle link
-                    factors["link"] = 1.0
-                else:
-                    handoff = []
-                    factors["link"] = fit_link_factor(handoff_mean(first), link_probe(
-                        cfg, creqs, costs, factors, delivery, steps))
-                if delivery is not None and delivery.stall_every and delivery.stall_s > 0:
-                    # the ITL p99 moves with the workload's own mix of long prompts: one
-                    # run's ITL p99 moved 8-25% from the next
-                    target = float(np.median([summarize(r)["itl_p99"] for r in more]))
-                    f = fit_stall_scale(target, stall_probe(
-                        cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
-                    delivery = replace(delivery, stall_s=delivery.stall_s * f)
-                reals = [summarize(x) for x in timed_runs(svc, reqs, args.repeats,
-                                                          canary["compared"], wake)]
-                sims = seeded(cfg, reqs, costs, factors, delivery, steps, handoff,
-                              args.sim_seeds)
-                row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
-                       "step_fits": {r: f.to_dict() for r, f in steps.items()},
-                       "delivery_fit": delivery.to_dict() if delivery else None,
-                       "handoff_fit": [round(x, 7) for x in handoff],
-                       "real": median_summary(reals),
-                       "sim": median_summary([summarize(x) for x in sims]),
-                       "contention_run": summarize(first), "runs": reals,
-                       "fit_runs": [summarize(r) for r in more],
-                       "canary_ms": {k: [round(x * 1e3, 3) for x in v]
-                                     for k, v in canary.items()},
-                       "wake_us": [round(x * 1e6, 1) for x in wake],
-                       "load_average": list(os.getloadavg())}
+                row = validate_row(svc, cfg, costs, name, load, rate, vocab, args)[0]
                 rows.append(row)
                 print(table([row]).splitlines()[-1], f"(load {os.getloadavg()[0]:.1f})",
                       flush=True)

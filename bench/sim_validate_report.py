@@ -59,6 +59,9 @@ def summarize(out) -> dict[str, Any]:
     return {"ttft_p50": m.ttft.median, "ttft_p99": m.ttft.percentiles[99.0],
             "itl_p50": m.itl.median, "itl_p99": m.itl.percentiles[99.0],
             "completed": m.completed, "failed": m.failed,
+            # the workers' processes' garbage collections during the run (runtime/gc_pauses)
+            "worker_gc_pause_s": sum(d.get("gc_pause_s", 0.0)
+                                     for d in out.worker_stats.values()),
             "terms": {"prefill step": mean_step_s(out.worker_stats, "prefill"),
                       "decode step": mean_step_s(out.worker_stats, "decode"),
                       **{f"{name} p{p}": pct(field, p) for name, field in (
@@ -229,6 +232,12 @@ def diagnose(real: dict, sim: dict, metric: str) -> str:
     return f"{t} {a * 1e3:.2f} -> {b * 1e3:.2f} ms{share}"
 
 
+def alternated(rows: list[dict]) -> bool:
+    """Whether every row's fit runs alternated with its compared runs (older validations
+    ran them in turn: fit runs, then the compared ones)."""
+    return bool(rows) and all(r.get("run_order") == "alternated" for r in rows)
+
+
 def describe(cal, rows: list[dict]) -> str:
     """What the simulated side knows: how its calibration and control plane were taken."""
     w, c = cal.data.get("workload", {}), cal.data.get("control", {})
@@ -255,7 +264,9 @@ def describe(cal, rows: list[dict]) -> str:
             "same configuration and mix"
             + (f" and {'/'.join(map(str, sorted(pooled)))} runs of the compared workload"
                if pooled else "")
-            + " just before the compared ones (bench/sim_validate_steps.py): prefill x"
+            + (" alternating with the compared ones" if alternated(rows)
+               else " just before the compared ones")
+            + " (bench/sim_validate_steps.py): prefill x"
             + span([f["scale"] for f in pre])
             + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step (the typical "
             "step; each adds a draw of the real steps' spread around it), "
@@ -305,7 +316,8 @@ def describe(cal, rows: list[dict]) -> str:
     reps = {r["real"].get("repeats") for r in rows}
     if reps - {None}:
         lines.append(f"real: the median of {'/'.join(str(x) for x in sorted(reps - {None}))} "
-                     "repeats after the contention run, [their range] shown")
+                     + ("repeats alternating with the fit runs" if alternated(rows)
+                        else "repeats after the contention run") + ", [their range] shown")
     seeds = {r["sim"].get("repeats") for r in rows}
     if seeds - {None}:
         lines.append(f"sim: the median of {'/'.join(str(x) for x in sorted(seeds - {None}))} "

@@ -25,6 +25,11 @@ class EngineStats:
     send_queue_depth: int = 0  # legs with KV still queued or in flight (prefill)
     faults: Mapping[str, int] = field(default_factory=dict)  # fault_<kind> -> fired (tests)
     tensor_parallel_size: int = 1  # ranks (actors) of this worker
+    # the garbage collector in the worker's process since it started (runtime/gc_pauses.py)
+    gc_collections: int = 0
+    gc_full_collections: int = 0
+    gc_pause_s: float = 0.0
+    gc_max_pause_s: float = 0.0
 
     @property
     def queue_depth(self) -> int:

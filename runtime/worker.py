@@ -34,6 +34,7 @@ from engine.tracing import TraceRecorder
 from kv_transfer.heads import rank_heads
 from kv_transfer.registry import make_receiver, make_sender
 from runtime.channel import ChannelServer
+from runtime.gc_pauses import process_gc_pauses, settle
 from runtime.loop import SteppableEngine, WorkerLoop
 from runtime.messages import WorkerEvent, WorkerInfo, WorkerLoad
 from runtime.spec import WorkerSpec, resolve_engine, worker_fault_injector
@@ -61,6 +62,7 @@ def rank_actor_name(actor_name: str, rank: int) -> str:
 class WorkerBase:
     def __init__(self, spec: WorkerSpec):
         torch.set_num_threads(max(1, spec.num_threads))
+        self.gc_pauses = process_gc_pauses()
         self.spec = spec
         self.tracer = TraceRecorder(enabled=spec.trace, worker=spec.worker_id)
         # Ray makes the actor's GPU(s) visible as cuda:0..; a 'cuda:N' of the spec is moot
@@ -111,6 +113,8 @@ class WorkerBase:
         os._exit(70)
 
     def start(self, engine: SteppableEngine, thread_init=None) -> None:
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            settle()  # the process is this actor's own: keep its startup off the collector
         self.engine = engine
         runner = getattr(engine, "runner", None)
         if isinstance(runner, DriverRunner):
@@ -179,7 +183,8 @@ class WorkerBase:
         s = self.loop.call(self.engine.stats)
         faults = self.faults.stats() if self.faults is not None else {}
         return dataclasses.replace(s, loop_error=self.loop.error or "", faults=faults,
-                                   tensor_parallel_size=self.cfg.tensor_parallel_size)
+                                   tensor_parallel_size=self.cfg.tensor_parallel_size,
+                                   **self.gc_pauses.figures())
 
     def drain_trace(self) -> list[dict]:
         return [e.to_dict() for e in self.tracer.drain()]

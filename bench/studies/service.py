@@ -200,8 +200,12 @@ class Service:
             server_log.setLevel(level)
 
 
+COUNTED = ("kv_bytes_sent", "gc_collections", "gc_full_collections", "gc_pause_s")
+
+
 def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """Per worker: steps taken and mean step time during the run, KV bytes sent."""
+    """Per worker: steps taken and mean step time during the run, and what it ``COUNTED``
+    (KV bytes sent, its process's garbage collections and their pause time)."""
     out = {}
     for wid, a in after.items():
         b = before.get(wid, {})
@@ -210,7 +214,7 @@ def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
             b.get("num_steps", 0) * b.get("mean_step_s", 0.0)
         out[wid] = {"role": a.get("role", ""), "steps": steps,
                     "mean_step_s": busy / steps if steps > 0 else None,
-                    "kv_bytes_sent": a.get("kv_bytes_sent", 0.0) - b.get("kv_bytes_sent", 0.0)}
+                    **{k: a.get(k, 0.0) - b.get(k, 0.0) for k in COUNTED}}
     return out
 
 
@@ -226,14 +230,15 @@ def merge_runs(runs: Sequence[RunOutput]) -> RunOutput:
         events += [replace(e, request_id=tag(i, e.request_id)) for e in run.events]
         for wid, d in run.worker_stats.items():
             s = stats.setdefault(wid, {"role": d["role"], "steps": 0, "busy": 0.0,
-                                       "kv_bytes_sent": 0.0})
+                                       **dict.fromkeys(COUNTED, 0.0)})
             if d["mean_step_s"]:
                 s["steps"] += d["steps"]
                 s["busy"] += d["steps"] * d["mean_step_s"]
-            s["kv_bytes_sent"] += d.get("kv_bytes_sent", 0.0)
+            for k in COUNTED:
+                s[k] += d.get(k, 0.0)
     delta = {wid: {"role": s["role"], "steps": s["steps"],
                    "mean_step_s": s["busy"] / s["steps"] if s["steps"] else None,
-                   "kv_bytes_sent": s["kv_bytes_sent"]} for wid, s in stats.items()}
+                   **{k: s[k] for k in COUNTED}} for wid, s in stats.items()}
     return RunOutput(records, events, delta, runs[0].wall_offset if runs else 0.0)
 
 

@@ -70,6 +70,10 @@ def test_sixteen_concurrent_requests_match_colocated(start_router, reference, na
         assert last.finished and last.finish_reason == "length"
         assert last.usage.completion_tokens == GREEDY.max_tokens
     assert_quiescent(runner)
+    for w in runner.stats().workers:  # each process's collector, its startup's included
+        x = w.extra
+        assert x["gc_collections"] >= x["gc_full_collections"] >= 1, w
+        assert 0.0 < x["gc_max_pause_s"] <= x["gc_pause_s"], w
     runner.close()
 
 

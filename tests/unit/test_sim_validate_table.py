@@ -198,3 +198,25 @@ def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike(
     # the first run alone against its own twin: 8 / 4 ms
     first = _run(8 * MS, 0.5 * MS, 0.25 * MS)
     assert sv.contention(first, run(["c", "c"]))["control"] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_fit_runs_alternate_with_the_compared_runs_and_only_fit_runs_are_fitted() -> None:
+    from types import SimpleNamespace
+
+    from bench.sim_validate import alternated_runs
+
+    done = []
+    svc = SimpleNamespace(run_workload=lambda work, transport: done.append(len(done)) or
+                          len(done) - 1)
+    canary, wake = {"fit": [], "compared": []}, []
+    fits, compared = alternated_runs(svc, ["r"], 3, 2, canary, wake)
+    assert fits == [0, 2, 4] and compared == [1, 3]  # a fit run first, then in turn
+    assert len(canary["fit"]) == 3 and len(canary["compared"]) == 2 and len(wake) == 5
+    fits, compared = alternated_runs(svc, ["r"], 1, 3, canary, wake)
+    assert fits == [5] and compared == [6, 7, 8]
+    run = sv.summarize(_run(3 * MS, 0.5 * MS, 0.25 * MS))
+    row = {"config": "a", "load": "low", "real": sv.median_summary([run]), "sim": run}
+    cal = SimpleNamespace(data={}, source_of=lambda key: f"{key}: analytic")
+    assert "alternating" not in sv.describe(cal, [row])  # older validations: in turn
+    assert "repeats alternating with the fit runs" in sv.describe(
+        cal, [{**row, "run_order": "alternated"}])

@@ -63,6 +63,20 @@ def test_stats_delta_gives_this_runs_mean_step_time() -> None:
     assert mean_step_s(d, "colocated") is None
 
 
+def test_a_runs_garbage_collections_are_its_own_and_merged_runs_sum_them() -> None:
+    from bench.studies.service import RunOutput, merge_runs
+
+    before = {"d": {"role": "decode", "num_steps": 5, "mean_step_s": 0.01,
+                    "gc_collections": 40, "gc_full_collections": 3, "gc_pause_s": 0.30}}
+    after = {"d": {"role": "decode", "num_steps": 9, "mean_step_s": 0.01,
+                   "gc_collections": 43, "gc_full_collections": 3, "gc_pause_s": 0.31}}
+    d = stats_delta(before, after)["d"]
+    assert d["gc_collections"] == 3 and d["gc_full_collections"] == 0
+    assert d["gc_pause_s"] == pytest.approx(0.01)
+    run = RunOutput([], [], {"d": d})
+    assert merge_runs([run, run]).worker_stats["d"]["gc_collections"] == 6
+
+
 def scenario(chunks: int, step: float) -> tuple[list[TraceEvent], float]:
     """S decodes every 10 ms; L arrives at 1.0 and prefills in ``chunks`` steps of ``step``
     seconds, each step also decoding S (a colocated engine)."""
