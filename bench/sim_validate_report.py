@@ -269,7 +269,9 @@ def describe(cal, rows: list[dict]) -> str:
             + " (bench/sim_validate_steps.py): prefill x"
             + span([f["scale"] for f in pre])
             + " + " + span([f["offset_s"] * 1e3 for f in pre]) + " ms per step (the typical "
-            "step; each adds a draw of the real steps' spread around it), "
+            "step; each adds a draw of the real steps' spread around it"
+            + ("; a step with a first chunk draws from those steps' own"
+               if any(f.get("join_spread_s") for f in pre) else "") + "), "
             + span([f.get("join_s", 0.0) * 1e3 for f in pre]) + " ms more in a step with a "
             "request's first chunk, then " + span([f["overhead_s"] * 1e3 for f in pre])
             + " ms after it; decode x"

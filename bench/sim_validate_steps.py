@@ -110,8 +110,12 @@ def prefill_fit(real, base, extras):
     resid = y - (scale * x + offset + join * f)
     mid = float(np.median(resid))
     overhead = max(mean - float(np.mean(span)) - float(np.mean(post)), 0.0)
+    # each kind draws its own residuals where the first-chunk term was fitted apart
+    apart = MIN_STEPS <= f.sum() <= len(f) - MIN_STEPS
+    d = resid - mid
     return StepFit(scale, max(offset + mid, 0.0) + _before_step(real.records, steps), overhead,
-                   join, tuple((resid - mid).tolist()))
+                   join, tuple((d[f == 0] if apart else d).tolist()),
+                   tuple(d[f == 1].tolist()) if apart else ())
 
 
 def _before_step(records, steps) -> float:

@@ -108,10 +108,11 @@ class CostModel(ABC):
     def handoff_spread(self) -> bool:
         return False
 
-    def prefill_extra_s(self) -> float:
-        """What the next prefill step takes beyond its modelled compute: no calibration
-        has such a term (0); a cost model fitted to a run under load draws it from that
-        run's steps (sim/scaled.py). Asked only where ``prefill_spread``."""
+    def prefill_extra_s(self, first: bool = False) -> float:
+        """What the next prefill step (``first``: one with a request's first chunk) takes
+        beyond its modelled compute: no calibration has such a term (0); a cost model
+        fitted to a run under load draws it from that run's steps (sim/scaled.py). Asked
+        only where ``prefill_spread``."""
         return 0.0
 
     @property

@@ -68,25 +68,35 @@ class StepFit:
     step that legs join (decode) or that runs a request's first chunk (prefill: a chunk at
     context 0; the arrival's dispatch and reserve run beside it). ``spread_s``: the real
     steps less the fitted one (median 0); each simulated step adds one drawn at random, so
-    the machine's stalls reach the tail and the median step stays the fit."""
+    the machine's stalls reach the tail and the median step stays the fit.
+    ``join_spread_s``: the same of the real prefill steps with a first chunk, drawn for
+    such steps (``spread_s`` then holds the others'): under load a first chunk mostly
+    meets a worker that idled, whose step is slow and spread wide (here a 128-token first
+    chunk after 50 ms or more idle took 4.4-18 ms, p10-p90, against 2.7-4.4 ms back to
+    back); from one pool, a long prompt's later chunks drew those stalls. Empty: every step
+    draws from ``spread_s``."""
 
     scale: float
     offset_s: float
     overhead_s: float
     join_s: float = 0.0
     spread_s: tuple[float, ...] = ()
+    join_spread_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0
                 and self.join_s >= 0):
             raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got {self}")
-        if not all(math.isfinite(x) for x in self.spread_s):
-            raise ValueError("a step fit's spread must be finite")
-        object.__setattr__(self, "spread_s", tuple(float(x) for x in self.spread_s))
+        for name in ("spread_s", "join_spread_s"):
+            xs = tuple(float(x) for x in getattr(self, name))
+            if not all(math.isfinite(x) for x in xs):
+                raise ValueError(f"a step fit's spread must be finite ({name})")
+            object.__setattr__(self, name, xs)
 
     def to_dict(self) -> dict:
         return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s,
-                "join_s": self.join_s, "spread_s": [round(x, 7) for x in self.spread_s]}
+                "join_s": self.join_s, "spread_s": [round(x, 7) for x in self.spread_s],
+                "join_spread_s": [round(x, 7) for x in self.join_spread_s]}
 
 
 class ScaledCosts(CostModel):
@@ -109,6 +119,8 @@ class ScaledCosts(CostModel):
         self._draws = {role: _Draws(st.spread_s, [seed, i] if i else seed)
                        for i, role in enumerate(("decode", "prefill"))
                        if (st := self.steps.get(role)) is not None and st.spread_s}
+        if (st := self.steps.get("prefill")) is not None and st.join_spread_s:
+            self._draws["prefill-first"] = _Draws(st.join_spread_s, [seed, 2])
         if not all(math.isfinite(x) for x in handoff):
             raise ValueError("a handoff spread must be finite")
         self._handoff = sorted(max(float(x), 0.0) for x in handoff)
@@ -120,6 +132,7 @@ class ScaledCosts(CostModel):
             f"{st.overhead_s * 1e3:.2f} ms"
             f"{f', a step {JOINS[r]} +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
             f"{f', spread drawn from {len(st.spread_s)} real steps' if st.spread_s else ''}"
+            f"{f' ({len(st.join_spread_s)} {JOINS[r]} apart)' if st.join_spread_s else ''}"
             if (st := self.steps.get(r)) else
             f"x{self.factors[r]:.2f} {r}" for r in ROLES)
         self.label = (f"{base.label}; compute {compute}, control "
@@ -175,11 +188,13 @@ class ScaledCosts(CostModel):
 
     @property
     def prefill_spread(self) -> bool:
-        return "prefill" in self._draws
+        return "prefill" in self._draws or "prefill-first" in self._draws
 
-    def prefill_extra_s(self) -> float:
-        """The next draw of the prefill steps' spread (0 without one)."""
-        draws = self._draws.get("prefill")
+    def prefill_extra_s(self, first: bool = False) -> float:
+        """The next draw of the prefill steps' spread (0 without one); a step with a first
+        chunk draws from those steps' own spread where the fit kept it apart."""
+        draws = self._draws.get("prefill-first") if first else None
+        draws = draws or self._draws.get("prefill")
         return float(draws.take(1)[0]) if draws is not None else 0.0
 
     @property

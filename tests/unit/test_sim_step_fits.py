@@ -264,6 +264,41 @@ def test_a_first_chunk_costs_its_own_excess_and_the_typical_step_is_the_median()
     assert (f.scale, f.offset_s) == pytest.approx((1.0, 1.0 * MS), rel=1e-6)
     assert f.join_s == pytest.approx(0.0, abs=1e-9)  # first chunks cost no more here
     assert sorted(set(np.round(np.asarray(f.spread_s) / MS, 9))) == [0.0, 2.0]
+    assert len(f.spread_s) == len(f.join_spread_s) == 50  # each kind's own residuals
+    assert sorted(set(np.round(np.asarray(f.join_spread_s) / MS, 9))) == [0.0, 2.0]
+
+
+def test_first_chunks_draw_their_own_spread_and_later_chunks_theirs() -> None:
+    from bench.sim_validate_steps import prefill_fit
+
+    # a first chunk meets a worker that idled: slow and spread wide; later chunks run
+    # back to back, tight: each kind's simulated steps must keep its own spread
+    base, events, t = _base(), [], 0.0
+    rng = np.random.default_rng(5)
+    for i in range(120):
+        c, p = (128, 0) if i % 4 == 0 else (128, 128 * (i % 4))
+        extra = rng.uniform(1, 15) * MS if p == 0 else rng.uniform(0, 0.2) * MS
+        span = base.prefill_s([(c, p)]) + 1.0 * MS + extra
+        events.append(TraceEvent(f"r{i // 4}#x#1", "prefill_chunk", "prefill-0", t, t + span,
+                                 scheduled_tokens=c, past_kv_tokens=p, token_start=p,
+                                 token_end=p + c))
+        t += span + (60 * MS if i % 4 == 3 else 0.0)
+    run = RunOutput([], events, {"prefill-0": {"role": "prefill", "steps": 120,
+                                               "mean_step_s": 5 * MS}})
+    f = prefill_fit(run, base, base)
+    assert len(f.join_spread_s) == 30 and len(f.spread_s) == 90
+    assert np.ptp(f.join_spread_s) > 10 * MS and np.ptp(f.spread_s) < 0.25 * MS
+    c = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", steps={"prefill": f})
+    later = [c.prefill_extra_s() for _ in range(300)]
+    first = [c.prefill_extra_s(first=True) for _ in range(300)]
+    assert np.ptp(later) < 0.25 * MS and np.ptp(first) > 10 * MS
+    assert "30 with a first chunk apart" in c.label
+    assert StepFit(**f.to_dict()) == replace(  # the validation's JSON reads back
+        f, spread_s=tuple(round(x, 7) for x in f.spread_s),
+        join_spread_s=tuple(round(x, 7) for x in f.join_spread_s))
+    one_pool = replace(f, join_spread_s=())  # older fits: every step draws from one pool
+    c = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", steps={"prefill": one_pool})
+    assert np.ptp([c.prefill_extra_s(first=True) for _ in range(300)]) < 0.25 * MS
 
 
 def test_the_scaled_prefill_step_adds_the_first_chunks_excess_and_a_draw_per_step() -> None:
