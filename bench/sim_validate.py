@@ -3,6 +3,8 @@
     python -m bench.sim_validate                     # calibrate, run real + simulated, table
     python -m bench.sim_validate --calibration cal.json --quick
     python -m bench.sim_validate --reprint out/sim_validate.json
+    python -m bench.sim_validate --record rec.pkl    # keep every real run of each row
+    python -m bench.sim_validate --replay rec.pkl    # fit + simulate those runs again
 
 Each configuration (1P1D and 1P2D, prefill chunks 64..512, eager and paced sends, fcfs
 and srpt) runs for real -- Ray workers, the router, the TCP KV connector, traces on -- at
@@ -278,6 +280,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="sim_validate_out", help="calibration, JSON, table")
     p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run's "
                    "sim_validate.json and exit")
+    p.add_argument("--record", metavar="FILE", help="pickle every real run of each row to "
+                   "FILE as the row ends, for --replay")
+    p.add_argument("--replay", metavar="FILE", help="no real runs: fit and simulate the rows "
+                   "recorded in FILE (--record) with this code, on the recorded calibration "
+                   "unless --calibration; the same workload flags as the recording")
     p.add_argument("--ablate", action="store_true", help="with --reprint: simulate its rows "
                    "again with each under-load term on and off (the same real runs, factors "
                    "and calibration) and print the counts of each")
@@ -323,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             ablate(data, args.model, args.num_requests, args.seed, args.sim_seeds)
         return 0
     logging.basicConfig(level=logging.WARNING)
+    from bench import sim_validate_record as record
     from bench.studies.service import ServicePool, ensure_ray
     from sim.adapters import resolve_model_dir
     from sim.calibrate import calibrate
@@ -339,9 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown configuration(s) {sorted(unknown)}; known: {list(CONFIGS)}")
     t0 = time.monotonic()
     base = base_config(model_dir)
-    ensure_ray(num_cpus=4)
-    cal_path = args.calibration or str(out / "calibration.json")
-    if not args.calibration:
+    recording = record.load(args.replay, args) if args.replay else None
+    if recording is None:
+        ensure_ray(num_cpus=4)
+    cal_path = args.calibration or (recording["calibration"] if recording
+                                    else str(out / "calibration.json"))
+    if not args.calibration and recording is None:
         # the median under the machine's load now (the runs share it), not the fastest
         print(f"calibrating {model_dir} on this machine -> {cal_path}")
         calibrate(model_dir, out=cal_path, max_model_len=MAX_MODEL_LEN, max_batch_tokens=512,
@@ -356,21 +367,37 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import load_model_config
 
     vocab = load_model_config(model_dir).vocab_size
-    pool = ServicePool(trace=True)  # the traces give the control-plane terms
+    # the traces give the control-plane terms
+    pool = ServicePool(trace=True) if recording is None else None
     rows: list[dict] = []
+    recorded: dict[str, list] = {}
     try:
         for name in names:
             cfg = config_for(base, CONFIGS[name])
-            svc = pool.get(cfg)
+            svc = pool.get(cfg) if pool is not None else None
             for load, rate in LOADS.items():
-                row = validate_row(svc, cfg, costs, name, load, rate, vocab, args)[0]
+                key = record.row_key(name, load)
+                if recording is not None:
+                    if key not in recording["rows"]:
+                        continue
+                    runner = record.Replayer(recording["rows"][key], key)
+                else:
+                    runner = record.Recorder(svc) if args.record else svc
+                row = validate_row(runner, cfg, costs, name, load, rate, vocab, args)[0]
+                if recording is not None:  # the canary timed this machine now, not the runs
+                    row.update(canary_ms={}, wake_us=[], replayed=args.replay)
+                if args.record:
+                    recorded[key] = runner.runs
+                    record.save(args.record, args, cal_path, recorded)
                 rows.append(row)
                 print(table([row]).splitlines()[-1], f"(load {os.getloadavg()[0]:.1f})",
                       flush=True)
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
     text = table(rows)
-    header = describe(costs.calibration, rows)
+    header = (f"replayed: the real runs recorded in {args.replay}, fitted and simulated by "
+              "this code\n" if recording is not None else "") + describe(costs.calibration, rows)
     print(f"\nsimulated vs real on this machine ({time.monotonic() - t0:.0f} s); "
           f"cost model: {costs.label}\n{header}\n{text}")
     print(counts(rows))
