@@ -80,11 +80,10 @@ async def _fake_cluster(interval: int):
 
 
 async def _serve(a: argparse.Namespace) -> None:
-    import gc
+    from runtime.gc_pauses import settle
 
     server, addr, stepper = await _fake_cluster(a.stream_interval)
-    gc.collect()  # as cluster.server.serve: what startup built stays off the collector
-    gc.freeze()
+    settle()  # as cluster.server.serve: what startup built stays off the collector
     results = []
     loop = asyncio.get_running_loop()
     for _ in range(a.repeat):

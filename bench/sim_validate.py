@@ -280,11 +280,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="sim_validate_out", help="calibration, JSON, table")
     p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run's "
                    "sim_validate.json and exit")
-    p.add_argument("--record", metavar="FILE", help="pickle every real run of each row to "
-                   "FILE as the row ends, for --replay")
-    p.add_argument("--replay", metavar="FILE", help="no real runs: fit and simulate the rows "
-                   "recorded in FILE (--record) with this code, on the recorded calibration "
-                   "unless --calibration; the same workload flags as the recording")
+    runs = p.add_mutually_exclusive_group()  # a replay has no real runs to record
+    runs.add_argument("--record", metavar="FILE", help="pickle every real run of each row to "
+                      "FILE as the row ends, for --replay")
+    runs.add_argument("--replay", metavar="FILE", help="no real runs: fit and simulate the "
+                      "rows recorded in FILE (--record) with this code, on the recorded "
+                      "calibration unless --calibration; the same workload flags as the "
+                      "recording")
     p.add_argument("--ablate", action="store_true", help="with --reprint: simulate its rows "
                    "again with each under-load term on and off (the same real runs, factors "
                    "and calibration) and print the counts of each")

@@ -23,7 +23,6 @@ then `router.shutdown()`. `server.api_servers` > 1: cluster/front_doors.py.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import threading
@@ -44,6 +43,7 @@ from cluster.server_health import HealthReporter
 from cluster.servicer import GenerationServicer, ServingState
 from cluster.types import RouterAPI
 from proto.pdserve.v1 import pdserve_pb2
+from runtime.gc_pauses import settle
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +209,8 @@ async def serve(router: RouterAPI, cfg: ServeConfig | None = None, *,
         from cluster.front_doors import start_front_doors
 
         await start_front_doors(server)
-    gc.collect()  # what startup built (torch, tokenizer, pools) stays: keep the collector
-    gc.freeze()  # off it, so a full collection walks the requests' objects only
+    settle()  # what startup built (torch, tokenizer, pools) stays off the collector, so
+    # a full collection walks the requests' objects only
     if on_ready is not None:
         on_ready(address)
     if on_started is not None:

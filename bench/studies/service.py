@@ -28,6 +28,7 @@ from bench.records import RequestRecord
 from bench.workload import WorkloadRequest
 from cluster.config import ServeConfig
 from engine.tracing import TraceEvent, events_from_dicts
+from runtime.gc_pauses import settle
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,7 @@ def heap_frozen() -> Iterator[None]:
     a full collection during the run walks the run's own objects only. The router runs in
     this process here, and a full collection pauses it: 7 runs of one workload holding
     ~400k tracked objects gave TTFT p50 20.6-33.7 ms, frozen 17.2-25.0 ms."""
-    gc.collect()
-    gc.freeze()
+    settle()
     try:
         yield
     finally:
