@@ -53,6 +53,7 @@ import numpy as np
 
 from bench.machine_canary import canary_s, wake_s
 from bench.sim_validate_report import (
+    arrival_residuals,
     contention,
     counts,
     delivery_under_load,
@@ -152,25 +153,27 @@ HANDOFF_MIN_LEGS = 10  # fewer matched legs: the mean handoff sets a link factor
 
 
 def simulated(cfg, reqs: list, costs, factors: dict, delivery, steps=None, handoff=(),
-              seed: int = 0):
+              seed: int = 0, arrival=()):
     """The traced simulated run of ``reqs`` with the under-load terms given; ``seed`` picks
-    the draws of the drawn terms (the decode steps' spread, each leg's handoff)."""
+    the draws of the drawn terms (the steps' spread, each leg's handoff, each request's
+    dispatch and first-token delivery)."""
     from sim.cluster import simulate_config
     from sim.options import SimOptions
     from sim.scaled import ScaledCosts
 
     return simulate_config(cfg, reqs, ScaledCosts(costs, dict(factors), "probe",
                                                   delivery=delivery, steps=steps,
-                                                  handoff=handoff, seed=seed),
+                                                  handoff=handoff, arrival=arrival,
+                                                  seed=seed),
                            SimOptions(trace=True))
 
 
-def seeded(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff, seeds: int
-           ) -> list:
+def seeded(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff, seeds: int,
+           arrival=()) -> list:
     """The simulated runs of seeds 0 .. ``seeds - 1``: the simulator's repeats, as the
     real side's are repeats of the same workload."""
-    return [simulated(cfg, reqs, costs, factors, delivery, steps, handoff, seed=k)
-            for k in range(seeds)]
+    return [simulated(cfg, reqs, costs, factors, delivery, steps, handoff, seed=k,
+                      arrival=arrival) for k in range(seeds)]
 
 
 def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
@@ -178,11 +181,12 @@ def link_probe(cfg, reqs: list, costs, factors: dict, delivery, steps=None):
     return lambda f: simulated(cfg, reqs, costs, {**factors, "link": f}, delivery, steps)
 
 
-def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff, seeds: int):
+def stall_probe(cfg, reqs: list, costs, factors: dict, delivery, steps, handoff, seeds: int,
+                arrival=()):
     """``f -> the seeded simulated runs`` with the delivery's stalls scaled by ``f``."""
     return lambda f: seeded(cfg, reqs, costs, factors,
                             replace(delivery, stall_s=delivery.stall_s * f), steps, handoff,
-                            seeds)
+                            seeds, arrival)
 
 
 def validate_row(svc, cfg, costs, name: str, load: str, rate: float, vocab: int,
@@ -221,9 +225,12 @@ def validate_row(svc, cfg, costs, name: str, load: str, rate: float, vocab: int,
     fit = delivery_under_load(pooled, ScaledCosts(costs, factors, "probe",
                                                   steps=steps))
     delivery = fit[0] if fit else None
-    handoff = handoff_residuals(pooled, as_fit_runs(partial(
-        simulated, cfg, costs=costs, factors={**factors, "link": 1.0},
-        delivery=delivery, steps=steps), creqs, reqs, len(more)))
+    probe = as_fit_runs(partial(simulated, cfg, costs=costs, factors={**factors, "link": 1.0},
+                                delivery=delivery, steps=steps), creqs, reqs, len(more))
+    handoff = handoff_residuals(pooled, probe)
+    # each request's dispatch and first-token delivery beyond the model's, drawn together
+    arrival = arrival_residuals(pooled, probe, ScaledCosts(
+        costs, factors, "probe", delivery=delivery, steps=steps))
     if len(handoff) >= HANDOFF_MIN_LEGS:  # each leg's own spread, at the idle link
         factors["link"] = 1.0
     else:
@@ -235,15 +242,16 @@ def validate_row(svc, cfg, costs, name: str, load: str, rate: float, vocab: int,
         # run's ITL p99 moved 8-25% from the next
         target = float(np.median([summarize(r)["itl_p99"] for r in more]))
         f = fit_stall_scale(target, stall_probe(
-            cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds))
+            cfg, reqs, costs, factors, delivery, steps, handoff, args.sim_seeds, arrival))
         delivery = replace(delivery, stall_s=delivery.stall_s * f)
     reals = [summarize(x) for x in compared]
     sims = seeded(cfg, reqs, costs, factors, delivery, steps, handoff,
-                  args.sim_seeds)
+                  args.sim_seeds, arrival)
     row = {"config": name, "load": f"{load} ({rate:g}/s)", "factors": factors,
            "step_fits": {r: f.to_dict() for r, f in steps.items()},
            "delivery_fit": delivery.to_dict() if delivery else None,
            "handoff_fit": [round(x, 7) for x in handoff],
+           "arrival_fit": [[round(d, 7), round(f, 7)] for d, f in arrival],
            "real": median_summary(reals),
            "sim": median_summary([summarize(x) for x in sims]),
            "contention_run": summarize(first), "runs": reals,

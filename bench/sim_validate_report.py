@@ -112,6 +112,31 @@ def handoff_residuals(real, sim) -> list[float]:
     return [r[k] - s[k] for k in sorted(r) if k in s]
 
 
+def arrivals(out, after_compute: Callable[[Any], float]) -> dict[str, tuple[float, float]]:
+    """Per request of a traced run with its first token: its dispatch (send -> its first
+    chunk's start) and its first token's delay after its last chunk's compute, less
+    ``after_compute(record)`` (the work the simulator counts in that step after it)."""
+    ev, off, out_ = _by_request(out.events), out.wall_offset, {}
+    for r in out.records:
+        chunks = sorted(ev.get(r.request_id, {}).get("prefill_chunk", []), key=lambda x: x.start)
+        if r.success and chunks and r.token_times:
+            out_[r.request_id] = (chunks[0].start - (r.send_time + off),
+                                  r.token_times[0] + off - chunks[-1].end - after_compute(r))
+    return out_
+
+
+def arrival_residuals(real, sim, costs) -> list[tuple[float, float]]:
+    """Per request of the traced ``real`` run also in ``sim`` (the same workload simulated
+    with the fitted terms, ``costs``): its dispatch less the simulated one (the waits both
+    model cancel), and its first token's delay after its last chunk less the modelled
+    delivery (``costs.delivery.first_token_s``; the simulated step's drawn spread lies
+    after its traced compute, so the simulated delay would carry a second draw)."""
+    after = _after_compute(costs)
+    r, s = arrivals(real, after), arrivals(sim, after)
+    first = costs.delivery.first_token_s
+    return [(r[k][0] - s[k][0], r[k][1] - first) for k in sorted(r) if k in s]
+
+
 def _bisect(gap: Callable[[float], float], lo: float, hi: float, iters: int) -> float:
     """The f in [lo, hi] where the increasing ``gap(f)`` crosses 0, by bisection on log f."""
     if gap(lo) >= 0:

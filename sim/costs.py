@@ -108,6 +108,18 @@ class CostModel(ABC):
     def handoff_spread(self) -> bool:
         return False
 
+    def arrival_extra_s(self, request_id: str) -> tuple[float, float]:
+        """What a request's dispatch (the router's add reaching its prefill worker) and its
+        first token's delivery take beyond the modelled messages, as (dispatch, first
+        token): no calibration has such a term; a cost model fitted to a run under load
+        draws one real request's pair of that run per request (sim/scaled.py). Asked only
+        where ``arrival_spread``."""
+        return 0.0, 0.0
+
+    @property
+    def arrival_spread(self) -> bool:
+        return False
+
     def prefill_extra_s(self, first: bool = False) -> float:
         """What the next prefill step (``first``: one with a request's first chunk) takes
         beyond its modelled compute: no calibration has such a term (0); a cost model

@@ -60,6 +60,7 @@ class SimPrefill(SimWorker):
         self._overhead: dict[int, float] = {}
         self.kv_bytes_sent = 0
         self.spread = self.costs.prefill_spread  # a drawn extra per step (sim/costs.py)
+        self.arrival = self.costs.arrival_spread  # ... and per request's first token
 
     @property
     def has_work(self) -> bool:
@@ -217,8 +218,11 @@ class SimPrefill(SimWorker):
             self._send(job, item.start, end, simulated_token())
         self.sched.finish(r, r.status if ended else RequestStatus.RUNNING)
         # through the control plane's first-token path (sim/delivery.py), not a plain call
-        self.loop.at(self.loop.now + self.sim.delivery.first_token_s,
-                     self.sim.router.on_first_token, self, job.leg_id, ended, timing)
+        delay = self.sim.delivery.first_token_s
+        if self.arrival:  # the leg's id is the request's + "#<dispatch>#<leg>" (sim/router.py)
+            delay = max(delay + self.costs.arrival_extra_s(job.leg_id.rsplit("#", 2)[0])[1], 0.0)
+        self.loop.at(self.loop.now + delay, self.sim.router.on_first_token, self, job.leg_id,
+                     ended, timing)
 
     def stats(self) -> dict[str, Any]:
         return {"role": self.role, "steps": self.num_steps,

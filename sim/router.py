@@ -87,6 +87,7 @@ class SimRouter(ReserveWithAdd):
         bs = sim.plan.prefill_block_size
         self._hash_bs = bs if sim.plan.prefix_caching else 0
         self._pick_hashes = getattr(self.placement, "block_size", bs) == bs
+        self._arrival = sim.costs.arrival_spread
         self.outstanding = {w.worker_id: 0 for w in sim.prefill}
         self.held: dict[str, set[str]] = {w.worker_id: set() for w in sim.prefill + sim.decode}
         self.kv_view = {w.worker_id: 0.0 for w in sim.decode}  # the router's stale stats
@@ -183,8 +184,11 @@ class SimRouter(ReserveWithAdd):
         self.held[wid].add(flight.leg_id)
         self._add_outstanding(wid, len(prompt))
         deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
-        self.sim.emit(p.command, p.add, flight.leg_id, prompt, req.max_tokens - flight.generated,
-                      req.tenant, decode, deadline, hashes)
+        delay = self.sim.rpc_s
+        if self._arrival and flight.leg == 1:  # what the real dispatch adds (sim/costs.py)
+            delay = max(delay + self.sim.costs.arrival_extra_s(req.request_id)[0], 0.0)
+        self.loop.after(delay, p.command, p.add, flight.leg_id, prompt,
+                        req.max_tokens - flight.generated, req.tenant, decode, deadline, hashes)
 
     def _add_outstanding(self, wid: str, tokens: int) -> None:
         n = self.outstanding[wid] = max(0, self.outstanding[wid] + tokens)

@@ -103,7 +103,8 @@ class ScaledCosts(CostModel):
     def __init__(self, base: CostModel, factors: Mapping[str, float], why: str,
                  delivery: Delivery | None = None,
                  steps: Mapping[str, StepFit] | None = None,
-                 handoff: Sequence[float] = (), seed: int = 0):
+                 handoff: Sequence[float] = (),
+                 arrival: Sequence[tuple[float, float]] = (), seed: int = 0):
         if set(factors) - {"control", "link"} != set(ROLES) or \
                 not all(f > 0 for f in factors.values()):
             raise ValueError(f"contention factors must be > 0 for each of {ROLES}, "
@@ -124,6 +125,10 @@ class ScaledCosts(CostModel):
         if not all(math.isfinite(x) for x in handoff):
             raise ValueError("a handoff spread must be finite")
         self._handoff = sorted(max(float(x), 0.0) for x in handoff)
+        pairs = [(float(d), float(f)) for d, f in arrival]
+        if not all(math.isfinite(x) for p in pairs for x in p):
+            raise ValueError("an arrival spread must be finite")
+        self._arrival = sorted(pairs)
         self.calibration = base.calibration
         fc = self.factors.setdefault("control", 1.0)
         fl = self.factors.setdefault("link", 1.0)
@@ -139,6 +144,7 @@ class ScaledCosts(CostModel):
                       f"plane x{fc:.2f}, KV link x{fl:.2f}"
                       f"{', delivery fitted under load' if delivery else ''}"
                       f"{f', KV handoff spread drawn from {len(handoff)} real legs' if handoff else ''}"
+                      f"{f', dispatch and first-token delivery drawn from {len(pairs)} real requests' if pairs else ''}"
                       f" ({why})")
         d = base.delivery
         self._delivery = delivery or replace(
@@ -206,10 +212,22 @@ class ScaledCosts(CostModel):
         the leg's id (and the seed): the same leg gets the same draw in every run of one
         seed, whatever the order."""
         h = self._handoff
-        if not h:
-            return 0.0
-        return h[zlib.crc32(f"{self.seed}:{leg_id}".encode() if self.seed else leg_id.encode())
-                 * len(h) >> 32]
+        return h[self._pick(leg_id, len(h))] if h else 0.0
+
+    @property
+    def arrival_spread(self) -> bool:
+        return bool(self._arrival)
+
+    def arrival_extra_s(self, request_id: str) -> tuple[float, float]:
+        """One measured request's unexplained (dispatch, first-token delivery), the two
+        together: an arrival into an idle service is slow at both (each a chain of
+        wake-ups on this host), one into a busy one fast at both. Picked by a hash of the
+        request's id as ``handoff_extra_s``; may be negative (faster than the model)."""
+        a = self._arrival
+        return a[self._pick(f"arrival:{request_id}", len(a))] if a else (0.0, 0.0)
+
+    def _pick(self, key: str, n: int) -> int:
+        return zlib.crc32(f"{self.seed}:{key}".encode() if self.seed else key.encode()) * n >> 32
 
     def link(self, name: str) -> LinkCost:
         c, f = self.base.link(name), self.factors["link"]

@@ -5,6 +5,7 @@ names when a row misses."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -93,6 +94,30 @@ def test_handoff_residuals_pair_each_leg_of_the_real_run_with_its_simulated_self
     assert sv.handoff_residuals(real, sim) == pytest.approx([6 * MS, 8 * MS], abs=1e-9)
     sim.events = [e for e in sim.events if not e.request_id.startswith("r0")]
     assert sv.handoff_residuals(real, sim) == pytest.approx([8 * MS], abs=1e-9)  # r1 only
+
+
+def test_arrival_residuals_pair_each_requests_dispatch_and_take_the_delivery_off_its_first(
+) -> None:
+    from sim.cost_loader import load_costs
+    from sim.delivery import Delivery
+    from sim.scaled import ScaledCosts
+    from sim.synthetic import synthetic_calibration
+
+    base = load_costs(synthetic_calibration(prefill=lambda c, p: 1e-5 * c,
+                                            decode=lambda b, L: 1e-3, sample_s=0.1 * MS,
+                                            step_overhead_s=0.2 * MS))
+    costs = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t",
+                        delivery=Delivery(0.3 * MS, 0.0))
+    after = costs.sample_s(1) + costs.kv_export_s(8) + costs.step_overhead_s("prefill", 1)
+    real, sim = _run(3 * MS, 2 * MS, 0.25 * MS, offset=50.0), _run(1 * MS, 0.0, 0.0)
+    e = real.events[0]
+    real.events[0] = replace(e, start=e.start + 4 * MS, end=e.end + 4 * MS)  # r0's, later
+    got = sv.arrival_residuals(real, sim, costs)
+    # r0's chunk starts 4 ms later and so ends 4 ms later: dispatch +4 ms, first -4 ms
+    assert [x for pair in got for x in pair] == pytest.approx(
+        [6 * MS, -2 * MS - after - 0.3 * MS, 2 * MS, 2 * MS - after - 0.3 * MS], abs=1e-9)
+    sim.events = [e for e in sim.events if not e.request_id.startswith("r0")]
+    assert len(sv.arrival_residuals(real, sim, costs)) == 1  # r1 only: paired by id
 
 
 def test_the_stall_scale_makes_the_simulated_itl_p99_the_real_one() -> None:
