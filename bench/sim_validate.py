@@ -322,7 +322,8 @@ def ablate(data: dict, model: str, n: int, seed: int, seeds: int) -> None:
             d = Delivery(**r["delivery_fit"]) if refit and r.get("delivery_fit") else None
             steps = {k: StepFit(**v) for k, v in r.get("step_fits", {}).items()}
             sims = seeded(config_for(base, CONFIGS[r["config"]]), reqs, costs, f, d, steps,
-                          r.get("handoff_fit", []), seeds)
+                          r.get("handoff_fit", []), seeds,
+                          [tuple(x) for x in r.get("arrival_fit", [])])
             rows.append({**r, "sim": median_summary([summarize(x) for x in sims])})
         print(f"-- delivery {'refitted under load' if refit else 'idle'}, KV link "
               f"{'fitted to the handoff' if link else 'idle'}:\n{counts(rows)}")

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.sim_validate_noise import noise_line
+
 GOAL = 0.10
 STEADY = 0.05  # the machine canary moved less than this between a row's fit and compared runs
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
@@ -323,6 +325,17 @@ def describe(cal, rows: list[dict]) -> str:
             f"handoff adds one drawn from {runs} legs' real handoffs less the "
             f"simulated ones (p50 {np.percentile(flat, 50):.2f} ms, p90 "
             f"{np.percentile(flat, 90):.2f} ms, max {flat.max():.2f} ms over the rows)")
+    arrivals = [r["arrival_fit"] for r in rows if r.get("arrival_fit")]
+    if arrivals:
+        d, f = (np.concatenate([np.asarray(x)[:, k] for x in arrivals]) * 1e3 for k in (0, 1))
+        lines.append(
+            f"dispatch and first-token delivery: on {len(arrivals)} rows each request adds "
+            f"one drawn pair of {runs} requests' real dispatch less the simulated one and "
+            "first-token delivery less the modelled one, the two of one request together "
+            f"(dispatch p10 / p50 / p90 {np.percentile(d, 10):+.2f} / "
+            f"{np.percentile(d, 50):+.2f} / {np.percentile(d, 90):+.2f} ms, first token "
+            f"{np.percentile(f, 10):+.2f} / {np.percentile(f, 50):+.2f} / "
+            f"{np.percentile(f, 90):+.2f} ms over the rows)")
     fits = [r["delivery_fit"] for r in rows if r.get("delivery_fit")]
     if fits:
         lines.append(
@@ -446,4 +459,5 @@ def counts(rows: list[dict]) -> str:
                  f"{max(d for _, d in drifts):+.0%} from a row's fit runs to its compared "
                  f"runs; of the {len(steady)} rows where it held within {STEADY:.0%}, "
                  f"{sum(map(row_within_goal, steady))} within {GOAL:.0%} at p50 and p99")
-    return text
+    noise = noise_line(rows, METRICS, GOAL)
+    return f"{text}\n{noise}" if noise else text

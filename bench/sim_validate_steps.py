@@ -91,7 +91,8 @@ def prefill_fit(real, base, extras):
 
     prompt = {r.request_id: r.prompt_len for r in real.records}
     pred, span, post, first = [], [], [], []
-    for (_, start, end), evs in _steps(real.events, "prefill_chunk").items():
+    by_worker: dict[str, list] = defaultdict(list)  # (start, end, legs, later chunk, post)
+    for (worker, start, end), evs in _steps(real.events, "prefill_chunk").items():
         chunks = [(e.scheduled_tokens, e.past_kv_tokens) for e in evs]
         pred.append(base.prefill_s(chunks))
         span.append(end - start)
@@ -100,6 +101,8 @@ def prefill_fit(real, base, extras):
                      for e in evs)
         post.append(sum(extras.kv_export_s(c) for c, _ in chunks)
                     + (extras.sample_s(finals) if finals else 0.0))
+        by_worker[worker].append((start, end, {e.request_id for e in evs}, not first[-1],
+                                  post[-1]))
     fit, mean = _fit(pred, span, first=first), mean_step_s(real.worker_stats, "prefill")
     if fit is None or mean is None:
         return None
@@ -113,13 +116,32 @@ def prefill_fit(real, base, extras):
     # each kind draws its own residuals where the first-chunk term was fitted apart
     apart = MIN_STEPS <= f.sum() <= len(f) - MIN_STEPS
     d = resid - mid
-    # (what a step spends before its traced span -- the loop taking the add, schedule() --
-    # is not added: the simulated dispatch is scaled so its median is the real dispatch to
-    # the span's start, bench/sim_validate_report.py contention, and each request draws
-    # what the real one took beyond it, arrival_residuals; added here too it counted twice)
+    # (a first chunk's wait before its span is not added: the simulated dispatch is scaled
+    # so its median is the real dispatch to the span's start, bench/sim_validate_report.py
+    # contention, and each request draws what the real one took beyond it,
+    # arrival_residuals; added to the step too it counted twice)
     return StepFit(scale, max(offset + mid, 0.0), overhead,
                    join, tuple((d[f == 0] if apart else d).tolist()),
-                   tuple(d[f == 1].tolist()) if apart else ())
+                   tuple(d[f == 1].tolist()) if apart else (), _between(by_worker, overhead))
+
+
+def _between(by_worker: dict[str, list], overhead: float) -> float:
+    """What the real loop spends between a step and the next one that carries on a
+    request of it (so ran at once) before that step's span -- the loop's turn, its
+    commands and I/O, ``schedule()`` -- beyond what the simulated step has after its
+    span (the previous step's export and sampling, and ``overhead``): the median over
+    such pairs. The worker's step time starts after ``schedule()``, so the fitted overhead
+    leaves it out; a long prompt's chunks each pay it. 0 with too few pairs."""
+    gaps = []
+    for steps in by_worker.values():
+        steps.sort(key=lambda s: s[0])
+        for (_, end, legs, _, post), (start, _, after, later, _) in zip(steps, steps[1:],
+                                                                      strict=False):
+            if later and legs & after:
+                gaps.append(start - end - post)
+    if len(gaps) < MIN_STEPS:
+        return 0.0
+    return max(float(np.median(gaps)) - overhead, 0.0)
 
 
 def decode_fit(real, base, extras):

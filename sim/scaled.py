@@ -74,7 +74,11 @@ class StepFit:
     meets a worker that idled, whose step is slow and spread wide (here a 128-token first
     chunk after 50 ms or more idle took 4.4-18 ms, p10-p90, against 2.7-4.4 ms back to
     back); from one pool, a long prompt's later chunks drew those stalls. Empty: every step
-    draws from ``spread_s``."""
+    draws from ``spread_s``. ``between_s`` (prefill): more in a step without a first chunk,
+    one that follows the worker's step before it at once: what the real loop spends
+    between two steps before the next span (taking commands and I/O, ``schedule()``),
+    which the worker's step time does not count; a first chunk's wait before its span is
+    its dispatch's (a request's dispatch is timed to its first span's start)."""
 
     scale: float
     offset_s: float
@@ -82,10 +86,11 @@ class StepFit:
     join_s: float = 0.0
     spread_s: tuple[float, ...] = ()
     join_spread_s: tuple[float, ...] = ()
+    between_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.scale > 0 and self.offset_s >= 0 and self.overhead_s >= 0
-                and self.join_s >= 0):
+                and self.join_s >= 0 and self.between_s >= 0):
             raise ValueError(f"a step fit needs scale > 0 and offsets >= 0, got {self}")
         for name in ("spread_s", "join_spread_s"):
             xs = tuple(float(x) for x in getattr(self, name))
@@ -96,7 +101,8 @@ class StepFit:
     def to_dict(self) -> dict:
         return {"scale": self.scale, "offset_s": self.offset_s, "overhead_s": self.overhead_s,
                 "join_s": self.join_s, "spread_s": [round(x, 7) for x in self.spread_s],
-                "join_spread_s": [round(x, 7) for x in self.join_spread_s]}
+                "join_spread_s": [round(x, 7) for x in self.join_spread_s],
+                "between_s": self.between_s}
 
 
 class ScaledCosts(CostModel):
@@ -136,6 +142,7 @@ class ScaledCosts(CostModel):
             f"{r} {st.scale:.2f}x + {st.offset_s * 1e3:.2f} ms per step, overhead "
             f"{st.overhead_s * 1e3:.2f} ms"
             f"{f', a step {JOINS[r]} +{st.join_s * 1e3:.2f} ms' if st.join_s else ''}"
+            f"{f', a later chunk +{st.between_s * 1e3:.2f} ms before it' if st.between_s else ''}"
             f"{f', spread drawn from {len(st.spread_s)} real steps' if st.spread_s else ''}"
             f"{f' ({len(st.join_spread_s)} {JOINS[r]} apart)' if st.join_spread_s else ''}"
             if (st := self.steps.get(r)) else
@@ -157,8 +164,8 @@ class ScaledCosts(CostModel):
     def prefill_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         st = self.steps.get("prefill")
         if st is not None:
-            first = st.join_s if st.join_s and runs_first_chunk(chunks) else 0.0
-            return self.base.prefill_s(chunks) * st.scale + st.offset_s + first
+            extra = st.join_s if runs_first_chunk(chunks) else st.between_s
+            return self.base.prefill_s(chunks) * st.scale + st.offset_s + extra
         return self.base.prefill_s(chunks) * self.factors["prefill"]
 
     def decode_run_s(self, batch: int, context: int, longest: int,

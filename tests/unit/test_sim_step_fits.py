@@ -379,3 +379,32 @@ def test_a_run_holds_the_objects_before_it_off_the_collector_and_gives_them_back
         assert any(o is during for o in gc.get_objects())  # the run's own: on it
     assert gc.get_freeze_count() == 0
     assert any(o is before for o in gc.get_objects())
+
+
+def test_the_loops_turn_between_a_prompts_chunks_is_read_back_and_added_to_later_chunks(
+) -> None:
+    base = _base()
+    events, t, spans, posts = [], 0.0, [], []
+    for r in range(2):  # two prompts of eight 64-token chunks, each chunk right after the last
+        for k in range(8):
+            span = base.prefill_s([(64, 64 * k)]) + MS
+            events.append(TraceEvent(f"r{r}#x#1", "prefill_chunk", "prefill-0", t, t + span,
+                                     scheduled_tokens=64, past_kv_tokens=64 * k,
+                                     token_start=64 * k, token_end=64 * (k + 1)))
+            post = base.kv_export_s(64) + (base.sample_s(1) if k == 7 else 0.0)
+            spans.append(span)
+            posts.append(post)
+            t += span + post + 0.1 * MS + 0.3 * MS  # its overhead, then 0.3 ms before the next
+        t += 0.05  # the worker idles between the prompts
+    records = [RequestRecord(f"r{r}", 512, 0.0) for r in range(2)]
+    stats = {"prefill-0": {"role": "prefill", "steps": 16,
+                           "mean_step_s": float(np.mean(spans) + np.mean(posts)) + 0.1 * MS}}
+    fit = step_fits(RunOutput(records, events, stats), base, base)["prefill"]
+    assert fit.overhead_s == pytest.approx(0.1 * MS, rel=1e-6)
+    assert fit.between_s == pytest.approx(0.3 * MS, rel=1e-6)  # the idle gap is not a pair
+    assert StepFit(**fit.to_dict()).between_s == fit.between_s  # the JSON reads back
+    costs = ScaledCosts(base, {"prefill": 1.0, "decode": 1.0}, "t", steps={"prefill": fit})
+    first, later = costs.prefill_s([(64, 0)]), costs.prefill_s([(64, 64)])
+    assert later - first == pytest.approx(base.prefill_s([(64, 64)]) - base.prefill_s([(64, 0)])
+                                          + 0.3 * MS - fit.join_s, rel=1e-6)
+    assert "a later chunk +0.30 ms before it" in costs.label

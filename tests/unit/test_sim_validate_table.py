@@ -201,6 +201,10 @@ def test_the_header_gives_the_canarys_range_and_the_wake_up_round_trips() -> Non
     assert "timed before every real run, 6.50-9.50 ms over this validation" in text
     assert "two threads' wake-up round trip 80-1200 us" in text
     assert "machine:" not in sv.describe(cal, [{**row, "canary_ms": {}}])
+    assert "dispatch and first-token delivery" not in text
+    drawn = sv.describe(cal, [{**row, "arrival_fit": [[k * MS, -k * MS] for k in range(11)]}])
+    assert "dispatch p10 / p50 / p90 +1.00 / +5.00 / +9.00 ms" in drawn
+    assert "first token -9.00 / -5.00 / -1.00 ms" in drawn
 
 
 def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike() -> None:
