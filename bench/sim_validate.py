@@ -52,21 +52,17 @@ from typing import Any
 import numpy as np
 
 from bench.machine_canary import canary_s, wake_s
-from bench.sim_validate_report import (
+from bench.sim_validate_report import counts, describe, median_summary, summarize, table
+from bench.sim_validate_steps import step_fits
+from bench.sim_validate_terms import (
     arrival_residuals,
     contention,
-    counts,
     delivery_under_load,
-    describe,
     fit_link_factor,
     fit_stall_scale,
     handoff_mean,
     handoff_residuals,
-    median_summary,
-    summarize,
-    table,
 )
-from bench.sim_validate_steps import step_fits
 
 # name -> (pools P, D, prefill chunk, send policy, fairness policy); a fractional design
 # over the factors (each level of each factor appears; ~1 min per configuration here)

@@ -117,7 +117,7 @@ def prefill_fit(real, base, extras):
     apart = MIN_STEPS <= f.sum() <= len(f) - MIN_STEPS
     d = resid - mid
     # (a first chunk's wait before its span is not added: the simulated dispatch is scaled
-    # so its median is the real dispatch to the span's start, bench/sim_validate_report.py
+    # so its median is the real dispatch to the span's start, bench/sim_validate_terms.py
     # contention, and each request draws what the real one took beyond it,
     # arrival_residuals; added to the step too it counted twice)
     return StepFit(scale, max(offset + mid, 0.0), overhead,

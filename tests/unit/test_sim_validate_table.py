@@ -1,6 +1,6 @@
-"""bench/sim_validate_report.py (the validation's figures): the control-plane terms read
-from traces against the client's times, the contention factors, and the term the table
-names when a row misses."""
+"""bench/sim_validate_report.py (the validation's figures: the control-plane terms read
+from traces against the client's times, the term the table names when a row misses) and
+bench/sim_validate_terms.py (the under-load terms fitted to the real runs)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from bench import sim_validate_report as sv
+from bench import sim_validate_terms as terms
 from bench.records import RequestRecord
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
@@ -51,7 +52,7 @@ def test_control_terms_come_from_traces_against_client_times_across_clocks() -> 
 def test_contention_is_the_real_mean_step_or_dispatch_over_the_simulated_one() -> None:
     real, sim = _run(6 * MS, 0, 0), _run(2 * MS, 0, 0)
     sim.worker_stats["prefill-0"]["mean_step_s"] = 1 * MS
-    assert sv.contention(real, sim) == pytest.approx(
+    assert terms.contention(real, sim) == pytest.approx(
         {"prefill": 2.0, "decode": 1.0, "control": 3.0})
 
 
@@ -76,14 +77,14 @@ def _with_admits(out: RunOutput, handoff: float) -> RunOutput:
 
 def test_the_link_factor_makes_the_simulated_mean_kv_handoff_the_real_one() -> None:
     real = _with_admits(_run(3 * MS, 0.5 * MS, 0.25 * MS, offset=50.0), 7 * MS)
-    assert sv.handoff_mean(real) == pytest.approx(7 * MS, abs=1e-6)
+    assert terms.handoff_mean(real) == pytest.approx(7 * MS, abs=1e-6)
     # a simulated handoff of 1 ms of post-compute work plus a link write of f x 0.5 ms
     probe = (lambda f: _with_admits(_run(3 * MS, 0, 0), (1 + 0.5 * f) * MS))  # noqa: E731
-    assert sv.fit_link_factor(sv.handoff_mean(real), probe) == pytest.approx(12.0, rel=1e-3)
+    assert terms.fit_link_factor(terms.handoff_mean(real), probe) == pytest.approx(12.0, rel=1e-3)
     # faster than the idle link, off the range, nothing measured: the bounds, or as calibrated
-    assert sv.fit_link_factor(0.5 * MS, probe) == 0.25
-    assert sv.fit_link_factor(1.0, probe) == 256.0
-    assert sv.fit_link_factor(sv.handoff_mean(_run(3 * MS, 0, 0)), probe) == 1.0
+    assert terms.fit_link_factor(0.5 * MS, probe) == 0.25
+    assert terms.fit_link_factor(1.0, probe) == 256.0
+    assert terms.fit_link_factor(terms.handoff_mean(_run(3 * MS, 0, 0)), probe) == 1.0
 
 
 def test_handoff_residuals_pair_each_leg_of_the_real_run_with_its_simulated_self() -> None:
@@ -91,9 +92,9 @@ def test_handoff_residuals_pair_each_leg_of_the_real_run_with_its_simulated_self
     real.events[-1] = TraceEvent("r1#ab1#1", "decode_admit", "decode-0",
                                  real.events[-1].start + 2 * MS, real.events[-1].start + 2 * MS)
     sim = _with_admits(_run(3 * MS, 0, 0), 1 * MS)
-    assert sv.handoff_residuals(real, sim) == pytest.approx([6 * MS, 8 * MS], abs=1e-9)
+    assert terms.handoff_residuals(real, sim) == pytest.approx([6 * MS, 8 * MS], abs=1e-9)
     sim.events = [e for e in sim.events if not e.request_id.startswith("r0")]
-    assert sv.handoff_residuals(real, sim) == pytest.approx([8 * MS], abs=1e-9)  # r1 only
+    assert terms.handoff_residuals(real, sim) == pytest.approx([8 * MS], abs=1e-9)  # r1 only
 
 
 def test_arrival_residuals_pair_each_requests_dispatch_and_take_the_delivery_off_its_first(
@@ -112,26 +113,26 @@ def test_arrival_residuals_pair_each_requests_dispatch_and_take_the_delivery_off
     real, sim = _run(3 * MS, 2 * MS, 0.25 * MS, offset=50.0), _run(1 * MS, 0.0, 0.0)
     e = real.events[0]
     real.events[0] = replace(e, start=e.start + 4 * MS, end=e.end + 4 * MS)  # r0's, later
-    got = sv.arrival_residuals(real, sim, costs)
+    got = terms.arrival_residuals(real, sim, costs)
     # r0's chunk starts 4 ms later and so ends 4 ms later: dispatch +4 ms, first -4 ms
     assert [x for pair in got for x in pair] == pytest.approx(
         [6 * MS, -2 * MS - after - 0.3 * MS, 2 * MS, 2 * MS - after - 0.3 * MS], abs=1e-9)
     sim.events = [e for e in sim.events if not e.request_id.startswith("r0")]
-    assert len(sv.arrival_residuals(real, sim, costs)) == 1  # r1 only: paired by id
+    assert len(terms.arrival_residuals(real, sim, costs)) == 1  # r1 only: paired by id
 
 
 def test_the_stall_scale_makes_the_simulated_itl_p99_the_real_one() -> None:
     target = sv.summarize(_run(3 * MS, 0, 2.5 * MS))["itl_p99"]
     # the simulated run's tokens lag their steps by f x 1 ms: its ITL p99 grows with f
     probe = (lambda f: [_run(3 * MS, 0, f * MS)])  # noqa: E731
-    f = sv.fit_stall_scale(target, probe)
+    f = terms.fit_stall_scale(target, probe)
     assert sv.summarize(probe(f)[0])["itl_p99"] == pytest.approx(target, rel=1e-3)
-    assert sv.fit_stall_scale(None, probe) == 1.0
-    assert sv.fit_stall_scale(1.0, probe) == 1.0  # out of the stalls' reach: as fitted
-    assert sv.fit_stall_scale(0.0, probe) == 0.25  # below it: the smallest
+    assert terms.fit_stall_scale(None, probe) == 1.0
+    assert terms.fit_stall_scale(1.0, probe) == 1.0  # out of the stalls' reach: as fitted
+    assert terms.fit_stall_scale(0.0, probe) == 0.25  # below it: the smallest
     # seeded runs: the median's ITL p99 is the target (seeds lagging 0.5x, 1x and 9x f ms)
     seeds = (lambda f: [_run(3 * MS, 0, k * f * MS) for k in (0.5, 9.0, 1.0)])  # noqa: E731
-    assert sv.fit_stall_scale(target, seeds) == pytest.approx(f, rel=1e-2)
+    assert terms.fit_stall_scale(target, seeds) == pytest.approx(f, rel=1e-2)
 
 
 def test_the_real_side_is_the_median_of_its_repeats_with_their_range_shown() -> None:
@@ -202,7 +203,14 @@ def test_the_header_gives_the_canarys_range_and_the_wake_up_round_trips() -> Non
     assert "two threads' wake-up round trip 80-1200 us" in text
     assert "machine:" not in sv.describe(cal, [{**row, "canary_ms": {}}])
     assert "dispatch and first-token delivery" not in text
+    # with the idle control plane's figures in the calibration too (their names stay theirs)
+    idle = {"rpc_s": 0.5 * MS, "delivery": {"first_token_s": 0.4 * MS, "token_s": 0.1 * MS,
+                                            "gap_s": 0.3 * MS, "scope": "router"},
+            "service": {"requests": 12, "dispatch_s_median": 2 * MS,
+                        "fit_mean_abs_err_s": 0.1 * MS}}
+    cal = SimpleNamespace(data={"control": idle}, source_of=cal.source_of)
     drawn = sv.describe(cal, [{**row, "arrival_fit": [[k * MS, -k * MS] for k in range(11)]}])
+    assert "first token +0.40 ms, tokens +0.10 ms after their step" in drawn
     assert "dispatch p10 / p50 / p90 +1.00 / +5.00 / +9.00 ms" in drawn
     assert "first token -9.00 / -5.00 / -1.00 ms" in drawn
 
@@ -223,10 +231,10 @@ def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike(
     # real: the contention run's dispatch 8 ms, the fit runs' 2 ms: the pooled median over
     # the eight requests is the fit runs' 2 ms, as the simulated one is
     real = merge_runs([_run(d * MS, 0.5 * MS, 0.25 * MS) for d in (8, 2, 2, 2)])
-    assert sv.contention(real, sim)["control"] == pytest.approx(1.0, rel=1e-6)
+    assert terms.contention(real, sim)["control"] == pytest.approx(1.0, rel=1e-6)
     # the first run alone against its own twin: 8 / 4 ms
     first = _run(8 * MS, 0.5 * MS, 0.25 * MS)
-    assert sv.contention(first, run(["c", "c"]))["control"] == pytest.approx(2.0, rel=1e-6)
+    assert terms.contention(first, run(["c", "c"]))["control"] == pytest.approx(2.0, rel=1e-6)
 
 
 def test_fit_runs_alternate_with_the_compared_runs_and_only_fit_runs_are_fitted() -> None:
