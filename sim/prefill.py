@@ -219,8 +219,10 @@ class SimPrefill(SimWorker):
         self.sched.finish(r, r.status if ended else RequestStatus.RUNNING)
         # through the control plane's first-token path (sim/delivery.py), not a plain call
         delay = self.sim.delivery.first_token_s
-        if self.arrival:  # the leg's id is the request's + "#<dispatch>#<leg>" (sim/router.py)
-            delay = max(delay + self.costs.arrival_extra_s(job.leg_id.rsplit("#", 2)[0])[1], 0.0)
+        if self.arrival:  # a leg's id is "<request>#<dispatch>#<leg>" (sim/router.py)
+            request_id, _, leg = job.leg_id.rsplit("#", 2)
+            if leg == "1":  # as the router draws the dispatch: a request's first leg
+                delay = max(delay + self.costs.arrival_extra_s(request_id)[1], 0.0)
         self.loop.at(self.loop.now + delay, self.sim.router.on_first_token, self, job.leg_id,
                      ended, timing)
 
