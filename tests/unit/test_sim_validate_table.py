@@ -216,7 +216,7 @@ def test_the_header_gives_the_canarys_range_and_the_wake_up_round_trips() -> Non
 
 
 def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike() -> None:
-    from bench.sim_validate import as_fit_runs
+    from bench.sim_validate_row import as_fit_runs
     from bench.studies.service import merge_runs
 
     calls = []
@@ -240,7 +240,7 @@ def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike(
 def test_fit_runs_alternate_with_the_compared_runs_and_only_fit_runs_are_fitted() -> None:
     from types import SimpleNamespace
 
-    from bench.sim_validate import alternated_runs
+    from bench.sim_validate_row import alternated_runs
 
     done = []
     svc = SimpleNamespace(run_workload=lambda work, transport: done.append(len(done)) or
