@@ -92,7 +92,9 @@ def prefill_fit(real, base, extras):
     prompt = {r.request_id: r.prompt_len for r in real.records}
     pred, span, post, first = [], [], [], []
     by_worker: dict[str, list] = defaultdict(list)  # (start, end, legs, later chunk, post)
-    for (worker, start, end), evs in _steps(real.events, "prefill_chunk").items():
+    # in the order they ran, per worker: the residuals are drawn in runs of that order
+    for (worker, start, end), evs in sorted(_steps(real.events, "prefill_chunk").items(),
+                                            key=lambda kv: kv[0][:2]):
         chunks = [(e.scheduled_tokens, e.past_kv_tokens) for e in evs]
         pred.append(base.prefill_s(chunks))
         span.append(end - start)
