@@ -35,7 +35,6 @@ first-token delivery for TTFT; the decode step, the token delivery (a step's end
 client) and the KV transfer for ITL -- each compared between the two runs.
 """
 
-
 from __future__ import annotations
 
 import argparse

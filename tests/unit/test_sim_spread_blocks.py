@@ -9,17 +9,9 @@ import numpy as np
 from bench.sim_validate_steps import prefill_fit
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
-from sim.cost_loader import load_costs
 from sim.scaled import SPREAD_BLOCK, SPREAD_DRAWS, ScaledCosts, StepFit, _Draws
-from sim.synthetic import synthetic_calibration
-
-MS = 1e-3
-
-
-def _base():
-    return load_costs(synthetic_calibration(
-        prefill=lambda c, p: 1e-5 * c + 2e-8 * c * p, decode=lambda b, L: 2e-4 + 1e-5 * b,
-        sample_s=1e-5, step_overhead_s=3e-4))
+from tests.step_runs import MS
+from tests.step_runs import linear_costs as _base
 
 
 def test_the_draws_follow_the_spreads_order_in_blocks_from_seeded_starts() -> None:

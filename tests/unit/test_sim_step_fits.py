@@ -11,57 +11,13 @@ import pytest
 
 from bench.records import RequestRecord
 from bench.sim_validate_steps import step_fits
-from bench.studies.service import RunOutput, merge_runs
+from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
 from sim.cost_loader import load_costs
 from sim.scaled import ScaledCosts, StepFit
-from sim.synthetic import synthetic_calibration
-
-MS = 1e-3
-DECODE_BATCHES = (3, 3, 3, 2, 2, 2, 1, 1, 1, 1)
-
-
-def _base():
-    return load_costs(synthetic_calibration(
-        prefill=lambda c, p: 1e-5 * c + 2e-8 * c * p, decode=lambda b, L: 2e-4 + 1e-5 * b,
-        sample_s=1e-5, step_overhead_s=3e-4))
-
-
-def _run(base, *, p_scale: float, p_offset: float, post: float, d_scale: float,
-         d_offset: float, gaps: tuple[float, ...] = (), nap_at: int | None = None
-         ) -> RunOutput:
-    """Prefill steps whose spans are ``p_scale * calibrated + p_offset`` and whose mean
-    step is the mean span plus ``post``; decode steps at batch 1..3 whose periods are
-    ``d_scale * calibrated + d_offset`` plus the sampling (the batch shrinks, so only the
-    first step is one that legs join); ``gaps`` delays the next step (its legs running
-    on); after step ``nap_at`` all legs end, 10 ms pass, new ones run."""
-    events, records, spans = [], [], []
-    t = 0.0
-    for i, (c, p) in enumerate([(16, 0), (64, 0), (128, 128), (256, 0), (256, 256),
-                                (32, 0)]):
-        span = p_scale * base.prefill_s([(c, p)]) + p_offset
-        leg = f"r{i}#x#1"
-        events.append(TraceEvent(leg, "prefill_chunk", "prefill-0", t, t + span,
-                                 scheduled_tokens=c, past_kv_tokens=p, token_start=p,
-                                 token_end=p + c))
-        records.append(RequestRecord(f"r{i}", p + c, 0.0, queue_s=(0.1 + i) * MS))
-        spans.append(span)
-        t += span + 0.01
-    t, epoch = 100.0, 0
-    for k, b in enumerate(DECODE_BATCHES):
-        past = [40 + j for j in range(b)]
-        run = base.decode_run_s(b, sum(past) + b, max(past) + 1, 1)
-        period = d_scale * float(np.asarray(run)[0]) + d_offset + base.sample_s(b)
-        for j in range(b):
-            events.append(TraceEvent(f"d{j}-{epoch}#x#1", "decode_step", "decode-0", t,
-                                     t + period * 0.8, past_kv_tokens=past[j]))
-        t += period + (gaps[k] if k < len(gaps) else 0.0)
-        if k == nap_at:
-            t, epoch = t + 0.01, epoch + 1
-    stats = {"prefill-0": {"role": "prefill", "steps": len(spans),
-                           "mean_step_s": float(np.mean(spans)) + post},
-             "decode-0": {"role": "decode", "steps": len(DECODE_BATCHES), "mean_step_s": MS}}
-    return RunOutput(records, events, stats)
+from tests.step_runs import DECODE_BATCHES, MS
+from tests.step_runs import linear_costs as _base
+from tests.step_runs import step_run as _run
 
 
 def test_the_fits_read_back_the_offsets_the_run_was_made_of() -> None:
@@ -322,63 +278,6 @@ def test_a_seed_is_another_draw_of_the_drawn_terms_and_each_seed_repeats() -> No
     zero, one = (np.asarray(costs(seed).decode_run_s(2, 90, 46, 200)) for seed in (0, 1))
     assert not np.allclose(zero, one)  # the decode steps' spread: another stream of draws
     assert np.array_equal(np.asarray(costs(0).decode_run_s(2, 90, 46, 200)), zero)
-
-
-def _later(run: RunOutput, dt: float) -> RunOutput:
-    return RunOutput(run.records, [replace(e, start=e.start + dt, end=e.end + dt)
-                                   for e in run.events], run.worker_stats)
-
-
-def test_merged_runs_tag_their_request_ids_and_sum_each_workers_steps() -> None:
-    base = _base()
-    a = _run(base, p_scale=1.0, p_offset=MS, post=0.0, d_scale=1.0, d_offset=0.2 * MS)
-    b = _later(_run(base, p_scale=1.0, p_offset=3 * MS, post=0.0, d_scale=1.0,
-                    d_offset=0.2 * MS), 1000.0)
-    b.events.append(TraceEvent("x,y", "decode_batch", "decode-0", 1500.0, 1500.001))
-    b.events.append(TraceEvent("*", "decode_batch", "decode-0", 1501.0, 1501.001))
-    m = merge_runs([a, b])
-    assert [r.request_id for r in m.records] == [f"{i}/r{k}" for i in (0, 1)
-                                                 for k in range(6)]
-    assert m.events[0].request_id == "0/r0#x#1"
-    assert [e.request_id for e in m.events[-2:]] == ["1/x,1/y", "*"]
-    assert len(m.events) == len(a.events) + len(b.events)
-    pre = m.worker_stats["prefill-0"]
-    assert pre["steps"] == 12
-    assert pre["mean_step_s"] == pytest.approx((a.worker_stats["prefill-0"]["mean_step_s"]
-                                                + b.worker_stats["prefill-0"]["mean_step_s"])
-                                               / 2, rel=1e-12)
-
-
-def test_fits_over_merged_runs_pool_their_steps_within_each_run() -> None:
-    base = _base()
-    runs = [_later(_run(base, p_scale=1.0, p_offset=MS, post=0.0, d_scale=1.0,
-                        d_offset=off), 1000.0 * i)
-            for i, off in enumerate((0.6 * MS, 0.2 * MS, 0.2 * MS))]
-    fits = step_fits(merge_runs(runs), base, base)
-    d = fits["decode"]
-    assert d.offset_s == pytest.approx(0.2 * MS, rel=1e-6)  # the slow run is outvoted
-    # 8 steady periods a run: a run's last step and the next run's first make no period
-    # (the runs reuse request ids; tagged, their legs are not the same legs)
-    assert len(d.spread_s) == 3 * 8
-    one = step_fits(runs[1], base, base)["prefill"]
-    assert (fits["prefill"].scale, fits["prefill"].offset_s) == pytest.approx(
-        (one.scale, one.offset_s), rel=1e-6)
-
-
-def test_a_run_holds_the_objects_before_it_off_the_collector_and_gives_them_back() -> None:
-    import gc
-
-    from bench.studies.service import heap_frozen
-
-    before = [object()]  # an object alive when the run starts
-    frozen = gc.get_freeze_count()
-    with heap_frozen():
-        assert gc.get_freeze_count() > frozen
-        assert all(o is not before for o in gc.get_objects())  # off the collector
-        during = [object()]
-        assert any(o is during for o in gc.get_objects())  # the run's own: on it
-    assert gc.get_freeze_count() == 0
-    assert any(o is before for o in gc.get_objects())
 
 
 def test_the_loops_turn_between_a_prompts_chunks_is_read_back_and_added_to_later_chunks(
