@@ -25,8 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kv_transfer.frames import Ack
-from kv_transfer.wire import encode_control
+from kv_transfer.wire import Ack, encode_control
 
 log = logging.getLogger(__name__)
 ACKS_PER_MESSAGE = 128

@@ -10,8 +10,13 @@ from typing import Any, NoReturn
 from kv_transfer.pacing import SEND_POLICIES
 from kv_transfer.registry import CONNECTORS
 from kv_transfer.send_queue import SEND_QUEUES
-from kv_transfer.wire import CHECKSUM_FUNCS, MAX_HEADER_BYTES, PREAMBLE, resolve_checksum
-from kv_transfer.wire_header import CHECKSUM_ALGOS
+from kv_transfer.wire import (
+    CHECKSUM_ALGOS,
+    CHECKSUM_FUNCS,
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    resolve_checksum,
+)
 
 
 class FrozenWeights(dict):

@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kv_transfer.frames import Ack, Piece
 from kv_transfer.pacing import Clock, monotonic_clock
 from kv_transfer.transport import LinkEvents, LinkTransport
+from kv_transfer.wire import Ack, Piece
 
 # A write that starts within this long after the wire went idle continues its schedule
 # (a sleep that overslept does not lower the rate of a busy link).

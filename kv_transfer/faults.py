@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from kv_transfer.frames import Ack, AckStatus, Piece
 from kv_transfer.transport import LinkEvents, LinkTransport
+from kv_transfer.wire import Ack, AckStatus, Piece
 
 KV_FAULTS = ("drop", "delay", "duplicate", "reorder", "corrupt", "stall")
 FAULT_KINDS = (*KV_FAULTS, "refuse_admission")

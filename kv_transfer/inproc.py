@@ -15,11 +15,10 @@ from collections.abc import Callable
 import torch
 
 from kv_transfer.config import TransferConfig
-from kv_transfer.frames import Ack, Piece
 from kv_transfer.receiver import InboxReceiver, RxLink
 from kv_transfer.sender import ThreadedSender
 from kv_transfer.transport import LinkEvents, LinkTransport
-from kv_transfer.wire import header_for
+from kv_transfer.wire import Ack, Piece, header_for
 
 _hub: dict[str, InprocReceiver] = {}
 _hub_lock = threading.Lock()

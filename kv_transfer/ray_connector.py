@@ -43,11 +43,10 @@ import ray
 import torch
 
 from kv_transfer.config import TransferConfig
-from kv_transfer.frames import Ack, Piece
 from kv_transfer.receiver import InboxReceiver, RxLink
 from kv_transfer.sender import ThreadedSender
 from kv_transfer.transport import LinkEvents, LinkTransport
-from kv_transfer.wire import FrameHeader, WireError, header_for
+from kv_transfer.wire import Ack, FrameHeader, Piece, WireError, header_for
 
 # object-store views are read-only by design; the receiver never writes into them
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -18,28 +18,98 @@ credit: OK on release, DROPPED or FAILED when discarded. DUPLICATE (no credit) o
 to a copy of a transmission already taken on the same link, whose own ack carries the
 credit; a *different* frame for a request that already completed here (a sender reusing
 the id) is DROPPED, so its credit comes back and the sender learns why.
+
+Its bookkeeping of one request, above it: a link's identity (``RxLink``), each KV-head
+range's stream of frames (``RxStream``: seq 0..final, parts per seq), when a request is
+complete (``RxRequest``), and why a closed request id stays closed (``ClosedId``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from engine.tombstones import RecentIds
 from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
 from kv_transfer.config import TransferConfig
-from kv_transfer.frames import Ack, AckStatus
 from kv_transfer.heads import HeadRange
-from kv_transfer.rx_streams import ClosedId, RxLink, RxRequest, RxStream
-from kv_transfer.wire import ChecksumError, FrameHeader, verify
+from kv_transfer.wire import Ack, AckStatus, ChecksumError, FrameHeader, verify
 
 log = logging.getLogger(__name__)
 _MAX_CLOSED = 65_536  # finished/aborted/failed request ids remembered to drop late frames
+_link_uids = itertools.count(1)
+
+
+# ---- a request's streams (under the receiver's lock) ----
+
+class RxLink(ABC):
+    """The receiving end of one sender's link: where acks for its frames go."""
+
+    name: str = "?"
+    closed: bool = False  # set by ``_link_closed``: frames still arriving on it are dropped
+    _uid: int = 0
+
+    @property
+    def uid(self) -> int:
+        """A number no other link of this process has (ids of dead objects get reused)."""
+        if not self._uid:
+            self._uid = next(_link_uids)
+        return self._uid
+
+    @abstractmethod
+    def send_acks(self, acks: list[Ack]) -> None:
+        """Queue acks towards the sender; never blocks for long, never raises."""
+
+
+@dataclass(eq=False)
+class RxStream:
+    """One head range of a request: its frames come over one link, seq 0..final."""
+
+    link: RxLink
+    parts_left: dict[int, int] = field(default_factory=dict)  # seq -> parts still missing
+    seen: dict[tuple[int, int], int] = field(default_factory=dict)  # (seq, part) -> tx
+    final_seq: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.final_seq is not None and all(
+            self.parts_left.get(s, 1) == 0 for s in range(self.final_seq + 1))
+
+
+@dataclass(eq=False)
+class RxRequest:
+    """A request's streams by head range; complete when they are all done and tile the
+    heads this receiver serves (its ``head_range``, else all ``total`` heads)."""
+
+    total: int
+    streams: dict[tuple[int, int], RxStream] = field(default_factory=dict)
+
+    def on_link(self, link: RxLink) -> bool:
+        return any(s.link is link for s in self.streams.values())
+
+    def complete(self, want: HeadRange | None) -> bool:
+        lo, hi = (want.start, want.end) if want is not None else (0, self.total)
+        for (hs, he), s in sorted(self.streams.items()):
+            if hs != lo or not s.done:
+                return False
+            lo = he
+        return lo == hi
+
+
+class ClosedId(NamedTuple):
+    """Why a request id is closed; for a completed one, the highest transmission it took
+    per link (uid), which tells a late copy from a new frame reusing the id."""
+
+    why: str
+    max_tx: dict[int, int] | None = None
 
 
 class InboxReceiver(KVReceiver):

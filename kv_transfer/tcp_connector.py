@@ -21,7 +21,6 @@ from collections.abc import Callable
 import torch
 
 from kv_transfer.config import TransferConfig
-from kv_transfer.frames import Ack, Piece
 from kv_transfer.receiver import InboxReceiver
 from kv_transfer.sender import ThreadedSender
 from kv_transfer.tcp_auth import client_handshake, handshake_reader
@@ -30,6 +29,8 @@ from kv_transfer.transport import LinkEvents, LinkTransport
 from kv_transfer.wire import (
     MAX_HEADER_BYTES,
     PREAMBLE,
+    Ack,
+    Piece,
     WireError,
     encode,
     encode_control,

@@ -21,10 +21,9 @@ import threading
 from kv_transfer.ack_writer import AckWriter
 from kv_transfer.buffers import BufferPool
 from kv_transfer.config import TransferConfig
-from kv_transfer.frames import Ack
 from kv_transfer.receiver import InboxReceiver, RxLink
 from kv_transfer.tcp_auth import AuthError, DeadlineSocket, handshake_reader, server_handshake
-from kv_transfer.wire import MAX_HEADER_BYTES, WireError
+from kv_transfer.wire import MAX_HEADER_BYTES, Ack, WireError
 
 log = logging.getLogger(__name__)
 _READ_BUFFER_BYTES = 256 << 10  # an authenticated link's read buffer

@@ -25,7 +25,6 @@ import torch
 from kv_transfer.ack_writer import AckWriter
 from kv_transfer.buffers import BufferPool
 from kv_transfer.config import TransferConfig
-from kv_transfer.frames import Ack, Piece
 from kv_transfer.receiver import InboxReceiver, RxLink
 from kv_transfer.sender import ThreadedSender
 from kv_transfer.tcp_connector import parse_acks
@@ -41,7 +40,15 @@ from kv_transfer.torchdist_link import (
     seconds,
 )
 from kv_transfer.transport import LinkEvents, LinkTransport
-from kv_transfer.wire import MAX_HEADER_BYTES, PREAMBLE, WireError, encode_control, encode_header
+from kv_transfer.wire import (
+    MAX_HEADER_BYTES,
+    PREAMBLE,
+    Ack,
+    Piece,
+    WireError,
+    encode_control,
+    encode_header,
+)
 from kv_transfer.wire import header_for as _header_for
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Protocol
 
-from kv_transfer.frames import Ack, Piece
+from kv_transfer.wire import Ack, Piece
 
 
 class LinkEvents(Protocol):

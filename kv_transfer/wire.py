@@ -12,20 +12,309 @@
 Decoding never trusts a size: every limit is checked before anything is allocated and
 every failure is a ``WireError`` naming what was wrong. Control messages (handshake,
 acks, heartbeats) use the same framing with an empty payload.
+
+The unit on the wire: a chunk split into frame pieces, and acks coming back.
+
+A chunk bigger than one frame's payload limit is split by LAYER first: slicing the
+leading dim of ``[layers, 2, tokens, heads, dim]`` keeps each piece a contiguous view
+(zero copy). Only when a single layer is still too big are token sub-ranges copied out.
+
+A frame is identified by ``(request_id, seq_no, part)``; ``num_parts`` lets the receiver
+know when chunk ``seq_no`` is complete. ``tx`` numbers the frames a sender queues (one
+counter per sender, increasing), and every ack echoes it: a frame's credit is matched to
+that one transmission, never to an older frame that reused its request id and key.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
 
-from kv_transfer.frames import Piece
-from kv_transfer.wire_header import FrameHeader, WireError
+from kv_transfer.base import KVChunk
+from kv_transfer.heads import HeadRange, HeadTransfer
+
+# ---- the frame header and its strict validation ----
+
+class WireError(Exception):
+    """A frame that must not be trusted: malformed, truncated, oversized or corrupt."""
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+CHECKSUM_ALGOS = ("crc32", "adler32", "xxh3_64")
+_BIG = 1 << 48  # no token index, layer, dim or seq number is anywhere near this
+
+
+def _int(d: dict, key: str, lo: int = 0, hi: int = _BIG) -> int:
+    v = d.get(key)
+    if type(v) is not int or not lo <= v <= hi:  # bool is an int subclass: reject it too
+        raise WireError(f"header field {key!r} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(d: dict, key: str, max_len: int) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not 0 < len(v) <= max_len:
+        raise WireError(f"header field {key!r} must be a str of 1..{max_len} chars")
+    return v
+
+
+def _heads(d: dict, sh: list[int]) -> tuple[int, int, int]:
+    """(head start, end, total) of a header: all three fields or none (= every head)."""
+    present = [k for k in ("hs", "he", "hn") if k in d]
+    if not present:
+        return 0, sh[3], sh[3]
+    if len(present) != 3:
+        raise WireError(f"header has head field(s) {present} but not all of 'hs', 'he', 'hn'")
+    hs, he, hn = _int(d, "hs"), _int(d, "he", 1), _int(d, "hn", 1)
+    if not hs < he <= hn:
+        raise WireError(f"header head range [{hs}, {he}) is not within [0, {hn})")
+    if sh[3] != he - hs:
+        raise WireError(f"header shape {sh} has {sh[3]} KV heads but the head range "
+                        f"[{hs}, {he}) has {he - hs}")
+    return hs, he, hn
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    request_id: str
+    seq_no: int
+    part: int
+    num_parts: int
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    dtype: str
+    shape: tuple[int, ...]  # [layers, 2, tokens, kv_heads, head_dim]
+    is_final: bool
+    first_token: int | None
+    tenant: str
+    checksum: int
+    checksum_algo: str
+    tx: int = 0  # the sender's transmission number, echoed by the ack
+    # the model's KV heads [head_start, head_end) of num_kv_heads the payload holds; a
+    # frame without them (a single-rank sender's) holds every head: [0, shape[3]) of shape[3]
+    head_start: int = 0
+    head_end: int = 0
+    num_kv_heads: int = 0
+
+    @staticmethod
+    def dtype_name(dtype: torch.dtype) -> str:
+        try:
+            return _NAMES[dtype]
+        except KeyError:
+            raise WireError(f"dtype {dtype} cannot travel; supported: {sorted(DTYPES)}") from None
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.request_id, self.seq_no, self.part)
+
+    @property
+    def heads(self) -> HeadRange:
+        return HeadRange(self.head_start, self.head_end, self.num_kv_heads)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def tensor_from(self, raw: torch.Tensor) -> torch.Tensor:
+        """View a flat uint8 tensor of ``payload_nbytes`` as the payload (no copy)."""
+        assert raw.numel() == self.payload_nbytes
+        return raw.view(DTYPES[self.dtype]).view(self.shape)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "k": "kv", "rid": self.request_id, "seq": self.seq_no, "part": self.part,
+            "np": self.num_parts, "ts": self.token_start, "te": self.token_end,
+            "ls": self.layer_start, "le": self.layer_end, "dt": self.dtype,
+            "sh": list(self.shape), "fin": self.is_final, "ft": self.first_token,
+            "ten": self.tenant, "cs": self.checksum, "ca": self.checksum_algo,
+            "tx": self.tx, "hs": self.head_start, "he": self.head_end, "hn": self.num_kv_heads,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> FrameHeader:
+        """Validate a decoded header map; raise ``WireError`` naming the bad field."""
+        dt = d.get("dt")
+        if dt not in DTYPES:
+            raise WireError(f"header field 'dt' must be one of {sorted(DTYPES)}, got {dt!r}")
+        sh = d.get("sh")
+        if not isinstance(sh, list) or len(sh) != 5 or any(
+            type(x) is not int or not 0 <= x < _BIG for x in sh
+        ):
+            raise WireError(f"header field 'sh' must be 5 non-negative ints, got {sh!r}")
+        fin = d.get("fin")
+        if type(fin) is not bool:
+            raise WireError(f"header field 'fin' must be a bool, got {fin!r}")
+        ft = d.get("ft")
+        if ft is not None and (type(ft) is not int or not 0 <= ft < _BIG):
+            raise WireError(f"header field 'ft' must be null or a token id, got {ft!r}")
+        ca = d.get("ca")
+        if ca not in CHECKSUM_ALGOS:
+            raise WireError(f"header field 'ca' must be one of {CHECKSUM_ALGOS}, got {ca!r}")
+        hs, he, hn = _heads(d, sh)
+        h = cls(
+            request_id=_str(d, "rid", 1024), seq_no=_int(d, "seq"), part=_int(d, "part"),
+            num_parts=_int(d, "np", 1), token_start=_int(d, "ts"), token_end=_int(d, "te"),
+            layer_start=_int(d, "ls"), layer_end=_int(d, "le"), dtype=dt, shape=tuple(sh),
+            is_final=fin, first_token=ft, tenant=_str(d, "ten", 256),
+            checksum=_int(d, "cs", 0, 0xFFFFFFFFFFFFFFFF), checksum_algo=ca, tx=_int(d, "tx"),
+            head_start=hs, head_end=he, num_kv_heads=hn,
+        )
+        if h.part >= h.num_parts:
+            raise WireError(f"header part {h.part} not below num_parts {h.num_parts}")
+        if h.token_end < h.token_start or h.layer_end < h.layer_start:
+            raise WireError("header token or layer range is reversed")
+        if sh[0] != h.layer_end - h.layer_start or sh[1] != 2 or sh[2] != h.token_end - h.token_start:
+            raise WireError(
+                f"header shape {sh} disagrees with layers [{h.layer_start}, {h.layer_end}) "
+                f"x 2 x tokens [{h.token_start}, {h.token_end})"
+            )
+        if ft is not None and not fin:
+            raise WireError("header carries first_token on a non-final frame")
+        return h
+
+
+# ---- pieces (a chunk split into frames) and acks ----
+
+FrameKey = tuple[str, int, int]  # (request_id, seq_no, part)
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """One frame's worth of a chunk (``chunk`` is the sliced sub-chunk)."""
+
+    chunk: KVChunk
+    part: int
+    num_parts: int
+    tx: int = 0
+
+    @property
+    def key(self) -> FrameKey:
+        return (self.chunk.request_id, self.chunk.seq_no, self.part)
+
+    @property
+    def nbytes(self) -> int:
+        return self.chunk.nbytes
+
+
+class AckStatus(IntEnum):
+    """Every transmission gets exactly one ack that returns its credit (OK, DROPPED or
+    FAILED); a copy of a transmission the receiver already holds or acked gets DUPLICATE,
+    which carries no credit."""
+
+    OK = 0  # the owner released the frame
+    DROPPED = 1  # discarded: request aborted/unknown/already failed or completed
+    FAILED = 2  # the frame was bad (e.g. checksum mismatch); the request failed
+    DUPLICATE = 3  # a copy of the same transmission; the original's ack carries the credit
+
+
+class Ack(NamedTuple):
+    request_id: str
+    seq_no: int
+    part: int
+    status: int
+    reason: str = ""
+    tx: int = 0  # the transmission this ack answers (``Piece.tx``)
+
+    @property
+    def key(self) -> FrameKey:
+        return (self.request_id, self.seq_no, self.part)
+
+
+def _sub(chunk: KVChunk, payload, layer_off: int, tok_off: int, last: bool) -> KVChunk:
+    n_tok = payload.shape[2]
+    return KVChunk(
+        request_id=chunk.request_id,
+        seq_no=chunk.seq_no,
+        token_start=chunk.token_start + tok_off,
+        token_end=chunk.token_start + tok_off + n_tok,
+        payload=payload,
+        is_final=chunk.is_final and last,
+        first_token=chunk.first_token if last else None,
+        tenant=chunk.tenant,
+        layer_start=chunk.layer_start + layer_off,
+        head_start=chunk.head_start,
+        num_kv_heads=chunk.num_kv_heads,
+    )
+
+
+def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> list[Piece]:
+    """Split ``chunk`` into pieces of at most ``max_payload_bytes`` payload each."""
+    assert max_payload_bytes > 0
+    p = chunk.payload  # [L, 2, T, H, D]
+    if chunk.nbytes <= max_payload_bytes or p.shape[0] == 0 or p.shape[2] == 0:
+        return [Piece(chunk, 0, 1)]
+    n_layers, n_tok = p.shape[0], p.shape[2]
+    per_layer = chunk.nbytes // n_layers
+    subs: list[tuple[object, int, int]] = []  # (payload, layer offset, token offset)
+    if per_layer <= max_payload_bytes:
+        step = max_payload_bytes // per_layer
+        for l0 in range(0, n_layers, step):
+            subs.append((p[l0 : l0 + step], l0, 0))  # contiguous view, no copy
+    else:
+        per_token = per_layer // n_tok  # bytes of one token of one layer (K and V)
+        step = max(1, max_payload_bytes // per_token)
+        for l0 in range(n_layers):
+            for t0 in range(0, n_tok, step):
+                # [1, 2, t, H, D] out of a [L, 2, T, H, D] tensor is strided: copy it
+                subs.append((p[l0 : l0 + 1, :, t0 : t0 + step].contiguous(), l0, t0))
+    n = len(subs)
+    return [
+        Piece(_sub(chunk, sp, lo, to, i == n - 1), i, n) for i, (sp, lo, to) in enumerate(subs)
+    ]
+
+
+def chunks_for_heads(chunk: KVChunk, sends: Sequence[HeadTransfer],
+                     dests: Sequence[str]) -> list[tuple[KVChunk, str]]:
+    """One prefill rank's ``chunk`` (payload: the rank's heads) cut into what each decode
+    rank gets from it: ``sends`` are the rank's transfers (``heads.sends_of``), ``dests``
+    the decode ranks' endpoints by rank. Feed the result to ``KVSender.send_many``.
+
+    A transfer of all the chunk's heads reuses its payload; a narrower one copies its
+    heads out (``[L, 2, T, H, D][..., a:b, :]`` is strided), so only they travel, after
+    waiting for the chunk's export (``KVChunk.ready``) on the caller's thread.
+    """
+    have = chunk.heads
+    out = []
+    for t in sends:
+        h = t.heads
+        if h.total != have.total or not have.start <= h.start < h.end <= have.end:
+            raise ValueError(f"transfer of heads {tuple(h)} to decode rank {t.decode_rank} is "
+                             f"not within the chunk's heads {tuple(have)}")
+        if not 0 <= t.decode_rank < len(dests):
+            raise ValueError(f"no endpoint for decode rank {t.decode_rank} ({len(dests)} given)")
+        if (h.start, h.end) == (have.start, have.end):
+            out.append((chunk, dests[t.decode_rank]))
+            continue
+        a, b = h.start - have.start, h.end - have.start
+        chunk = chunk.resolved()  # the copy reads the payload: its export must be complete
+        out.append((dataclasses.replace(chunk, payload=chunk.payload[:, :, :, a:b].contiguous(),
+                                        head_start=h.start, num_kv_heads=h.total),
+                    dests[t.decode_rank]))
+    return out
+
+
+# ---- framing: preamble + header + payload ----
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -50,8 +339,9 @@ def resolve_checksum(name: str) -> str:
     return name
 
 __all__ = [
-    "ChecksumError", "FrameHeader", "FrameReader", "Message", "WireError", "decode",
-    "encode", "encode_control", "header_for", "payload_view", "resolve_checksum", "verify",
+    "Ack", "AckStatus", "ChecksumError", "FrameHeader", "FrameKey", "FrameReader", "Message",
+    "Piece", "WireError", "chunks_for_heads", "decode", "encode", "encode_control",
+    "header_for", "payload_view", "resolve_checksum", "split_chunk", "verify",
 ]
 
 

@@ -33,8 +33,8 @@ from engine.config import torch_dtype
 from engine.parallel.state import TPGroup
 from engine.tp_driver import DriverRunner
 from kv_transfer.base import KVChunk, KVReceiver, KVSender, ReceiveEvents, SendEvents
-from kv_transfer.frames import chunks_for_heads
 from kv_transfer.heads import HeadRange, rank_heads, sends_of, transfer_plan
+from kv_transfer.wire import chunks_for_heads
 
 SEP = "|"
 _FIELDS = ("request_id", "seq_no", "token_start", "token_end", "is_final", "first_token",

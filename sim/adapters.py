@@ -1,10 +1,10 @@
 """The simulator's one window into pdserve's internals (schedulers, BlockManager, link
-scheduler, the worker configs of cluster/worker_specs.py, router constants, engine
+scheduler, the worker configs of cluster/launch/worker_specs.py, router constants, engine
 bookkeeping).
 
 Every other sim/ module imports pdserve code only through this file (besides bench's
 workload, metrics and trace helpers, and sim/cli.py reading `serve`'s flags from
-cluster/config_cli.py at parser-build time, where this module's torch import would make
+cluster/config/flags.py at parser-build time, where this module's torch import would make
 `pdserve --help` slow), so when those internals move the imports are fixed here alone.
 Where the simulator must reproduce what a Ray-bound or torch-bound component does (the
 launcher's router config, the decode engine's KV intake), the mirror lives here, next to
@@ -19,13 +19,13 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from cluster.admission import RETRY_S as ADMISSION_RETRY_S
-from cluster.admission import AdmissionCore, Waiter
-from cluster.config import ServeConfig
-from cluster.config_cli import add_cli_flags, config_from_args
-from cluster.flight import RouterConfig
-from cluster.pool import ReservesInFlight, has_room
-from cluster.routing_policies import (
+from cluster.router.admission import RETRY_S as ADMISSION_RETRY_S
+from cluster.router.admission import AdmissionCore, Waiter
+from cluster.config.serve import ServeConfig
+from cluster.config.flags import add_cli_flags, config_from_args
+from cluster.router.flight import RouterConfig
+from cluster.router.pool import ReservesInFlight, has_room
+from cluster.router.policies import (
     BUCKET_NAMES,
     DECODE_ORDERS,
     PREFILL_PLACEMENTS,
@@ -35,7 +35,7 @@ from cluster.routing_policies import (
     default_placement,
     make_placement,
 )
-from cluster.worker_specs import decode_config, engine_config, prefill_config, transfer_config
+from cluster.launch.worker_specs import decode_config, engine_config, prefill_config, transfer_config
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager, block_hashes
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -112,7 +112,7 @@ class WorkerPlan:
 
 def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
                  gpu_memory_bytes: float | None) -> WorkerPlan:
-    """What cluster/worker_specs.py gives each worker and cluster/launcher.py the router
+    """What cluster/launch/worker_specs.py gives each worker and cluster/launch/launcher.py the router
     for ``cfg`` (the same functions; the model and dtype from the calibration);
     ``gpu_memory_bytes`` None sizes KV as on a CPU."""
     c, s = cfg.cache, cfg.scheduler
@@ -133,7 +133,7 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
 
     (pn, pbs, prefix), (dn, dbs, _) = blocks("prefill"), blocks("decode")
     max_len = engine_config(cfg, "<simulated>", "decode", 1.0, model).scheduler.max_model_len
-    router = RouterConfig(  # cluster/launcher.py build_disaggregated_router
+    router = RouterConfig(  # cluster/launch/launcher.py build_disaggregated_router
         max_queue_len=cfg.limits.max_queue_len, request_timeout_s=cfg.limits.request_timeout_s,
         prefix_affinity=c.enable_prefix_caching, affinity_block_size=pbs,
         unavailable_grace_s=cfg.limits.restart_grace_s,
@@ -169,13 +169,13 @@ def decode_task(leg_id: str, prompt_len: int, max_tokens: int, tenant: str) -> D
 @lru_cache(maxsize=8192)
 def piece_layout(num_tokens: int, num_layers: int, bytes_per_token: int,
                  max_payload_bytes: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """How kv_transfer.frames.split_chunk cuts a chunk of ``num_tokens`` tokens: one
+    """How kv_transfer.wire.split_chunk cuts a chunk of ``num_tokens`` tokens: one
     ``(nbytes, token_offset, tokens, layer_start, layer_end)`` per frame piece. Runs the
     real split on an uncommitted CPU tensor of the chunk's shape (bytes as uint8)."""
     import torch
 
     from kv_transfer.base import KVChunk
-    from kv_transfer.frames import split_chunk
+    from kv_transfer.wire import split_chunk
 
     per_layer_token = bytes_per_token // num_layers // 2
     payload = torch.empty((num_layers, 2, num_tokens, 1, per_layer_token), dtype=torch.uint8)
@@ -247,6 +247,6 @@ def engine_tools():
 
 def resolve_model_dir(path: str) -> str:
     """'tiny', 'smollm2' or a directory, as `pdserve serve --model` takes it."""
-    from cluster.config import ModelSection
+    from cluster.config.serve import ModelSection
 
     return str(ModelSection(path=path).resolve_path())

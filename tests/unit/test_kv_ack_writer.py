@@ -7,9 +7,8 @@ from __future__ import annotations
 import threading
 
 from kv_transfer.ack_writer import ACKS_PER_MESSAGE, AckWriter
-from kv_transfer.frames import Ack
 from kv_transfer.tcp_connector import parse_acks
-from kv_transfer.wire import decode, encode_control
+from kv_transfer.wire import Ack, decode, encode_control
 
 BYE = encode_control({"k": "bye"})
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
-from kv_transfer.frames import AckStatus, Piece
 from kv_transfer.inproc import InprocReceiver
 from kv_transfer.testing import PagedKV, make_chunks, pump
-from kv_transfer.wire import header_for
+from kv_transfer.wire import AckStatus, Piece, header_for
 from tests.unit.test_kv_receiver import FakeLink
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64}  # 1 KiB of KV per token

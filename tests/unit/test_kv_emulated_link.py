@@ -12,10 +12,10 @@ import torch
 
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from kv_transfer.emulated_link import EmulatedLink
-from kv_transfer.frames import Ack
 from kv_transfer.pacing import ManualClock, TokenBucket, Unpaced
 from kv_transfer.testing import PagedKV, make_chunks, pump, random_bounds
 from kv_transfer.transport import LinkTransport
+from kv_transfer.wire import Ack
 
 RATE = 1e6  # bytes/s: 1000 bytes hold the wire 1 ms
 

@@ -21,9 +21,9 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.request import Request, SamplingParams
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
-from kv_transfer.frames import chunks_for_heads
 from kv_transfer.heads import HeadRange, HeadTransfer
 from kv_transfer.testing import PagedKV, pump
+from kv_transfer.wire import chunks_for_heads
 
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
 MODEL = ModelConfig("LlamaForCausalLM", 100, 32, 64, 2, 4, 2, 8, 1e-6, 512, False, False,

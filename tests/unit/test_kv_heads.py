@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kv_transfer import KVChunk, TransferConfig
-from kv_transfer.frames import AckStatus, Piece, chunks_for_heads, split_chunk
 from kv_transfer.heads import (
     HeadRange,
     head_replicas,
@@ -19,8 +18,17 @@ from kv_transfer.heads import (
     transfer_plan,
 )
 from kv_transfer.inproc import InprocReceiver
-from kv_transfer.wire import WireError, decode, encode, header_for
-from kv_transfer.wire_header import FrameHeader
+from kv_transfer.wire import (
+    AckStatus,
+    FrameHeader,
+    Piece,
+    WireError,
+    chunks_for_heads,
+    decode,
+    encode,
+    header_for,
+    split_chunk,
+)
 from tests.unit.test_kv_receiver import FakeLink
 
 

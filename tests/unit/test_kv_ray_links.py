@@ -10,9 +10,13 @@ import torch
 pytest.importorskip("ray")
 
 from kv_transfer import KVChunk, TransferConfig  # noqa: E402
-from kv_transfer.frames import Ack, AckStatus, Piece  # noqa: E402
 from kv_transfer.ray_connector import RayReceiver  # noqa: E402
-from kv_transfer.wire import header_for  # noqa: E402
+from kv_transfer.wire import (  # noqa: E402
+    Ack,
+    AckStatus,
+    Piece,
+    header_for,  # noqa: E402
+)
 
 
 def _kv(sender: str, link: int, rid: str, seq: int, tx: int, final: bool = False):

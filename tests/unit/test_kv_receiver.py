@@ -7,10 +7,9 @@ import dataclasses
 import torch
 
 from kv_transfer import KVChunk, TransferConfig
-from kv_transfer.frames import Ack, AckStatus, Piece
 from kv_transfer.inproc import InprocReceiver
 from kv_transfer.receiver import RxLink
-from kv_transfer.wire import header_for
+from kv_transfer.wire import Ack, AckStatus, Piece, header_for
 
 
 class FakeLink(RxLink):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
-from kv_transfer.frames import chunks_for_heads, split_chunk
 from kv_transfer.heads import sends_of, transfer_plan
 from kv_transfer.link_scheduler import LinkScheduler
 from kv_transfer.pacing import ManualClock
 from kv_transfer.send_queue import QueuedFrame
+from kv_transfer.wire import chunks_for_heads, split_chunk
 
 MB, KiB = 1_000_000, 1 << 10
 

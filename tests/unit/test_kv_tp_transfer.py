@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kv_transfer import TransferConfig, make_receiver, make_sender
-from kv_transfer.frames import chunks_for_heads
 from kv_transfer.heads import rank_heads, sends_of, transfer_plan
 from kv_transfer.testing import PagedKV, make_chunks
+from kv_transfer.wire import chunks_for_heads
 
 SECRET = b"tp-transfer-tests-secret-0123456789"
 LAYERS, DIM = 3, 8

@@ -12,16 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_transfer.base import KVChunk
-from kv_transfer.frames import Piece, split_chunk
 from kv_transfer.wire import (
     MAGIC,
     PREAMBLE,
     ChecksumError,
     FrameReader,
+    Piece,
     WireError,
     decode,
     encode,
     encode_control,
+    split_chunk,
 )
 
 
