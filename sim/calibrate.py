@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.calibration import FORMAT, Calibration
-from sim.costs import TableCosts
-from sim.delivery import Delivery
+from engine.costs.calibration import FORMAT, Calibration
+from engine.costs.delivery import Delivery
+from engine.costs.model import TableCosts
 
 
 @dataclass(frozen=True)

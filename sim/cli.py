@@ -76,9 +76,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_cost_model(args: argparse.Namespace):
-    from sim.analytic import analytic_calibration
-    from sim.calibration import Calibration
-    from sim.cost_loader import load_costs
+    from engine.costs.analytic import analytic_calibration
+    from engine.costs.calibration import Calibration
+    from engine.costs.loader import load_costs
 
     if args.calibration:
         return load_costs(Calibration.load(args.calibration))
@@ -114,7 +114,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from bench.metrics import parse_slo
     from bench.workload import build_workload, summarize_workload
     from cluster.config_cli import config_from_args
-    from sim.calibration import CalibrationError
+    from engine.costs.calibration import CalibrationError
     from sim.cluster import Simulation
     from sim.options import SimOptions
 
@@ -212,7 +212,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate_cmd(args: argparse.Namespace) -> int:
-    from sim.calibration import CalibrationError
+    from engine.costs.calibration import CalibrationError
 
     try:
         if args.analytic:

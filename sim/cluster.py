@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
+from engine.costs.model import CostModel, Limits
 from sim.adapters import ServeConfig, plan_workers
-from sim.costs import CostModel, Limits
 from sim.decode import SimDecode
 from sim.link import SimLink
 from sim.loop import EventLoop

@@ -31,7 +31,7 @@ DATA = ("engine/data/*.txt", "engine/attention/*.cpp", "engine/models/*.cpp", "b
 COMPILED = (
     "sim/loop.py", "sim/worker.py", "sim/decode_runs.py", "sim/decode_kv.py", "sim/decode.py",
     "sim/prefill.py", "sim/link.py", "sim/admission.py", "sim/router_upkeep.py",
-    "sim/router_reserve.py", "sim/router.py", "sim/costs.py", "sim/analytic.py",
+    "sim/router_reserve.py", "sim/router.py", "engine/costs/model.py", "engine/costs/analytic.py",
     "engine/block_manager.py", "engine/request.py", "decode_worker/scheduler.py",
     "prefill_worker/scheduler.py", "prefill_worker/policies.py", "cluster/routing_policies.py",
     "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py", "cluster/admission.py",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from engine.costs.model import SMALL_RUN
 from sim.adapters import (
     BlockManager,
     DecodeScheduler,
@@ -31,7 +32,6 @@ from sim.adapters import (
     ScheduledItem,
     simulated_token,
 )
-from sim.costs import SMALL_RUN
 from sim.decode_kv import KVIntake
 
 _accumulate = np.add.accumulate
@@ -191,7 +191,7 @@ class SimDecode(KVIntake):
             if rid not in first:
                 first[rid] = n
                 joined = True
-        if joined:  # a step that legs join costs more (sim/costs.py leg_join_s)
+        if joined:  # a step that legs join costs more (engine/costs/model.py leg_join_s)
             import_s += self.join_s
         ctx, longest = ctx + b, longest + 1  # each item attends its context and the new token
         k = self._run_length(items, free) if self.fast else 1

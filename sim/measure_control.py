@@ -15,7 +15,7 @@ worker traces (wall clock) are set against what the client saw:
 - decode tokens: each decode step's end -> the client has its token;
   ``control.delivery`` (token_s, gap_s, the stalls) is fitted to the distribution of those
   delays and of the client's inter-token gaps with the router's delivery mechanism
-  (sim/delivery.py).
+  (engine/costs/delivery.py).
 
 Under load the router's CPU is shared by more streams; these idle figures do not grow
 with it (the README's validation says how far that goes).
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.calibration import Calibration, CalibrationError
-from sim.costs import TableCosts
-from sim.delivery import Delivery, fit_delivery
+from engine.costs.calibration import Calibration, CalibrationError
+from engine.costs.delivery import Delivery, fit_delivery
+from engine.costs.model import TableCosts
 
 PROMPT, OUTPUT, SPACING_S = 96, 24, 0.3
 
@@ -159,7 +159,7 @@ def samples(out, after_compute: Callable[[Any], float]
 
 
 def fit_streams(first: list[float], streams: list, costs) -> tuple[Delivery, float]:
-    """The delivery model (sim/delivery.py, the router's mechanism) fitted to measured
+    """The delivery model (engine/costs/delivery.py, the router's mechanism) fitted to measured
     first-token delays and decode token streams; with its fit error."""
     scope, timeout = delivery_mechanism()
     return fit_delivery(streams, first_token_s=max(statistics.median(first), 0.0), scope=scope,
@@ -178,6 +178,6 @@ def add_control(cal_path: str | Path, cfg=None, *, requests: int = 12,
     src["control.rpc_s"] = ("measured: a third of the idle dispatch latency on a 1P1D "
                             "service (send -> first prefill chunk: reserve, reply, add)")
     src["control.delivery"] = ("measured: idle 1P1D service traces vs client times; token_s "
-                               "and gap_s fitted with sim/delivery.py's mechanism")
+                               "and gap_s fitted with engine/costs/delivery.py's mechanism")
     cal.save(cal_path)
     return cal

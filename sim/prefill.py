@@ -59,7 +59,7 @@ class SimPrefill(SimWorker):
         self._export: dict[int, float] = {}
         self._overhead: dict[int, float] = {}
         self.kv_bytes_sent = 0
-        self.spread = self.costs.prefill_spread  # a drawn extra per step (sim/costs.py)
+        self.spread = self.costs.prefill_spread  # a drawn extra per step (engine/costs/model.py)
         self.arrival = self.costs.arrival_spread  # ... and per request's first token
 
     @property
@@ -217,7 +217,7 @@ class SimPrefill(SimWorker):
         else:
             self._send(job, item.start, end, simulated_token())
         self.sched.finish(r, r.status if ended else RequestStatus.RUNNING)
-        # through the control plane's first-token path (sim/delivery.py), not a plain call
+        # through the control plane's first-token path (engine/costs/delivery.py), not a plain call
         delay = self.sim.delivery.first_token_s
         if self.arrival:  # a leg's id is "<request>#<dispatch>#<leg>" (sim/router.py)
             request_id, _, leg = job.leg_id.rsplit("#", 2)

@@ -3,7 +3,7 @@ the bench metrics, worker statistics, trace events, and the record a real study 
 
 A client sees a prefill's first token ``delivery.first_token_s + client_s`` after the
 step that sampled it and each decode token when the control plane delivers its step's
-events (sim/delivery.py: ``token_s`` after the step, coalesced with later steps while the
+events (engine/costs/delivery.py: ``token_s`` after the step, coalesced with later steps while the
 path is busy) plus ``client_s``; a decode leg's tokens are the contiguous steps of its
 worker from its first one (``SimDecode.step_times``); that first step also carries the
 leg's first token, which reaches the client by whichever copy comes first.

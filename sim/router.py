@@ -10,7 +10,7 @@ periodic keepalives, stats and adaptive-chunk pressure (sim/router_upkeep.py).
 Modelled instead of run: every router <-> worker call is a one-way latency (``rpc_s``;
 a measured calibration takes it from the real service's idle dispatch, which includes
 the router's CPU per message at idle), router <-> client is ``client_s``; tokens reach
-the router by the control plane's delivery model (sim/delivery.py: first-token latency,
+the router by the control plane's delivery model (engine/costs/delivery.py: first-token latency,
 per-step delivery, coalescing while the path is busy), applied in sim/prefill.py and
 sim/results.py. The router's CPU as a shared server (queueing under load) is not
 modelled; worker death and restarts are not. KV-wait keepalives are sent as
@@ -185,7 +185,7 @@ class SimRouter(ReserveWithAdd):
         self._add_outstanding(wid, len(prompt))
         deadline = None if req.ttft_deadline_ms is None else req.ttft_deadline_ms / 1000
         delay = self.sim.rpc_s
-        if self._arrival and flight.leg == 1:  # what the real dispatch adds (sim/costs.py)
+        if self._arrival and flight.leg == 1:  # what the real dispatch adds (engine/costs/model.py)
             delay = max(delay + self.sim.costs.arrival_extra_s(req.request_id)[0], 0.0)
         self.loop.after(delay, p.command, p.add, flight.leg_id, prompt,
                         req.max_tokens - flight.generated, req.tenant, decode, deadline, hashes)

@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sim.costs import ROLES, CostModel, Limits, LinkCost
-from sim.delivery import Delivery
+from engine.costs.delivery import Delivery
+from engine.costs.model import ROLES, CostModel, Limits, LinkCost
 
 SPREAD_DRAWS = 1 << 16  # the draws cycle after this many steps
 # the draws follow the real steps' own order in runs of this many (a circular block

@@ -28,9 +28,9 @@ from bench.studies.context import StudyContext, StudyOptions
 from bench.studies.link import Reference
 from bench.studies.service import DISAGG, Drive, Layout
 from bench.studies.traces import with_emulated_link, write_trace_files
+from engine.costs.calibration import Calibration
+from engine.costs.loader import load_costs
 from sim.adapters import ServeConfig, kv_bytes_per_token
-from sim.calibration import Calibration
-from sim.cost_loader import load_costs
 from sim.options import SimOptions
 
 
@@ -55,7 +55,7 @@ class SimStudy:
     def load(self) -> Calibration:
         if self.calibration is not None:
             return Calibration.load(self.calibration)
-        from sim.analytic import analytic_calibration
+        from engine.costs.analytic import analytic_calibration
 
         return analytic_calibration(self.analytic, self.model_shape, self.dtype)
 

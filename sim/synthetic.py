@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sim.calibration import FORMAT, SYNTHETIC_LABEL, Calibration
-from sim.delivery import Delivery
+from engine.costs.calibration import FORMAT, SYNTHETIC_LABEL, Calibration
+from engine.costs.delivery import Delivery
 
 TINY_SHAPE: dict[str, Any] = {  # engine/tiny_model.py PRESETS["tiny"] with its tokenizer
     "name": "tiny-shape", "architecture": "LlamaForCausalLM", "vocab_size": 2048,

@@ -7,8 +7,8 @@ import numpy as np
 
 from bench.records import RequestRecord
 from bench.studies.service import RunOutput
+from engine.costs.loader import load_costs
 from engine.tracing import TraceEvent
-from sim.cost_loader import load_costs
 from sim.synthetic import synthetic_calibration
 
 MS = 1e-3

@@ -3,9 +3,9 @@ the calibration with their sources, and a simulation on it uses them."""
 
 from __future__ import annotations
 
+from engine.costs.calibration import Calibration
+from engine.costs.loader import load_costs
 from sim.calibrate import calibrate
-from sim.calibration import Calibration
-from sim.cost_loader import load_costs
 from sim.measure_control import add_control, delivery_mechanism
 
 

@@ -45,7 +45,7 @@ def test_every_import_contract_is_kept() -> None:
     ("bench/studies/link.py", "import bench.studies.common", "no cycles"),
     ("bench/metrics.py", "import bench.cli", "entry points"),
     ("bench/workload.py", "import bench.studies.common", "entry points"),
-    ("sim/costs.py", "import sim.cluster", "at run time"),
+    ("sim/options.py", "import sim.cluster", "at run time"),
     ("cluster/types.py", "import sim.loop", "import downward only"),
     ("bench/control_plane_micro.py", "import tests.conftest", "not installed"),
 ])

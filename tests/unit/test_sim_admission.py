@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from bench.workload import WorkloadRequest
+from engine.costs.loader import load_costs
 from sim.adapters import AdmissionCore, ServeConfig
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
 from sim.options import SimOptions
 from sim.synthetic import synthetic_calibration
 

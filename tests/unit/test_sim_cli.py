@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import build_parser, main
-from sim.calibration import Calibration
+from engine.costs.calibration import Calibration
 
 LIMITS = ["--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "4"]
 

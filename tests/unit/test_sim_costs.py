@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from engine.costs.analytic import PROFILES, analytic_calibration
+from engine.costs.calibration import Calibration, CalibrationError
+from engine.costs.loader import load_costs
+from engine.costs.model import Limits, TableCosts
 from sim.adapters import ServeConfig
-from sim.analytic import PROFILES, analytic_calibration
-from sim.calibration import Calibration, CalibrationError
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
-from sim.costs import Limits, TableCosts
 from sim.synthetic import synthetic_calibration
 
 
@@ -137,9 +137,9 @@ def test_a_roofline_decode_run_equals_the_full_formula_at_every_step(mfu: float)
 def test_a_long_memory_bound_run_reads_the_bytes_term_table_bit_for_bit(monkeypatch) -> None:
     """Long memory-bound runs slice a table of the bytes term per attended-token count:
     the same floats as the term per step, while the table grows, and past its bound."""
-    import sim.analytic
+    import engine.costs.analytic
 
-    monkeypatch.setattr(sim.analytic, "_TABLE_MAX", 50_000)
+    monkeypatch.setattr(engine.costs.analytic, "_TABLE_MAX", 50_000)
     c = load_costs(analytic_calibration("h200", "llama-3-8b"))
     runs = [(3, 900, 17), (8, 8 * 2000, 400), (2, 10, 300), (8, 8 * 2000, 400),
             (64, 64 * 700, 100), (16, 16 * 2900, 200), (5, 5 * 4000, 50)]

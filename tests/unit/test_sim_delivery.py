@@ -1,4 +1,4 @@
-"""The control plane's delivery model (sim/delivery.py), its fit to measured streams, its
+"""The control plane's delivery model (engine/costs/delivery.py), its fit to measured streams, its
 use in a simulated run, and the contention-scaled cost model (sim/scaled.py)."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from bench.workload import WorkloadRequest
+from engine.costs.calibration import Calibration, CalibrationError
+from engine.costs.delivery import Delivery, fit_delivery
+from engine.costs.loader import load_costs
+from engine.costs.model import TableCosts
 from sim.adapters import ServeConfig
-from sim.calibration import Calibration, CalibrationError
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
-from sim.costs import TableCosts
-from sim.delivery import Delivery, fit_delivery
 from sim.options import SimOptions
 from sim.scaled import ScaledCosts
 from sim.synthetic import synthetic_calibration

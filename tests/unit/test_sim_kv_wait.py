@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from bench.workload import LengthDist, WorkloadSpec, build_workload
+from engine.costs.analytic import analytic_calibration
+from engine.costs.loader import load_costs
 from sim.adapters import RouterConfig, ServeConfig
-from sim.analytic import analytic_calibration
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
 from sim.decode import SimDecode
 from sim.options import SimOptions
 

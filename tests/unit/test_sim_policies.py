@@ -6,9 +6,9 @@ from __future__ import annotations
 import statistics
 
 from bench.workload import WorkloadRequest
+from engine.costs.loader import load_costs
 from sim.adapters import ServeConfig
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
 from sim.options import SimOptions
 from sim.synthetic import synthetic_calibration
 

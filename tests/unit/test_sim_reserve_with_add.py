@@ -8,9 +8,9 @@ Every state is made on purpose (a tiny decode pool, a reserve held back), never 
 from __future__ import annotations
 
 from bench.workload import WorkloadRequest
+from engine.costs.loader import load_costs
 from sim.adapters import ServeConfig
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
 from sim.options import SimOptions
 from sim.synthetic import synthetic_calibration
 

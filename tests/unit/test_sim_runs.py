@@ -13,10 +13,10 @@ import pytest
 
 from bench.metrics import compute_metrics
 from bench.workload import LengthDist, TenantSpec, WorkloadSpec, build_workload
+from engine.costs.analytic import analytic_calibration
+from engine.costs.loader import load_costs
 from sim.adapters import ServeConfig
-from sim.analytic import analytic_calibration
 from sim.cluster import Simulation
-from sim.cost_loader import load_costs
 from sim.loop import EventLoop
 from sim.metrics import fast_metrics
 from sim.options import SimOptions

@@ -12,8 +12,8 @@ import pytest
 from bench.records import RequestRecord
 from bench.sim_validate_steps import step_fits
 from bench.studies.service import RunOutput
+from engine.costs.loader import load_costs
 from engine.tracing import TraceEvent
-from sim.cost_loader import load_costs
 from sim.scaled import ScaledCosts, StepFit
 from tests.step_runs import DECODE_BATCHES, MS
 from tests.step_runs import linear_costs as _base
@@ -117,8 +117,8 @@ def test_a_step_fit_replaces_its_roles_factor_in_the_scaled_costs() -> None:
 
 def _simulated(join_s: float, stepping: str = "fast", n: int = 1):
     from bench.workload import WorkloadSpec, build_workload
+    from engine.costs.analytic import analytic_calibration
     from sim.adapters import ServeConfig
-    from sim.analytic import analytic_calibration
     from sim.cluster import Simulation
     from sim.options import SimOptions
 

@@ -99,8 +99,8 @@ def test_handoff_residuals_pair_each_leg_of_the_real_run_with_its_simulated_self
 
 def test_arrival_residuals_pair_each_requests_dispatch_and_take_the_delivery_off_its_first(
 ) -> None:
-    from sim.cost_loader import load_costs
-    from sim.delivery import Delivery
+    from engine.costs.delivery import Delivery
+    from engine.costs.loader import load_costs
     from sim.scaled import ScaledCosts
     from sim.synthetic import synthetic_calibration
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.calibration import ANALYTIC_LABEL, FORMAT, Calibration, CalibrationError
-from sim.costs import ROLES, SMALL_RUN, CostModel, Limits, LinkCost
-from sim.delivery import Delivery
+from engine.costs.calibration import ANALYTIC_LABEL, FORMAT, Calibration, CalibrationError
+from engine.costs.delivery import Delivery
+from engine.costs.model import ROLES, SMALL_RUN, CostModel, Limits, LinkCost
 
 GB, Gbit = 1e9, 1e9 / 8
 PROFILES: dict[str, dict[str, Any]] = {
@@ -114,7 +114,7 @@ def analytic_calibration(profile: str, shape: Mapping[str, Any] | str, dtype: st
         raise CalibrationError(f"unknown analytic assumptions {sorted(unknown)}")
     label = (f"{ANALYTIC_LABEL}: roofline of {prof['name']} (published peak figures) for "
              f"{model.get('name', model['architecture'])} in {dtype}")
-    sources = {f"assumptions.{k}": "assumed (sim/analytic.py ASSUMPTIONS)" for k in a}
+    sources = {f"assumptions.{k}": "assumed (engine/costs/analytic.py ASSUMPTIONS)" for k in a}
     sources.update({"profile": f"published: {prof['source']}",
                     "control.rpc_s": "assumed", "control.client_s": "assumed",
                     "control.idle_wait_s": "assumed: worker loop constant",

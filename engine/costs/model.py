@@ -1,9 +1,10 @@
-"""The cost model: seconds for everything the simulator does not run for real.
+"""The cost model: seconds for everything the simulator does not run for real, and for
+every step of the emulated accelerator (engine/emulate/), which asks the same questions.
 
-``CostModel`` is what the simulated workers ask: a prefill batch's compute, a run of
+``CostModel`` is what the simulated workers and the emulated device ask: a prefill batch's compute, a run of
 decode steps, sampling, KV export/import, per-step runtime overhead, a link's write time,
 control-plane latencies. :class:`TableCosts` answers from a measured calibration
-(interpolation over its grids); ``sim.analytic.RooflineCosts`` from hardware figures.
+(interpolation over its grids); ``engine.costs.analytic.RooflineCosts`` from hardware figures.
 
 Prefill batch model (tables): ``T(batch) = T1(sum C, 0) + sum_i [T1(C_i, P_i) - T1(C_i, 0)]``
 -- weights and the chunk-local work scale with the batch's tokens, attention over earlier
@@ -22,8 +23,8 @@ from itertools import pairwise
 
 import numpy as np
 
-from sim.calibration import Calibration, CalibrationError
-from sim.delivery import Delivery
+from engine.costs.calibration import Calibration, CalibrationError
+from engine.costs.delivery import Delivery
 
 ROLES = ("prefill", "decode")
 SMALL_RUN = 16  # runs of decode steps up to this long are computed on plain floats
@@ -150,7 +151,7 @@ class CostModel(ABC):
 
     @property
     def delivery(self) -> Delivery:
-        """How tokens reach the router (sim/delivery.py), from ``control.delivery``."""
+        """How tokens reach the router (engine/costs/delivery.py), from ``control.delivery``."""
         d = getattr(self, "_delivery", None)
         if d is None:
             cal, key = self.calibration, "control.delivery"
