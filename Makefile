@@ -30,7 +30,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) -m bench.run_all --quick --out bench/results
+	$(VENV)/bin/pdserve study all --quick --out bench/results
 
 proto: setup
 	$(PY) -m proto.generate
@@ -39,11 +39,11 @@ model: setup
 	$(VENV)/bin/pdserve make-model --preset tiny --arch llama --out models/tiny-llama
 
 # opt-in: the simulator's hot modules compiled with mypyc into build/simfast/ (sim/compiled.py);
-# `python -m sim.bench_scale` and `pdserve simulate` use it while it matches the source
+# `python -m tools.sim_bench_scale` and `pdserve simulate` use it while it matches the source
 SIMFAST_MYPY ?= mypy==2.4.1
 sim-fast: setup
 	$(PY) -m pip install -q '$(SIMFAST_MYPY)'
-	$(PY) -m sim.build_fast
+	$(PY) -m tools.sim_build_fast
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,5 +1,5 @@
 """The bench's command line: `pdserve bench` and `pdserve study`, plugged into
-cluster/cli.py through ``SUBCOMMANDS`` (``python -m bench.run_all`` is `pdserve study all`).
+cluster/cli.py through ``SUBCOMMANDS`` (`make bench` runs `pdserve study all --quick`).
 
     pdserve bench --addr 127.0.0.1:50051 --num-prompts 200 --request-rate 4 \\
         --mix mixed --max-concurrency 32 --slo ttft:500,tpot:50 --json out.json
@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.workload_args import add_workload_args, workload_spec
 
@@ -49,7 +51,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     from bench.client import run_bench, server_model_info
     from bench.metrics import compute_metrics, parse_slo
     from bench.workload import build_workload, summarize_workload
-    from cluster.auth import read_token
+    from cluster.grpc.auth import read_token
 
     try:
         slos = parse_slo(args.slo)
@@ -136,7 +138,7 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--interconnect", help="link cost entry of the cost model (default: the "
                    "connector)")
     g.add_argument("--decode-order", default="least-legs",
-                   help="decode order (cluster/routing_policies.py; default least-legs)")
+                   help="decode order (cluster/router/policies.py; default least-legs)")
 
 
 def study_options(args: argparse.Namespace):
@@ -162,6 +164,16 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
                    help=f"with 'all': a comma-separated subset of {','.join(ORDER)}")
 
 
+# `pdserve study --simulate` runs a study in the simulator, a layer above bench: sim/cli.py
+# registers its context maker (args -> (StudyOptions -> StudyContext)) when it is loaded
+SIMULATOR: Callable[[argparse.Namespace], Callable[..., Any]] | None = None
+
+
+def register_simulator(make_factory: Callable[[argparse.Namespace], Callable[..., Any]]) -> None:
+    global SIMULATOR
+    SIMULATOR = make_factory
+
+
 def run_study_cmd(args: argparse.Namespace) -> int:
     import logging
 
@@ -182,9 +194,10 @@ def run_study_cmd(args: argparse.Namespace) -> int:
     factory = None
     try:
         if args.simulate or args.calibration or args.analytic:
-            from sim.study import sim_context_factory
-
-            factory = sim_context_factory(args)
+            if SIMULATOR is None:
+                return _study_error("--simulate needs the simulator (sim/cli.py registers it "
+                                    "when `pdserve` loads its plug-ins)")
+            factory = SIMULATOR(args)
     except ValueError as e:
         return _study_error(str(e))
     if args.name == "all":
@@ -213,7 +226,7 @@ def _study_error(message: str) -> int:
 
 def study_main(argv: list[str] | None = None, prog: str = "pdserve study",
                description: str = "run a parameter study") -> int:
-    """`pdserve study ...` without the rest of the pdserve CLI (``python -m bench.run_all``)."""
+    """`pdserve study ...` without the rest of the pdserve CLI."""
     p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_study_args(p)

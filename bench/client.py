@@ -28,8 +28,8 @@ import openai
 from bench.arrivals import Clock, send_at_arrivals
 from bench.records import RequestRecord, phase_times
 from bench.workload import WorkloadRequest
-from cluster.client import AsyncPdserveClient, Chunk
-from cluster.types import Usage
+from cluster.grpc.client import AsyncPdserveClient, Chunk
+from cluster.router.types import Usage
 
 TimedChunk = tuple[float, Chunk]  # (arrival time, chunk)
 OK_REASONS = ("stop", "length")

@@ -78,6 +78,6 @@ class RequestRecord:
 
 
 def phase_times(usage: Any) -> dict[str, float | None]:
-    """``queue_s`` .. ``decode_s`` of a request's final usage (``cluster.types.Usage``),
+    """``queue_s`` .. ``decode_s`` of a request's final usage (``cluster.router.types.Usage``),
     as RequestRecord keyword arguments; all None without one."""
     return {f"{p}_s": getattr(usage, f"{p}_s", None) if usage else None for p in PHASES}

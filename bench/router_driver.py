@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from bench.arrivals import send_at_arrivals
 from bench.records import RequestRecord, phase_times
-from cluster.types import GenerateSpec, RouterError
+from cluster.router.types import GenerateSpec, RouterError
 from engine.request import SamplingParams
 
 

@@ -30,8 +30,8 @@ from bench.soak_chaos import KillRecord, chaos, find_victims
 from bench.soak_plan import PHASES, TERMINAL, SoakConfig, SoakRequest, build_plan
 from bench.soak_probes import PhaseProbe, SoakHooks, router_leg_probe, router_phase_probe
 from bench.soak_report import RequestRecord, SoakReport, finish_report
-from cluster.auth import auth_metadata, channel_credentials
-from cluster.convert import FINISH_FROM_PROTO, build_request
+from cluster.grpc.auth import auth_metadata, channel_credentials
+from cluster.grpc.convert import FINISH_FROM_PROTO, build_request
 from engine.quantiles import median
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc

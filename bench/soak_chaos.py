@@ -1,4 +1,4 @@
-"""The soak's chaos: kill worker actors through Ray (cluster/faults.py) while traffic runs.
+"""The soak's chaos: kill worker actors through Ray (cluster/launch/faults.py) while traffic runs.
 
 With ``kill_every_s`` a random worker of alternating pools is killed every S seconds
 after the previous victim is back, at most ``max_restarts`` times per actor.
@@ -32,7 +32,7 @@ async def chaos(cfg: SoakConfig, actors: list, t0: float, traffic_done: asyncio.
     appends to ``kills`` as it goes (the report reads them)."""
     if not actors:
         return
-    from cluster.faults import kill_worker, wait_worker_back
+    from cluster.launch.faults import kill_worker, wait_worker_back
 
     loop = asyncio.get_running_loop()
     rng = random.Random(cfg.seed + 1)
@@ -66,10 +66,10 @@ async def chaos(cfg: SoakConfig, actors: list, t0: float, traffic_done: asyncio.
 
 def find_victims(ray_address: str | None, actor_tag: str | None) -> list:
     """Join the service's Ray cluster (unless this process already is in one) and list
-    its worker actors (cluster.faults.find_worker_actors)."""
+    its worker actors (cluster.launch.faults.find_worker_actors)."""
     import ray
 
-    from cluster.faults import find_worker_actors
+    from cluster.launch.faults import find_worker_actors
 
     if not ray.is_initialized():
         ray.init(address=ray_address or "auto", namespace="pdserve-soak", log_to_driver=False,

@@ -86,7 +86,7 @@ def config_from_args(args: argparse.Namespace):
 
     token = None
     if args.token_file:
-        from cluster.auth import read_token
+        from cluster.grpc.auth import read_token
 
         token = read_token(args.token_file)
     pressure, own = args.pressure, args.pressure and args.addr is None

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.convert import stats_from_proto
-from cluster.types import ClusterStats
+from cluster.grpc.convert import stats_from_proto
+from cluster.router.types import ClusterStats
 from engine.quantiles import percentile
 from proto.pdserve.v1 import pdserve_pb2 as pb
 

@@ -51,7 +51,7 @@ class PressureServiceSpec:
         return self.num_blocks * self.block_size
 
     def serve_config(self):
-        from cluster.config import ServeConfig
+        from cluster.config.serve import ServeConfig
 
         return ServeConfig.from_dict({
             "model": {"path": self.model, "device": "cpu"},
@@ -73,8 +73,8 @@ class PressureService:
     """The service, its gRPC server on a background loop, and the soak's hooks into it."""
 
     def __init__(self, spec: PressureServiceSpec) -> None:
-        from cluster.launcher import LaunchOptions, build_disaggregated_router
-        from cluster.server import BackgroundServer
+        from cluster.launch.launcher import LaunchOptions, build_disaggregated_router
+        from cluster.serve.server import BackgroundServer
 
         self.spec = spec
         cfg = spec.serve_config()

@@ -1,5 +1,5 @@
 """Studies by name, and running them: one (``pdserve study NAME``) or all with an index
-(``pdserve study all``, ``python -m bench.run_all``, ``make bench``).
+(``pdserve study all``, ``make bench``).
 
     ctx = StudyContext(StudyOptions(out=Path("results"), quick=True))
     try:
@@ -85,7 +85,7 @@ def run_all(opts: StudyOptions, studies: tuple[str, ...] = ORDER,
     from bench.studies.context import StudyContext
 
     t0 = time.monotonic()
-    print(f"bench.run_all: {opts.summary()}", flush=True)
+    print(f"pdserve study all: {opts.summary()}", flush=True)
     ctx = ctx_factory(opts) if ctx_factory else StudyContext(opts)
     done: dict[str, StudyResult] = {}
     failed: dict[str, str] = {}
@@ -106,7 +106,7 @@ def run_all(opts: StudyOptions, studies: tuple[str, ...] = ORDER,
     (ctx.out / "run_all.json").write_text(json.dumps(
         {"elapsed_s": elapsed, "launches": ctx.launches, "done": list(done),
          "failed": failed, "link": ctx.link.to_dict()}, indent=2))
-    print(f"bench.run_all: {len(done)} studies in {elapsed / 60:.1f} min "
+    print(f"pdserve study all: {len(done)} studies in {elapsed / 60:.1f} min "
           f"({ctx.launches} service launches), {len(failed)} failed -> {index}")
     return 1 if failed else 0
 
@@ -115,7 +115,7 @@ def write_index(ctx: StudyContext, done: dict[str, StudyResult], failed: dict[st
                 elapsed_s: float) -> Path:
     o = ctx.opts
     lines = ["# pdserve study results", "",
-             f"`python -m bench.run_all {'--quick ' if o.quick else ''}--out {o.out}` — "
+             f"`pdserve study all {'--quick ' if o.quick else ''}--out {o.out}` — "
              f"{o.summary()}; {elapsed_s / 60:.1f} min, "
              f"{ctx.launches} service launches.", "",
              f"Emulated KV link: {ctx.link.describe()}.", "",

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.config_cli import add_cli_flags, keys_epilog
+from cluster.config.flags import add_cli_flags, keys_epilog
 from cluster.console import config_or_exit, fail, format_stats, setup_logging
-from cluster.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
+from cluster.serve.startup import (  # noqa: F401  (build_router, launcher_available: re-exported)
     StartupError,
     build_router,
     launcher_available,
@@ -69,8 +69,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     cfg = config_or_exit(args)  # before the heavy imports: a typo fails instantly
     import asyncio
 
-    from cluster.front_door_loop import run as run_loop
-    from cluster.server import serve
+    from cluster.serve.server import serve
+    from runtime.event_loop import run as run_loop
 
     setup_logging(cfg.server.log_level)
     mode = "colocated" if cfg.pools.colocated else "disaggregated"
@@ -118,8 +118,8 @@ def _add_conn(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from cluster.auth import read_token
-    from cluster.client import PdserveClient
+    from cluster.grpc.auth import read_token
+    from cluster.grpc.client import PdserveClient
 
     token = read_token(args.token_file) if args.token_file else None
     return PdserveClient(args.addr, token=token, tls_ca=args.tls_ca, timeout=args.timeout)

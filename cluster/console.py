@@ -10,8 +10,8 @@ import logging
 import sys
 from typing import NoReturn
 
-from cluster.config import ServeConfig
-from cluster.config_cli import config_from_args
+from cluster.config.flags import config_from_args
+from cluster.config.serve import ServeConfig
 
 
 def setup_logging(level: str) -> None:

@@ -7,7 +7,7 @@ once): the requests are chat messages rendered by its chat template, so the answ
 real. When it cannot be had (offline), the demo says why in one line and falls back to
 the random tiny model, whose text is gibberish, through /v1/completions. `--model tiny`
 (or a directory) chooses explicitly. The backend is the P/D service when
-`cluster.launcher` is importable, else the colocated engine; `--colocated` /
+`cluster.launch.launcher` is importable, else the colocated engine; `--colocated` /
 `--disaggregated` choose explicitly. Every serve flag applies.
 """
 
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.config import ServeConfig
-from cluster.config_cli import add_cli_flags
+from cluster.config.flags import add_cli_flags
+from cluster.config.serve import ServeConfig
 
 CHATS = {
     "short-0": "What is the capital of France?",
@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_cli_flags(p)  # includes --colocated / --no-colocated
     p.add_argument("--disaggregated", dest="pools.colocated", action="store_const",
                    const=False, default=argparse.SUPPRESS,
-                   help="use the prefill/decode pools (default when cluster.launcher exists)")
+                   help="use the prefill/decode pools (default when cluster.launch.launcher exists)")
     p.add_argument("--demo-max-tokens", type=int, default=None,
                    help=f"tokens per demo request (default {MAX_TOKENS['chat']} for chats, "
                    f"{MAX_TOKENS['completion']} for the tiny model's completions)")
@@ -56,7 +56,7 @@ def long_text() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.console import config_or_exit, fail, setup_logging
-    from cluster.startup import StartupError, launcher_available
+    from cluster.serve.startup import StartupError, launcher_available
 
     defaults = {"pools.colocated": not launcher_available(),
                 "server.port": 0,  # ephemeral: never collide with a real server
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _real_model_or_tiny(cfg: ServeConfig) -> ServeConfig:
-    from cluster.startup import resolve_model
+    from cluster.serve.startup import resolve_model
     from engine.model_fetch import ModelFetchError
 
     try:
@@ -126,11 +126,11 @@ async def _one(client, name: str, request: dict, width: int, streaming: asyncio.
 async def _demo(cfg: ServeConfig, max_tokens: int | None) -> int:
     import openai
 
-    from cluster.auth import read_token
-    from cluster.client import AsyncPdserveClient
     from cluster.console import format_stats
-    from cluster.server import GenerationServer
-    from cluster.startup import build_router
+    from cluster.grpc.auth import read_token
+    from cluster.grpc.client import AsyncPdserveClient
+    from cluster.serve.server import GenerationServer
+    from cluster.serve.startup import build_router
     from engine.chat import has_chat_template
 
     mode = "colocated" if cfg.pools.colocated else "disaggregated (prefill/decode pools)"

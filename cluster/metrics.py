@@ -30,7 +30,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from cluster.auth import BearerToken
+from cluster.grpc.auth import BearerToken
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1",
 def serve_metrics_for(server_cfg, metrics: ServiceMetrics) -> str:
     """The endpoint for a ServeConfig's `server` section (port, host, token, TLS);
     returns its URL. A bearer token over plain HTTP off the loopback is warned about."""
-    from cluster.auth import read_token
+    from cluster.grpc.auth import read_token
 
     token = read_token(server_cfg.auth_token_file) if server_cfg.auth_token_file else None
     port = serve_metrics(metrics, server_cfg.metrics_port, server_cfg.host, token=token,

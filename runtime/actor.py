@@ -1,6 +1,6 @@
 """WorkerActor: the calls a worker actor answers, as the router sees them.
 
-The router holds every worker through this protocol (cluster/pool.py): a Ray actor
+The router holds every worker through this protocol (cluster/router/pool.py): a Ray actor
 handle of runtime.worker.WorkerBase's subclasses satisfies it, and so does a test's
 scripted fake. Each call is `handle.<method>.remote(*args)`, an awaitable of the result.
 Prefill workers answer `add` and `set_decode_pressure`, decode workers `reserve`,

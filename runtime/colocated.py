@@ -1,6 +1,6 @@
 """ColocatedEngine: engine.LLM (prefill and decode in one engine) as a SteppableEngine
 that reports P/D-style events, so one WorkerLoop drives it wherever it runs: in the
-server process (cluster/local_backend.py) or as a Ray actor (cluster/colocated_pool.py).
+server process (cluster/launch/local_backend.py) or as a Ray actor (cluster/launch/colocated_pool.py).
 
 A leg's first token is a FIRST_TOKEN event followed by PREFILL_DONE (no KV travels);
 later tokens are TOKENS events, one per request per step.

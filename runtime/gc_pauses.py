@@ -3,7 +3,7 @@
 A worker process holds torch, the model and its pools: hundreds of thousands of tracked
 objects that never die. A full collection walks all of them and stops the step loop for
 as long (tens of ms on a 2-core host), at moments nothing else explains. ``settle()``
-moves what startup built off the collector (as ``cluster.server.serve`` does for the
+moves what startup built off the collector (as ``cluster.serve.server.serve`` does for the
 front door), and ``GcPauses`` counts the collections that still run and how long they held
 the process, so a worker's stats show them.
 """

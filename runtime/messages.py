@@ -1,7 +1,7 @@
 """The P/D messages: frozen dataclasses that cross the router <-> worker process boundary.
 
 Below the router every id is a *leg* id (one dispatch of a request to a prefill/decode
-pair, see cluster/router.py): tasks, events and the engines' tables are keyed by it.
+pair, see cluster/router/router.py): tasks, events and the engines' tables are keyed by it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """WorkerSpec: everything a worker actor needs, as the typed configs its parts take.
 
-The launcher builds every spec once (cluster/worker_specs.py); a worker constructs no
+The launcher builds every spec once (cluster/launch/worker_specs.py); a worker constructs no
 config from loose values. What only the actor can know is resolved there by
 `resolve_engine`: the device Ray made visible and, on a GPU, the KV blocks that fit.
 
@@ -8,7 +8,7 @@ Fault injection (tests and soak runs only) is OFF unless a plan is given, by the
 (`LaunchOptions(fault_injection=...)` -> `WorkerSpec.faults`) or by the `PDSERVE_FAULTS`
 environment variable (a JSON plan, see kv_transfer/faults.py) in the worker actors'
 environment; without a plan no wrapper is installed and nothing runs
-(`worker_fault_injector`). Killing worker actors is cluster/faults.py's job.
+(`worker_fault_injector`). Killing worker actors is cluster/launch/faults.py's job.
 """
 
 from __future__ import annotations

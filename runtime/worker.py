@@ -2,7 +2,7 @@
 runtime/ that imports ray). Its subclasses build an engine and hand it to `start`.
 
 Actors are threaded (`max_concurrency`) so a long-poll `poll()` never blocks `add` or
-`abort`. Every actor declares `num_cpus` (cluster.placement) and uses that many torch
+`abort`. Every actor declares `num_cpus` (cluster.launch.placement) and uses that many torch
 threads. The calls it answers are the `runtime.actor.WorkerActor` protocol.
 
 A worker with a cluster secret (every P/D worker) also serves a control channel

@@ -19,12 +19,17 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from cluster.config.flags import add_cli_flags, config_from_args
+from cluster.config.serve import ServeConfig
+from cluster.launch.worker_specs import (
+    decode_config,
+    engine_config,
+    prefill_config,
+    transfer_config,
+)
 from cluster.router.admission import RETRY_S as ADMISSION_RETRY_S
 from cluster.router.admission import AdmissionCore, Waiter
-from cluster.config.serve import ServeConfig
-from cluster.config.flags import add_cli_flags, config_from_args
 from cluster.router.flight import RouterConfig
-from cluster.router.pool import ReservesInFlight, has_room
 from cluster.router.policies import (
     BUCKET_NAMES,
     DECODE_ORDERS,
@@ -35,7 +40,7 @@ from cluster.router.policies import (
     default_placement,
     make_placement,
 )
-from cluster.launch.worker_specs import decode_config, engine_config, prefill_config, transfer_config
+from cluster.router.pool import ReservesInFlight, has_room
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager, block_hashes
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig

@@ -1,5 +1,5 @@
 """The router's decode admission on the simulated clock: the real AdmissionCore
-(cluster/admission.py: arrival order, one reserve in flight per decode worker, tentative
+(cluster/router/admission.py: arrival order, one reserve in flight per decode worker, tentative
 and kept grants, a waiter refused everywhere blocks those behind it), driven as
 DecodeAdmission drives it, with simulated reserve calls.
 
@@ -10,7 +10,7 @@ error, is placed with its grant, else waits again. One tick runs every ``RETRY_S
 when the queue stops being empty until it is empty again (DecodeAdmission._retry): a
 head between its tries then starts a new round; it wakes no other waiter (the router's
 tick also wakes those past ``admission_timeout_s``, which is not simulated). Workers are
-asked in the configured decode-order policy's order (cluster/routing_policies.py). Modelled: the revoked grants go back in one
+asked in the configured decode-order policy's order (cluster/router/policies.py). Modelled: the revoked grants go back in one
 abort call before the reserve (the router awaits one abort per grant).
 """
 

@@ -8,7 +8,7 @@
 
 `simulate` takes `pdserve bench`'s workload flags (bench/workload_args.py, the same
 argparse helper) and `pdserve serve`'s configuration flags and `--config` (generated
-from ServeConfig by cluster/config_cli.py), prints bench's metric block and writes
+from ServeConfig by cluster/config/flags.py), prints bench's metric block and writes
 bench's JSON keys. Module imports stay light: `pdserve --help` must be instant.
 `--code`: the compiled build of `make sim-fast` (sim/compiled.py) runs when it is there and
 matches the source (auto), or must run (compiled), or not (interpreted); the output says
@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from bench.cli import register_simulator
 from bench.workload_args import add_workload_args, workload_spec
 from sim import compiled
 
@@ -41,11 +42,11 @@ def _calibration_source(p: argparse.ArgumentParser) -> None:
 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
-    from cluster.config_cli import add_cli_flags
+    from cluster.config.flags import add_cli_flags
 
     _calibration_source(p)
     s = p.add_argument_group("simulator")
-    s.add_argument("--placement", help="prefill placement policy (cluster/routing_policies.py: "
+    s.add_argument("--placement", help="prefill placement policy (cluster/router/policies.py: "
                    "least-outstanding, prefix-affinity, length-buckets; default: the router's)")
     s.add_argument("--length-buckets", default="256,1024,4096",
                    help="length-buckets: prompt-length thresholds (default 256,1024,4096)")
@@ -113,7 +114,7 @@ def run_simulate_cmd(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from bench.metrics import parse_slo
     from bench.workload import build_workload, summarize_workload
-    from cluster.config_cli import config_from_args
+    from cluster.config.flags import config_from_args
     from engine.costs.calibration import CalibrationError
     from sim.cluster import Simulation
     from sim.options import SimOptions
@@ -245,6 +246,15 @@ def run_calibrate_cmd(args: argparse.Namespace) -> int:
         print(line)
     return 0
 
+
+def _study_context(args: argparse.Namespace):
+    """`pdserve study --simulate`'s context maker (sim/study.py loads torch: only when asked)."""
+    from sim.study import sim_context_factory
+
+    return sim_context_factory(args)
+
+
+register_simulator(_study_context)
 
 SUBCOMMANDS = {
     "simulate": ("simulate a cluster on a calibrated cost model (bench's flags and output)",

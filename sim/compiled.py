@@ -1,10 +1,10 @@
 """The opt-in compiled simulator: the same source, compiled with mypyc (`make sim-fast`).
 
-`make sim-fast` (sim/build_fast.py) copies pdserve's packages into build/simfast/ and
+`make sim-fast` (tools/sim_build_fast.py) copies pdserve's packages into build/simfast/ and
 compiles the simulator's hot modules there (``COMPILED``: sim/'s event loop, workers,
 links, router and cost model, and the real policy code they run) with mypyc, next to
 the copied sources. Nothing imports from that directory unless asked: the service and
-`make test` run the source tree. `python -m sim.bench_scale` and `pdserve simulate`, run
+`make test` run the source tree. `python -m tools.sim_bench_scale` and `pdserve simulate`, run
 from the command line, re-execute themselves on the build (``reexec``) when it is there
 and was built from the source as it is now (``--code auto``, the default; ``compiled``
 insists, ``interpreted`` never), and print which code ran. A build older than any source
@@ -27,15 +27,15 @@ PACKAGES = ("engine", "kv_transfer", "runtime", "prefill_worker", "decode_worker
             "proto", "bench", "sim")
 DATA = ("engine/data/*.txt", "engine/attention/*.cpp", "engine/models/*.cpp", "bench/data/*.json")
 # the modules compiled (the rest of the copy runs interpreted): sim/'s own hot path, then
-# the policy code it runs (a profile of `python -m sim.bench_scale --policy-share` picks them).
+# the policy code it runs (a profile of `python -m tools.sim_bench_scale --policy-share` picks them).
 COMPILED = (
     "sim/loop.py", "sim/worker.py", "sim/decode_runs.py", "sim/decode_kv.py", "sim/decode.py",
     "sim/prefill.py", "sim/link.py", "sim/admission.py", "sim/router_upkeep.py",
     "sim/router_reserve.py", "sim/router.py", "engine/costs/model.py", "engine/costs/analytic.py",
     "engine/block_manager.py", "engine/request.py", "decode_worker/scheduler.py",
-    "prefill_worker/scheduler.py", "prefill_worker/policies.py", "cluster/routing_policies.py",
-    "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py", "cluster/admission.py",
-    "cluster/pool.py", "sim/adapters.py", "sim/cluster.py",
+    "prefill_worker/scheduler.py", "prefill_worker/policies.py", "cluster/router/policies.py",
+    "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py", "cluster/router/admission.py",
+    "cluster/router/pool.py", "sim/adapters.py", "sim/cluster.py",
 )
 ENV = "PDSERVE_SIM_COMPILED"  # set in the re-executed process: the build it runs on
 CODES = ("auto", "compiled", "interpreted")

@@ -40,7 +40,7 @@ PROMPT, OUTPUT, SPACING_S = 96, 24, 0.3
 
 def service_config(model_dir: str, max_model_len: int):
     """The 1P1D service measured (TCP KV link, one CPU per worker)."""
-    from cluster.config import ServeConfig
+    from cluster.config.serve import ServeConfig
 
     return ServeConfig.from_dict({
         "model": {"path": model_dir, "device": "cpu", "max_model_len": max_model_len},
@@ -54,7 +54,7 @@ def delivery_mechanism() -> tuple[str, float | None]:
     """The router's: workers push one message per step over their control channel and
     the router applies and detokenizes what queued as one batch (one path for the whole
     router), or it long-polls each worker (one path per worker, polls that time out)."""
-    from cluster import router_events
+    from cluster.router.router import events as router_events
 
     if hasattr(router_events.EventPump, "on_batch"):
         return "router", None

@@ -83,7 +83,7 @@ class SimResult:
                 t = self._steps[w.worker_id][first:first + count]
                 t = t if self._per_step else self._delivery.arrivals(t)
                 # the leg's first step carries its first token: the router streams the
-                # prefill's copy or this one, whichever comes first (cluster/router_events.py)
+                # prefill's copy or this one, whichever comes first (cluster/router/events.py)
                 if seen:  # the prefill's copy is the part before
                     parts[-1] = np.minimum(parts[-1], t[:1])
                 else:

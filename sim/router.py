@@ -1,9 +1,9 @@
-"""The simulated router: cluster/router.py's request lifecycle on the simulated clock.
+"""The simulated router: cluster/router/router.py's request lifecycle on the simulated clock.
 
 Reproduced: the bounded admission queue (sim/admission.py drives the router's own
 AdmissionCore); the reserve sent with the add when nobody waits (sim/router_reserve.py); the first token from the prefill or decode's first step, whichever comes
-first (cluster/router_events.py; timed in sim/results.py); prefill placement by a
-registered policy over outstanding prefill tokens (cluster/routing_policies.py); legs (a preemption or a failure
+first (cluster/router/events.py; timed in sim/results.py); prefill placement by a
+registered policy over outstanding prefill tokens (cluster/router/policies.py); legs (a preemption or a failure
 starts a new leg that recomputes prompt + tokens so far); request deadlines; the
 periodic keepalives, stats and adaptive-chunk pressure (sim/router_upkeep.py).
 
@@ -14,7 +14,7 @@ the router by the control plane's delivery model (engine/costs/delivery.py: firs
 per-step delivery, coalescing while the path is busy), applied in sim/prefill.py and
 sim/results.py. The router's CPU as a shared server (queueing under load) is not
 modelled; worker death and restarts are not. KV-wait keepalives are sent as
-cluster/router_events.py sends them.
+cluster/router/events.py sends them.
 """
 
 from __future__ import annotations

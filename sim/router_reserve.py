@@ -1,10 +1,10 @@
-"""The simulated router's reserve sent with the add (cluster/router.py ``_decode_at_once``
+"""The simulated router's reserve sent with the add (cluster/router/router.py ``_decode_at_once``
 and ``_reserve_reply`` on the simulated clock).
 
 With ``RouterConfig.reserve_with_add`` on and nobody waiting for admission, a new leg's
 decode ``reserve`` and prefill ``add`` go out at the same instant, to the first decode
 worker in the admission's order that has no reserve in flight (the admission's or one
-sent this way) and room for the prompt by its last load message (cluster/pool.py
+sent this way) and room for the prompt by its last load message (cluster/router/pool.py
 ``has_room``, the router's rule; the view is what the simulated worker published at its
 last step start, sim/decode.py). With ``pipelined_reserves`` reserves in flight do not
 stop another: the worker with the least KV usage counting the blocks they ask for (then
@@ -52,7 +52,7 @@ class ReserveWithAdd(RouterUpkeep):
         raise NotImplementedError
 
     def decode_at_once(self, prompt_len: int) -> SimDecode | None:
-        """cluster/router.py _decode_at_once (every simulated prefill worker is alive)."""
+        """cluster/router/router.py _decode_at_once (every simulated prefill worker is alive)."""
         adm = self.admission
         if not self.cfg.reserve_with_add or len(adm):
             return None
@@ -66,7 +66,7 @@ class ReserveWithAdd(RouterUpkeep):
         return None
 
     def _least_promised(self, prompt_len: int) -> SimDecode | None:
-        """cluster/router.py _least_promised over the admission's order of the decode
+        """cluster/router/router.py _least_promised over the admission's order of the decode
         workers (every one: none dies here): the least KV usage by the last load, counting
         the reserves in flight (then the fewest of them), among those with room; the
         first in that order of those tied. The order is asked for only when there is a
@@ -126,7 +126,7 @@ class ReserveWithAdd(RouterUpkeep):
 
     def _reserve_reply(self, f: Flight, w: SimDecode, leg: str, round_: int, blocks: int,
                        ok: bool, error: str | None) -> None:
-        """cluster/router.py _reserve_reply (a simulated worker never dies)."""
+        """cluster/router/router.py _reserve_reply (a simulated worker never dies)."""
         self.reserving.answered(id(w), blocks)
         if ok or f.leg_id != leg or f.done:
             return  # (an ended leg's end aborted it on both workers)

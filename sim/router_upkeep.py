@@ -1,5 +1,5 @@
-"""The simulated router's periodic work (cluster/router_upkeep.py and the loops of
-cluster/router_events.py on the simulated clock): KV-wait keepalives to the decode
+"""The simulated router's periodic work (cluster/router/upkeep.py and the loops of
+cluster/router/events.py on the simulated clock): KV-wait keepalives to the decode
 workers, the stale KV-usage view the decode order reads, and the adaptive-chunk pressure
 fed to every prefill worker. Each loop re-arms while requests are in flight or to come.
 """
@@ -14,7 +14,7 @@ import numpy as np
 from sim.adapters import RouterConfig
 from sim.loop import EventLoop
 
-PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router_events.py
+PRESSURE_WINDOW_S, PRESSURE_PERIOD_S = 2.0, 0.5  # cluster/router/events.py
 
 
 class RouterUpkeep:
@@ -35,7 +35,7 @@ class RouterUpkeep:
 
     # ---- periodic views ---------------------------------------------------------------
     def keepalive_loop(self) -> None:
-        """cluster/router_events.py _keepalive_loop: each decode worker hears which of its
+        """cluster/router/events.py _keepalive_loop: each decode worker hears which of its
         pending legs still have their prefill queued or running."""
         by_decode: dict[str, list[str]] = {}
         for p in self.sim.prefill:
@@ -58,7 +58,7 @@ class RouterUpkeep:
             self.loop.at(self.loop.now + period, self.refresh_stats, period)
 
     def pressure_loop(self) -> None:
-        """cluster/router_events.py _pressure_loop: decode ITL p90 over the last window
+        """cluster/router/events.py _pressure_loop: decode ITL p90 over the last window
         against the target, to every prefill worker's chunk policy."""
         now = self.loop.now
         gaps: list = []

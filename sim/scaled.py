@@ -9,7 +9,7 @@ latencies (``control``: the per-message latency and every delivery figure), whic
 work of the router and the workers' threads under the same contention; optionally the KV
 links (``link``: latency and seconds per byte of a write, the connector's threads under the
 same contention). ``delivery`` replaces the idle delivery figures by ones fitted under load
-(then ``control`` scales only the per-message latency). bench/sim_validate.py measures all
+(then ``control`` scales only the per-message latency). tools/sim_validate.py measures all
 of them on a separate run of the same configuration and load: the real workers' mean step
 time over the simulator's, the real dispatch latency over the simulated one, the real KV
 handoff over the simulated one (or, ``handoff``, each leg's real handoff less the

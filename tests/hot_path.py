@@ -1,4 +1,4 @@
-"""Which source files a request's hot path runs, from cluster/servicer.py's Generate to
+"""Which source files a request's hot path runs, from cluster/grpc/servicer.py's Generate to
 its first streamed token, over the real P/D parts in one process (issue 12's measure): the router's thread, the actor
 calls and the prefill worker's loop; the decode loop and the KV link threads run beside
 the path (the first token waits for neither) and are left out.
@@ -96,12 +96,12 @@ def _yields_first_token(frame, result) -> bool:
 
 
 def _files(model_dir: str) -> dict[str, str]:
-    from cluster.config import ServeConfig
-    from cluster.placement import plan_pools
-    from cluster.pool import WorkerHandle
-    from cluster.router import Router, RouterConfig
-    from cluster.servicer import GenerationServicer, ServingState
-    from cluster.worker_specs import worker_specs
+    from cluster.config.serve import ServeConfig
+    from cluster.grpc.servicer import GenerationServicer, ServingState
+    from cluster.launch.placement import plan_pools
+    from cluster.launch.worker_specs import worker_specs
+    from cluster.router.pool import WorkerHandle
+    from cluster.router.router import Router, RouterConfig
     from decode_worker.worker import DecodeWorker
     from engine.loader import load_tokenizer
     from prefill_worker.worker import PrefillWorker
@@ -207,7 +207,7 @@ def main() -> None:
     else:
         for f, why in files.items():
             print(f"{f}  <- {why}" if "--why" in args else f)
-    print(f"{len(files)} files from cluster/servicer.py to the first streamed token "
+    print(f"{len(files)} files from cluster/grpc/servicer.py to the first streamed token "
           f"({len({f.split('/')[0] for f in files})} packages)")
 
 

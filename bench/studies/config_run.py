@@ -16,7 +16,7 @@ from engine.quantiles import percentile
 from engine.tracing import TraceEvent
 
 if TYPE_CHECKING:
-    from cluster.config import ServeConfig
+    from cluster.config.serve import ServeConfig
 
 
 @dataclass

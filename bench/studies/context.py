@@ -22,7 +22,7 @@ from bench.studies.link import DEFAULT_RATIO, LinkEmulation, Reference, measure_
 from bench.studies.service import DISAGG, Drive, Layout, ServicePool
 from bench.studies.traces import with_emulated_link, write_trace_files
 from bench.workload import WorkloadRequest
-from cluster.config import ServeConfig
+from cluster.config.serve import ServeConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_SLOS = {"ttft": 2000.0, "tpot": 200.0}  # ms; CPU-sized, recorded in every result
@@ -101,7 +101,7 @@ class StudyContext:
 
     def credit_window_mb(self, cfg: ServeConfig) -> float:
         """The credit window the workers of ``cfg`` run with."""
-        from cluster.worker_specs import credit_window_bytes
+        from cluster.launch.worker_specs import credit_window_bytes
 
         return credit_window_bytes(cfg, self.model_config) / float(1 << 20)
 

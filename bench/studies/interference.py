@@ -1,5 +1,5 @@
 """interference: do long prompts hurt running decodes? (``pdserve study interference`` and,
-with its own flags and printout, ``python -m bench.interference``)
+with its own flags and printout, ``python -m tools.interference``)
 
 Each layout serves the same streaming chats twice: alone, then while long prompts arrive
 (``long`` of them, or with ``long=0`` one after the other until the chats end, those
@@ -23,7 +23,7 @@ from bench.records import RequestRecord
 from bench.studies.common import Column, StudyContext, StudyResult, config_detail
 from bench.studies.service import DISAGG, Drive, Layout, OnDone, Sender
 from bench.workload import WorkloadRequest
-from cluster.config import ServeConfig
+from cluster.config.serve import ServeConfig
 from engine.quantiles import percentile
 
 NAME = "interference"
@@ -184,7 +184,7 @@ def run(ctx: StudyContext) -> StudyResult:
         "ITL max shows the single worst stall (one per chat and whole-prompt prefill).",
         COLUMNS, rows, details, extra={"workload": asdict(spec)})
     if any(LAYOUTS[n].kind == "colocated" for n in names):
-        result.notes.append("Colocated engines record no trace events (cluster/colocated_pool.py "
+        result.notes.append("Colocated engines record no trace events (cluster/launch/colocated_pool.py "
                             "has no tracer), so only the disaggregated layout has a timeline.")
     if rows:
         from bench.plots import plot_grouped_bars

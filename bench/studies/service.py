@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from bench.records import RequestRecord
 from bench.workload import WorkloadRequest
-from cluster.config import ServeConfig
+from cluster.config.serve import ServeConfig
 from engine.tracing import TraceEvent, events_from_dicts
 from runtime.gc_pauses import settle
 
@@ -69,7 +69,7 @@ class Drive:
 
 def build_router(cfg: ServeConfig, layout: Layout = DISAGG, *, trace: bool = False):
     """Start ``layout``'s workers for ``cfg`` on Ray; returns the Router in front of them."""
-    from cluster.launcher import (
+    from cluster.launch.launcher import (
         LaunchOptions,
         build_colocated_pool_router,
         build_disaggregated_router,
@@ -105,7 +105,7 @@ class RunOutput:
 
 @contextlib.contextmanager
 def heap_frozen() -> Iterator[None]:
-    """As ``cluster.server.serve`` after startup, for the length of a run: what this process
+    """As ``cluster.serve.server.serve`` after startup, for the length of a run: what this process
     holds now (torch, the model's config, earlier runs' traces) goes off the collector, so
     a full collection during the run walks the run's own objects only. The router runs in
     this process here, and a full collection pauses it: 7 runs of one workload holding
@@ -121,7 +121,7 @@ class Service:
     """One configuration, started; ``close()`` stops the gRPC server, router and actors."""
 
     def __init__(self, cfg: ServeConfig, layout: Layout = DISAGG, *, trace: bool = True):
-        from cluster.server import BackgroundServer
+        from cluster.serve.server import BackgroundServer
 
         self.cfg = cfg.with_values({"server.port": 0, "limits.drain_timeout_s": 0.0})
         self.layout = layout
@@ -189,7 +189,7 @@ class Service:
         return records, before, self.worker_stats()
 
     def close(self) -> None:
-        server_log = logging.getLogger("cluster.server")
+        server_log = logging.getLogger("cluster.serve.server")
         level = server_log.level
         server_log.setLevel(logging.ERROR)  # "health: NOT_SERVING" is expected here
         try:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cluster.types import GenerateSpec, RouterError
+from cluster.router.types import GenerateSpec, RouterError
 
 
 @pytest.fixture(scope="session")
@@ -97,8 +97,8 @@ def _router_factory(tiny_model):
     """A `start(overrides, launch_options) -> RouterRunner` and the runners it started."""
     import ray
 
-    from cluster.config import ServeConfig
-    from cluster.launcher import LaunchOptions, build_disaggregated_router
+    from cluster.config.serve import ServeConfig
+    from cluster.launch.launcher import LaunchOptions, build_disaggregated_router
 
     runners: list[RouterRunner] = []
 

@@ -13,9 +13,9 @@ import sys
 
 import ray
 
-from cluster.config import ServeConfig
-from cluster.launcher import build_colocated_pool_router, build_disaggregated_router
-from cluster.types import GenerateSpec
+from cluster.config.serve import ServeConfig
+from cluster.launch.launcher import build_colocated_pool_router, build_disaggregated_router
+from cluster.router.types import GenerateSpec
 from engine import LLM, SamplingParams
 
 SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -56,7 +56,7 @@ def serve(router, tag: str) -> dict:
 
 def main(model_dir: str) -> None:
     notes = Notes()
-    logging.getLogger("cluster.launcher").addHandler(notes)
+    logging.getLogger("cluster.launch.launcher").addHandler(notes)
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, namespace="pdserve-fake-gpu",
              configure_logging=False, log_to_driver=False)
     cfg = ServeConfig.from_dict({"model": {"path": model_dir},  # device: auto (default)

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from cluster.cli import main
-from cluster.config import ServeConfig
-from cluster.local_backend import LocalBackend
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.launch.local_backend import LocalBackend
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""bench/control_plane.py --quick runs end to end (engine, service tree, grpc floor, idle
+"""tools/control_plane.py --quick runs end to end (engine, service tree, grpc floor, idle
 latency) and prints every figure line; the figures themselves are not judged here."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.front_door_profile import py_spy
+from tools.front_door_profile import py_spy
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_control_plane_bench_quick_prints_its_lines(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "bench.control_plane", "--quick",
+    out = subprocess.run([sys.executable, "-m", "tools.control_plane", "--quick",
                           "--profile", str(tmp_path)], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

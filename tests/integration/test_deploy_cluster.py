@@ -37,7 +37,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.client import PdserveClient
+from cluster.grpc.client import PdserveClient
 from engine import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

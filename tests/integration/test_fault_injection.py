@@ -22,8 +22,8 @@ from dataclasses import replace
 import pytest
 
 from bench.soak_report import idle_problems
-from cluster.launcher import LaunchOptions
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.launch.launcher import LaunchOptions
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -65,7 +65,7 @@ def reference(tiny_model):
 @pytest.fixture
 def redispatches(caplog):
     """The router's re-dispatch log lines: request id -> reasons."""
-    caplog.set_level(logging.INFO, logger="cluster.router_events")
+    caplog.set_level(logging.INFO, logger="cluster.router.events")
 
     def get() -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}

@@ -18,7 +18,7 @@ import grpc
 import psutil
 import pytest
 
-from cluster.convert import build_request
+from cluster.grpc.convert import build_request
 from engine import LLM, SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -73,7 +73,7 @@ def test_two_front_doors_serve_one_port_exactly_and_share_aborts_and_stats(two_d
                                                                           tiny_model):
     proc, addr = two_doors
     children = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                if "cluster.front_door" in " ".join(c.cmdline())]
+                if "cluster.serve.front_door" in " ".join(c.cmdline())]
     assert len(children) == 1  # front door 0 is the serve process itself
     chans, stubs = _stubs(addr)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i)] for i in range(N_CONN)]

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.local_backend import LocalBackend
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.local_backend import LocalBackend
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 

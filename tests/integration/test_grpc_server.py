@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.local_backend import LocalBackend
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.local_backend import LocalBackend
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 from tests.tls_cert import self_signed_cert
 

@@ -11,10 +11,10 @@ import openai
 import pytest
 import torch
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.launcher import build_disaggregated_router
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.launcher import build_disaggregated_router
+from cluster.serve.server import BackgroundServer
 from tests.integration.test_openai_service import assert_no_leaks
 from tests.logprobs_ref import check_entry, check_prompt, hf_logprobs
 

@@ -15,7 +15,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
-from cluster.types import GenerateSpec
+from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 
 # DESIGN.md §5 (counters appear with `_total` on the wire; the parser strips it from

@@ -14,12 +14,12 @@ import openai
 import pytest
 import torch
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.launcher import build_disaggregated_router
-from cluster.local_backend import LocalBackend
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.launcher import build_disaggregated_router
+from cluster.launch.local_backend import LocalBackend
 from cluster.metrics import ServiceMetrics
-from cluster.server import BackgroundServer
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 from tests.tls_cert import self_signed_cert
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import LLM, SamplingParams
 from tests.integration.test_pd_router import assert_quiescent
 

@@ -11,10 +11,10 @@ import grpc
 import pytest
 import torch
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.launcher import build_disaggregated_router
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.launcher import build_disaggregated_router
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 
 

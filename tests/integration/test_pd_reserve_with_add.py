@@ -12,8 +12,8 @@ import asyncio
 
 import torch
 
-from cluster.launcher import LaunchOptions
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.launch.launcher import LaunchOptions
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import LLM, SamplingParams
 from tests.integration.test_pd_router import _outcome, assert_quiescent
 

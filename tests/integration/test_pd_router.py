@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.launcher import LaunchOptions
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.launch.launcher import LaunchOptions
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

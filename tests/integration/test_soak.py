@@ -28,12 +28,12 @@ import pytest
 from bench.soak import SoakConfig, router_phase_probe, run_soak
 from bench.soak_plan import ABORT_PHASES, TERMINAL, build_plan, queued_refusal
 from bench.soak_service import PressureService, PressureServiceSpec
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.faults import find_worker_actors, service_tag
-from cluster.launcher import LaunchOptions, build_disaggregated_router
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.faults import find_worker_actors, service_tag
+from cluster.launch.launcher import LaunchOptions, build_disaggregated_router
 from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
-from cluster.server import BackgroundServer
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 from engine.loader import load_model_config
 from tests.integration.test_grpc_fuzz import MALFORMED, assert_rejected

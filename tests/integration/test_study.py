@@ -125,9 +125,9 @@ def test_pacing_sweep_in_process_records_policies_overlap_and_link(ctx) -> None:
 def test_pdserve_bench_against_a_running_server_prints_the_block_and_writes_json(
         tiny_model, tmp_path, capsys) -> None:
     from cluster.cli import main
-    from cluster.config import ServeConfig
-    from cluster.local_backend import LocalBackend
-    from cluster.server import BackgroundServer
+    from cluster.config.serve import ServeConfig
+    from cluster.launch.local_backend import LocalBackend
+    from cluster.serve.server import BackgroundServer
     from engine import LLM
 
     cfg = ServeConfig().with_values({"server.port": 0})

@@ -9,10 +9,10 @@ import time
 import pytest
 import ray
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.launcher import build_disaggregated_router
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.launcher import build_disaggregated_router
+from cluster.serve.server import BackgroundServer
 from runtime.worker import rank_actor_name
 from tests.integration.test_pd_grpc import assert_no_leaks
 from tests.unit.test_engine_exactness import hf_greedy, prompt

@@ -11,9 +11,9 @@ import sys
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.config import ServeConfig
-from cluster.launcher import LaunchOptions, build_disaggregated_router
-from cluster.types import GenerateSpec
+from cluster.config.serve import ServeConfig
+from cluster.launch.launcher import LaunchOptions, build_disaggregated_router
+from cluster.router.types import GenerateSpec
 from engine import LLM, SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""AdmissionCore (cluster/admission.py) on its own: the admission's decisions, driven by
+"""AdmissionCore (cluster/router/admission.py) on its own: the admission's decisions, driven by
 hand with no event loop, as the router's DecodeAdmission and the simulator's SimAdmission
 drive them. A fake driver records what the core asks; answers are given explicitly."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.admission import AdmissionCore, Waiter
+from cluster.router.admission import AdmissionCore, Waiter
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""Decode admission with several reservations in flight (cluster/admission.py): a waiter
+"""Decode admission with several reservations in flight (cluster/router/admission.py): a waiter
 behind a head that waits on a slow worker is admitted to another worker with room, and
 arrival order still holds (a later waiter's grant is tentative, and given back, while an
 earlier one may need that worker). States are built with held reserve calls (an
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.scripted_workers import collect, make_router, until
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
 from runtime.messages import EventKind
+from tests.scripted_workers import collect, make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 SP = SamplingParams(temperature=0.0, max_tokens=2)

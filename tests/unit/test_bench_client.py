@@ -10,8 +10,8 @@ import pytest
 from bench.client import build_record, collect, run_requests
 from bench.metrics import compute_metrics
 from bench.workload import WorkloadRequest
-from cluster.client import Chunk
-from cluster.types import Usage
+from cluster.grpc.client import Chunk
+from cluster.router.types import Usage
 
 USAGE = Usage(prompt_tokens=4, completion_tokens=3, queue_s=0.01, prefill_s=0.02,
               transfer_s=0.003, decode_s=0.04)

@@ -11,7 +11,7 @@ from array import array
 import pytest
 
 import engine.block_manager as bmod
-from cluster.routing_policies import PrefillLoad, PrefixAffinity
+from cluster.router.policies import PrefillLoad, PrefixAffinity
 from engine.block_manager import BlockManager, block_hashes
 from engine.request import Request, SamplingParams
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig

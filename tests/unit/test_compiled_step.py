@@ -200,7 +200,7 @@ def test_padding_rows_write_no_kv():
 def test_modes_and_buckets():
     from dataclasses import fields
 
-    from cluster.config import ModelSection
+    from cluster.config.serve import ModelSection
     from engine.config import EngineConfig
 
     key = next(f for f in fields(ModelSection) if f.name == "compile")
@@ -217,8 +217,8 @@ def test_modes_and_buckets():
 
 
 def test_the_compile_key_reaches_the_workers_engine_config(tiny_model):
-    from cluster.config import ServeConfig
-    from cluster.worker_specs import engine_config
+    from cluster.config.serve import ServeConfig
+    from cluster.launch.worker_specs import engine_config
 
     cfg = ServeConfig().with_values({"model.compile": "decode"})
     assert cfg.model.compile == "decode"
@@ -263,8 +263,8 @@ def test_rms_norm_is_one_op_and_bit_equal_to_transformers_fp32():
 def test_gpu_decode_step_skips_cleanly_without_cuda(tmp_path, capsys):
     import json
 
-    from bench import gpu_decode_step
-    from bench.gpu_check_steps import STEPS
+    from tools import gpu_decode_step
+    from tools.gpu_check_steps import STEPS
 
     out = tmp_path / "decode.json"
     assert gpu_decode_step.main(["--out", str(out)]) == 0

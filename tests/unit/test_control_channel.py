@@ -1,5 +1,5 @@
 """The worker's control channel (runtime/channel.py) against the front door's side
-(cluster/worker_channel.py) over real sockets: the HMAC handshake, commands run in order
+(cluster/router/channel.py) over real sockets: the HMAC handshake, commands run in order
 with results and exceptions returned, one message per step routed to the link that
 created each leg, load updates, a lost link failing its calls, and no routing entry left
 once every leg ended (the channel's leak check)."""
@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from cluster.worker_channel import ChannelActor, WorkerChannel, _open
+from cluster.router.channel import ChannelActor, WorkerChannel, _open
 from engine.request import FinishReason, SamplingParams
 from kv_transfer.tcp_auth import AuthError
 from runtime.batch_codec import decode_batch, encode_batch, entry_event

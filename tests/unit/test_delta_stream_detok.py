@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from cluster.delta_stream import DeltaStream
-from cluster.types import ErrorCode, RouterError, TokenDelta
+from cluster.router.delta_stream import DeltaStream
+from cluster.router.types import ErrorCode, RouterError, TokenDelta
 from engine.detokenize import (
     BatchDecoder,
     DetokenizerThread,

@@ -62,8 +62,8 @@ def assert_serve_flags_parse(argv: list[str]):
     """The flags are real `pdserve serve` flags and the config they build is valid."""
     import argparse
 
-    from cluster.config import ServeConfig
-    from cluster.config_cli import add_cli_flags
+    from cluster.config.flags import add_cli_flags
+    from cluster.config.serve import ServeConfig
 
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)
@@ -226,7 +226,7 @@ def test_dockerignore_keeps_the_package_sources():
 
 # ---- deploy/pdserve.yaml ----------------------------------------------------------------------
 def test_pdserve_yaml_loads_and_covers_every_section():
-    from cluster.config import SECTIONS, ServeConfig
+    from cluster.config.serve import SECTIONS, ServeConfig
 
     path = DEPLOY / "pdserve.yaml"
     cfg = ServeConfig.from_yaml(path)

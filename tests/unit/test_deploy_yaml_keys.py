@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.config import SECTIONS
+from cluster.config.serve import SECTIONS
 
 PDSERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "pdserve.yaml"
 

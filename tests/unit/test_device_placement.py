@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from cluster.placement import plan_colocated, plan_pools
+from cluster.launch.placement import plan_colocated, plan_pools
 from engine.device import ThreadBinder, resolve_device
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)

@@ -9,10 +9,10 @@ from unittest import mock
 
 import pytest
 
-from cluster.config import ServeConfig
-from cluster.config_cli import add_cli_flags, config_from_args
-from cluster.placement import plan_pools
-from cluster.worker_specs import early_kv_config, worker_specs
+from cluster.config.flags import add_cli_flags, config_from_args
+from cluster.config.serve import ServeConfig
+from cluster.launch.placement import plan_pools
+from cluster.launch.worker_specs import early_kv_config, worker_specs
 from decode_worker.early_kv import EarlyKVConfig
 
 EARLY = {"early_kv_leg_mb": 1.5, "early_kv_leg_chunks": 8, "early_kv_total_mb": 4,

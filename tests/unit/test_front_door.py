@@ -10,10 +10,17 @@ import time
 import grpc
 import pytest
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.server import BackgroundServer
-from cluster.types import ClusterStats, ErrorCode, RouterError, TokenDelta, Usage, WorkerStats
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.router.types import (
+    ClusterStats,
+    ErrorCode,
+    RouterError,
+    TokenDelta,
+    Usage,
+    WorkerStats,
+)
+from cluster.serve.server import BackgroundServer
 from engine.detokenize import IncrementalDetokenizer
 
 

@@ -1,14 +1,14 @@
-"""cluster/front_door_loop.py: the front door's event loop by name (server.event_loop),
+"""runtime/event_loop.py: the front door's event loop by name (server.event_loop),
 and the whole gRPC front door (streams, health, Abort, drain) on uvloop."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.client import AsyncPdserveClient
-from cluster.config import ServeConfig
-from cluster.front_door_loop import EVENT_LOOPS, resolve, run, running_loop_name
-from cluster.server import GenerationServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import AsyncPdserveClient
+from cluster.serve.server import GenerationServer
+from runtime.event_loop import EVENT_LOOPS, resolve, run, running_loop_name
 from tests.unit.test_front_door import FakeRouter
 
 

@@ -11,11 +11,11 @@ import threading
 import grpc
 import pytest
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.convert import build_request
-from cluster.server import BackgroundServer
-from cluster.servicer import GenerationServicer, ServingState
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.grpc.convert import build_request
+from cluster.grpc.servicer import GenerationServicer, ServingState
+from cluster.serve.server import BackgroundServer
 from engine.validation import MAX_STOP_TOKEN_IDS
 from tests.unit.test_front_door import FakeRouter, _wait
 
@@ -187,7 +187,7 @@ def test_stop_token_ids_are_bounded(door):
 def test_the_proto_documents_the_limits_the_door_enforces():
     from pathlib import Path
 
-    from cluster.intake import DEFAULT_MAX_PROMPT_BYTES
+    from cluster.grpc.intake import DEFAULT_MAX_PROMPT_BYTES
 
     proto = (Path(__file__).parents[2] / "proto/pdserve/v1/pdserve.proto").read_text()
     stop = proto[proto.index("repeated int32 stop_token_ids"):]

@@ -1,11 +1,11 @@
-"""bench/front_door_profile.py: py-spy's collapsed stacks -> the summary that
-bench/control_plane.py --profile writes (waiting samples apart, stable native frames)."""
+"""tools/front_door_profile.py: py-spy's collapsed stacks -> the summary that
+tools/control_plane.py --profile writes (waiting samples apart, stable native frames)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.front_door_profile import read_collapsed, stable_frame, summarize
+from tools.front_door_profile import read_collapsed, stable_frame, summarize
 
 
 def test_native_addresses_become_file_offsets_and_lines_go(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.generate_wire import common_message, id_field, response_bytes
+from cluster.grpc.wire import common_message, id_field, response_bytes
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import attention_bw
+from tools import attention_bw
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gpu_check_skips_cleanly_and_runs_its_cpu_parts(tmp_path):
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(out), "--quick",
+    r = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(out), "--quick",
                         "--limit-scale", "5"],  # a loaded CI machine: the limits are for GPUs
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -48,14 +48,14 @@ def test_gpu_check_skips_cleanly_and_runs_its_cpu_parts(tmp_path):
 
 
 def test_a_bad_model_is_named(tmp_path):
-    from bench.gpu_check import prepare_model
+    from tools.gpu_check import prepare_model
 
     with pytest.raises(SystemExit, match="neither a preset"):
         prepare_model(str(tmp_path / "nowhere"), cuda=True)
 
 
 def test_unknown_steps_are_rejected(capsys):
-    from bench.gpu_check import parse_args
+    from tools.gpu_check import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--out", "x.json", "--steps", "env,warp"])

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.config import ServeConfig
-from cluster.worker_specs import credit_window_bytes
+from cluster.config.serve import ServeConfig
+from cluster.launch.worker_specs import credit_window_bytes
 from engine import memory
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache import KVCache

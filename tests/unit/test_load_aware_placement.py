@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.scripted_workers import collect, make_router, serve_leg
-from cluster.pool import WorkerHandle
-from cluster.types import GenerateSpec
+from cluster.router.pool import WorkerHandle
+from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 from runtime.messages import WorkerInfo, WorkerLoad
+from tests.scripted_workers import collect, make_router, serve_leg
 from tests.unit.test_router_races import assert_router_clean
 
 

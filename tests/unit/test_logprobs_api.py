@@ -1,4 +1,4 @@
-"""Log-probs through both front doors of the colocated backend (cluster/local_backend.py)
+"""Log-probs through both front doors of the colocated backend (cluster/launch/local_backend.py)
 on the tiny model in fp32: the official `openai` client (completions `logprobs` and
 `echo` as lm-eval's local-completions sends them, chat `logprobs`/`top_logprobs`, vLLM's
 `prompt_logprobs`, streamed and not) and gRPC, every value equal to transformers'
@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.local_backend import LocalBackend
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.launch.local_backend import LocalBackend
+from cluster.serve.server import BackgroundServer
 from engine import LLM
 from engine.logprobs import TokenLogprobs
 from tests.logprobs_ref import ATOL, check_entry, check_prompt, hf_logits, hf_logprobs

@@ -1,4 +1,4 @@
-"""The router and log-probs, with scripted fake workers (bench/scripted_workers.py): the
+"""The router and log-probs, with scripted fake workers (tests/scripted_workers.py): the
 workers' log-probs reach the client's deltas unchanged, and a leg that is re-dispatched
 after the first token (a decode preemption) does not ask for the prompt's log-probs
 again (they came with that first token), while one that failed before it does."""
@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from bench.scripted_workers import make_router
-from cluster.types import GenerateSpec
+from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 from engine.logprobs import TokenLogprobs
 from engine.request import FinishReason
 from runtime.messages import EventKind, WorkerEvent
+from tests.scripted_workers import make_router
 
 SP = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1, prompt_logprobs=2)
 PROMPT_LPS = (None, TokenLogprobs(2, -1.5, 3, ((9, -0.5), (4, -1.0))))

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from bench.sim_validate_steps import step_fits
 from bench.studies.service import RunOutput, merge_runs
 from engine.tracing import TraceEvent
 from tests.step_runs import MS
 from tests.step_runs import linear_costs as _base
 from tests.step_runs import step_run as _run
+from tools.sim_validate_steps import step_fits
 
 
 def _later(run: RunOutput, dt: float) -> RunOutput:

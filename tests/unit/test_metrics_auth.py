@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import ServerSection
+from cluster.config.serve import ServerSection
 from cluster.metrics import ServiceMetrics, serve_metrics, serve_metrics_for
 from tests.tls_cert import self_signed_cert
 

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP front door over the colocated engine (cluster/local_backend.py) and the
+"""The OpenAI HTTP front door over the colocated engine (cluster/launch/local_backend.py) and the
 tiny model, driven by the official `openai` client: greedy output equal to engine.LLM's,
 streamed and not, chat through the chat template, stop strings and stop tokens, and a
 client that leaves mid-stream; every test ends with the engine idle and no block used."""
@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from cluster.cli import main
-from cluster.config import ServeConfig
-from cluster.local_backend import LocalBackend
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.launch.local_backend import LocalBackend
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 from tests.openai_door import assert_idle, chat_model_dir
 

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from cluster.config import ServeConfig
-from cluster.server import BackgroundServer
+from cluster.config.serve import ServeConfig
+from cluster.serve.server import BackgroundServer
 from tests.unit.test_front_door import FakeRouter
 
 TOKEN = "s3cret-token"

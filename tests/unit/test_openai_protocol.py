@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.intake import PromptIntake
-from cluster.openai_protocol import (
+from cluster.grpc.intake import PromptIntake
+from cluster.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     parse_body,
 )
-from cluster.openai_responses import Shaper
-from cluster.openai_run import Piece
-from cluster.stop_strings import StopStrings
+from cluster.http.responses import Shaper
+from cluster.http.run import Piece
+from cluster.http.stop_strings import StopStrings
 
 VOCAB, MAX_LEN = 256, 64
 

@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 
-from cluster.config import ServeConfig
+from cluster.config.serve import ServeConfig
 from cluster.demo import long_text
-from cluster.local_backend import LocalBackend
-from cluster.server import BackgroundServer
+from cluster.launch.local_backend import LocalBackend
+from cluster.serve.server import BackgroundServer
 from engine import LLM, SamplingParams
 from engine.chat import render_chat
 from engine.model_fetch import REAL_MODELS, ModelFetchError, ensure_real_model, is_ready
@@ -124,7 +124,7 @@ def test_openai_chat_stream_on_real_weights(smollm2, default_engine):
 
 
 def test_model_names_and_cache_location_offline(tmp_path, monkeypatch):
-    from cluster.config import ModelSection
+    from cluster.config.serve import ModelSection
     from engine.model_fetch import cache_root, real_model_dir
 
     for name in REAL_MODELS:  # the config reads the registry itself: no copy to keep equal

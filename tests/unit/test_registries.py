@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cluster.cli import build_parser, main
-from cluster.config import ServeConfig
-from cluster.config_cli import config_from_args
+from cluster.config.flags import config_from_args
+from cluster.config.serve import ServeConfig
 from engine.registry import Registry, load_ref
 
 

@@ -22,13 +22,13 @@ import asyncio
 
 import pytest
 
-from bench.scripted_workers import make_router, until
-from cluster.types import GenerateSpec
+from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 from engine.logprobs import TokenLogprobs
 from engine.request import FinishReason
 from runtime.batch_codec import decode_batch, encode_batch
 from runtime.messages import EventKind, LegTiming, WorkerEvent
+from tests.scripted_workers import make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 

@@ -1,4 +1,4 @@
-"""The router at capacity, with scripted fake workers (bench/scripted_workers.py): request-id
+"""The router at capacity, with scripted fake workers (tests/scripted_workers.py): request-id
 reuse after every way a request can end, decode admission in arrival order until the
 deadline, preemption storms. States (full pool, reused id) are built on purpose."""
 
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from bench.scripted_workers import collect, make_router, serve_leg, until
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
 from runtime.messages import EventKind
+from tests.scripted_workers import collect, make_router, serve_leg, until
 from tests.unit.test_router_races import assert_router_clean
 
 SP = SamplingParams(temperature=0.0, max_tokens=2)
@@ -307,7 +307,7 @@ def test_preemptions_that_make_no_progress_count_as_failures():
 
 
 def test_prefix_affinity_remembers_a_bounded_number_of_first_blocks():
-    from cluster.routing_policies import PrefillLoad, PrefixAffinity
+    from cluster.router.policies import PrefillLoad, PrefixAffinity
 
     a, b = PrefillLoad("p0", 0), PrefillLoad("p1", 0)
     aff = PrefixAffinity(block_size=2, slack_tokens=10, capacity=3)
@@ -321,12 +321,12 @@ def test_prefix_affinity_remembers_a_bounded_number_of_first_blocks():
 
 
 def test_the_router_places_prefills_by_the_configured_policy_of_the_registry():
-    """RouterConfig.placement names a cluster/routing_policies.py policy (the simulator's
+    """RouterConfig.placement names a cluster/router/policies.py policy (the simulator's
     too); unset, the router does what it always did: prefix affinity with prefix caching."""
-    from cluster.flight import RouterConfig
-    from cluster.pool import WorkerHandle
-    from cluster.router import Router
-    from cluster.routing_policies import LeastOutstanding, LengthBuckets, PrefixAffinity
+    from cluster.router.flight import RouterConfig
+    from cluster.router.policies import LeastOutstanding, LengthBuckets, PrefixAffinity
+    from cluster.router.pool import WorkerHandle
+    from cluster.router.router import Router
 
     assert isinstance(RouterConfig().make_placement(), PrefixAffinity)
     assert isinstance(RouterConfig(prefix_affinity=False).make_placement(), LeastOutstanding)

@@ -1,4 +1,4 @@
-"""Router races with scripted fake worker actors (bench/scripted_workers.py; the real pools
+"""Router races with scripted fake worker actors (tests/scripted_workers.py; the real pools
 run in tests/integration): a pool dying during dispatch, aborts while a reservation is
 in flight, a re-dispatch that waits for admission, events from a worker that does not
 hold the leg. Each test ends with the router's leak check."""
@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from bench.scripted_workers import collect, make_router, serve_leg, until
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
 from runtime.messages import EventKind
+from tests.scripted_workers import collect, make_router, serve_leg, until
 
 SPEC = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
 

@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from bench.scripted_workers import make_router, serve_leg, until
-from cluster.types import ErrorCode, GenerateSpec, RouterError
+from cluster.router.types import ErrorCode, GenerateSpec, RouterError
 from engine import SamplingParams
 from runtime.messages import EventKind, WorkerLoad
+from tests.scripted_workers import make_router, serve_leg, until
 from tests.unit.test_router_races import assert_router_clean
 
 SPEC = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=3))

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.scripted_workers import collect, make_router, until
-from cluster.convert import build_request
-from cluster.delta_stream import DeltaStream
-from cluster.servicer import GenerationServicer, ServingState
-from cluster.types import GenerateSpec, RouterAPI
+from cluster.grpc.convert import build_request
+from cluster.grpc.servicer import GenerationServicer, ServingState
+from cluster.router.delta_stream import DeltaStream
+from cluster.router.types import GenerateSpec, RouterAPI
 from engine import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from runtime.messages import EventKind
+from tests.scripted_workers import collect, make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 API = {n for n in dir(RouterAPI) if not n.startswith("_")} | set(RouterAPI.__annotations__)

@@ -1,5 +1,5 @@
-"""cluster/routing_policies.py: the placement registry, today's router decisions reproduced
-exactly (differentially against cluster/pool.py's PrefixAffinity), and length buckets."""
+"""cluster/router/policies.py: the placement registry, today's router decisions reproduced
+exactly (differentially against cluster/router/pool.py's PrefixAffinity), and length buckets."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import random
 
 import pytest
 
-from cluster.flight import RouterConfig
-from cluster.pool import WorkerHandle
-from cluster.router import Router
-from cluster.routing_policies import (
+from cluster.router.flight import RouterConfig
+from cluster.router.policies import (
     DECODE_ORDERS,
     PREFILL_PLACEMENTS,
     DecodeLoad,
@@ -20,6 +18,8 @@ from cluster.routing_policies import (
     default_placement,
     make_placement,
 )
+from cluster.router.pool import WorkerHandle
+from cluster.router.router import Router
 
 
 def test_registry_names_and_unknown_name_is_an_error_naming_the_choices() -> None:

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.config import SECTIONS, ServeConfig
-from cluster.config_cli import add_cli_flags, config_from_args, flag_name, iter_keys
+from cluster.config.flags import add_cli_flags, config_from_args, flag_name, iter_keys
+from cluster.config.serve import SECTIONS, ServeConfig
 
 
 def _parse(argv: list[str]) -> ServeConfig:
@@ -185,7 +185,7 @@ def test_the_worker_configs_use_the_serving_configs_names():
 def test_field_types_come_from_the_annotations():
     from collections.abc import Mapping
 
-    from cluster.config_fields import field_type
+    from cluster.config.fields import field_type
 
     kinds = {f.name: field_type(SECTIONS["cache"], f) for f in fields(SECTIONS["cache"])}
     assert (kinds["block_size"].base, kinds["block_size"].optional) == (int, False)

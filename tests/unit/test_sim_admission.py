@@ -1,4 +1,4 @@
-"""The simulator's decode admission is the router's own (cluster/admission.py
+"""The simulator's decode admission is the router's own (cluster/router/admission.py
 AdmissionCore, driven on the simulated clock by sim/admission.py): several reserve calls in
 flight at once, one per decode worker, grants kept in arrival order, a waiter refused by
 every worker blocks those behind it. Each run ends with the simulator's leak check."""

@@ -1,5 +1,5 @@
 """Each request's drawn dispatch and first-token delivery (sim/scaled.py ScaledCosts
-``arrival``, measured per request by bench/sim_validate_terms.py arrival_residuals): a
+``arrival``, measured per request by tools/sim_validate_terms.py arrival_residuals): a
 request draws one real request's pair, the router's add waits its dispatch part and the
 prefill worker's first token its delivery part."""
 

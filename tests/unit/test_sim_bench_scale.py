@@ -1,4 +1,4 @@
-"""sim/bench_scale.py's profile split: the time of pdserve's real policy code against the
+"""tools/sim_bench_scale.py's profile split: the time of pdserve's real policy code against the
 simulator's own, a builtin's time counted on the side of its caller."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sim.bench_scale import policy_share
+from tools.sim_bench_scale import policy_share
 
 ROOT = "/repo/"
 
@@ -28,7 +28,7 @@ def test_policy_share_gives_builtins_to_their_callers_side() -> None:
 
 
 def test_bench_scale_prints_the_split_of_a_short_profiled_run(capsys) -> None:
-    from sim import bench_scale
+    from tools import sim_bench_scale as bench_scale
 
     args = bench_scale.parse(["--duration", "2", "--rate", "20", "--prefill", "1",
                               "--decode", "2", "--policy-share"])

@@ -120,7 +120,7 @@ def test_a_run_delivers_the_first_token_and_coalesced_decode_tokens_as_measured(
 
 
 def test_a_late_prefill_message_loses_the_first_token_to_decodes_first_step() -> None:
-    """cluster/router_events.py: decode's first step of a leg carries its first token, and
+    """cluster/router/events.py: decode's first step of a leg carries its first token, and
     the router streams whichever copy comes first (the other is dropped)."""
     req = WorkloadRequest("r0", 0.0, list(range(1, 33)), max_tokens=9)
     plain = _sim(Delivery(0.001, 0.001)).run([req]).records()[0]

@@ -1,5 +1,5 @@
 """The simulator's reserve sent with the add (sim/router_reserve.py, sim/decode_kv.py), as
-cluster/router.py dispatches: with nobody waiting for admission the decode reserve and the
+cluster/router/router.py dispatches: with nobody waiting for admission the decode reserve and the
 prefill add go out at the same simulated instant; with a waiter, reserve first, then add;
 a refused reserve ends the prefill leg and a new leg queues with the refusal counted; KV
 that overtakes its reserve is held and written when it lands (or dropped on refusal).
@@ -119,7 +119,7 @@ def test_with_a_waiter_a_later_request_reserves_first_then_adds() -> None:
 
 def test_pipelined_reserves_send_a_bursts_reserves_at_once_until_the_room_runs_out() -> None:
     """12 blocks of 16; seven 20-token prompts arrive together. Each reserve in flight
-    counts 20 // 16 + 1 = 2 blocks against the 12 of the last load (cluster/router.py
+    counts 20 // 16 + 1 = 2 blocks against the 12 of the last load (cluster/router/router.py
     _least_promised): six go with their adds at once; the seventh finds 0 blocks, goes to
     admission, whose reserve goes out too, and is added only once it is granted. Without
     the flag one reserve goes with an add; the others wait for admission's turn."""

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.sim_validate_steps import prefill_fit
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
 from sim.scaled import SPREAD_BLOCK, SPREAD_DRAWS, ScaledCosts, StepFit, _Draws
 from tests.step_runs import MS
 from tests.step_runs import linear_costs as _base
+from tools.sim_validate_steps import prefill_fit
 
 
 def test_the_draws_follow_the_spreads_order_in_blocks_from_seeded_starts() -> None:

@@ -1,10 +1,10 @@
-"""bench/sim_validate_noise.py: what the real runs' own spread lets the validation show."""
+"""tools/sim_validate_noise.py: what the real runs' own spread lets the validation show."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.sim_validate_noise import ceiling, noise_line, oracle_rows
+from tools.sim_validate_noise import ceiling, noise_line, oracle_rows
 
 M = ("a", "b")
 

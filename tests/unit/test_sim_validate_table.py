@@ -1,6 +1,6 @@
-"""bench/sim_validate_report.py (the validation's figures: the control-plane terms read
+"""tools/sim_validate_report.py (the validation's figures: the control-plane terms read
 from traces against the client's times, the term the table names when a row misses) and
-bench/sim_validate_terms.py (the under-load terms fitted to the real runs)."""
+tools/sim_validate_terms.py (the under-load terms fitted to the real runs)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from bench import sim_validate_report as sv
-from bench import sim_validate_terms as terms
 from bench.records import RequestRecord
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
+from tools import sim_validate_report as sv
+from tools import sim_validate_terms as terms
 
 MS = 1e-3
 
@@ -176,7 +176,7 @@ def test_the_table_shows_the_machines_drift_and_counts_the_rows_where_it_held() 
 def test_the_machine_canary_times_a_fixed_job_and_its_drift_is_a_ratio_of_medians() -> None:
     import torch
 
-    from bench.machine_canary import canary_s, drift, wake_s
+    from tools.machine_canary import canary_s, drift, wake_s
 
     threads = torch.get_num_threads()
     assert canary_s(repeats=1) > 0.0
@@ -216,8 +216,8 @@ def test_the_header_gives_the_canarys_range_and_the_wake_up_round_trips() -> Non
 
 
 def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike() -> None:
-    from bench.sim_validate_row import as_fit_runs
     from bench.studies.service import merge_runs
+    from tools.sim_validate_row import as_fit_runs
 
     calls = []
 
@@ -240,7 +240,7 @@ def test_the_terms_are_fitted_over_the_fit_runs_and_their_simulated_twins_alike(
 def test_fit_runs_alternate_with_the_compared_runs_and_only_fit_runs_are_fitted() -> None:
     from types import SimpleNamespace
 
-    from bench.sim_validate_row import alternated_runs
+    from tools.sim_validate_row import alternated_runs
 
     done = []
     svc = SimpleNamespace(run_workload=lambda work, transport: done.append(len(done)) or

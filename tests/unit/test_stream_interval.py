@@ -9,14 +9,14 @@ import math
 
 import pytest
 
-from bench.scripted_workers import make_router, until
-from cluster.flight import RouterConfig
-from cluster.types import GenerateSpec
+from cluster.router.flight import RouterConfig
+from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 from engine.logprobs import TokenLogprobs
 from engine.request import FinishReason
 from runtime.batch_codec import decode_batch, encode_batch
 from runtime.messages import EventKind, WorkerEvent
+from tests.scripted_workers import make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 

@@ -1,5 +1,5 @@
-"""The front door's StreamWriter (cluster/delta_stream.py) and the pump's inline token
-path (cluster/router_events.py on_batch with a byte-table tokenizer): a stream's common
+"""The front door's StreamWriter (cluster/router/delta_stream.py) and the pump's inline token
+path (cluster/router/events.py on_batch with a byte-table tokenizer): a stream's common
 messages go out from the put that brings them, one write in flight at a time, what comes
 meanwhile coalesced into the next; the reader keeps the first and last messages, aborts
 and errors; and through real gRPC the client gets exactly the tokens and the text of a
@@ -14,16 +14,16 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from bench.scripted_workers import make_router
-from cluster.client import PdserveClient
-from cluster.config import ServeConfig
-from cluster.delta_stream import DeltaStream, StreamWriter
-from cluster.server import BackgroundServer
-from cluster.types import TokenDelta
+from cluster.config.serve import ServeConfig
+from cluster.grpc.client import PdserveClient
+from cluster.router.delta_stream import DeltaStream, StreamWriter
+from cluster.router.types import TokenDelta
+from cluster.serve.server import BackgroundServer
 from engine.detokenize import BatchDecoder, IncrementalDetokenizer
 from engine.loader import load_tokenizer
 from runtime.batch_codec import decode_batch, encode_batch
 from runtime.messages import EventKind, WorkerEvent
+from tests.scripted_workers import make_router
 from tests.unit.test_router_races import assert_router_clean
 
 

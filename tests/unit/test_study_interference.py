@@ -1,5 +1,5 @@
 """The interference experiment (one implementation behind `pdserve study interference` and
-`python -m bench.interference`): its workload, its phases and its summary, driven by a
+`python -m tools.interference`): its workload, its phases and its summary, driven by a
 scripted ``send`` instead of a service."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from bench import interference as script
 from bench.records import RequestRecord
 from bench.studies.interference import InterferenceSpec, phase, summarize
+from tools import interference as script
 
 
 def record(req, *, gaps=(0.01, 0.03), success=True) -> RequestRecord:

@@ -14,7 +14,7 @@ from bench.studies.link import (
     transfer_seconds,
 )
 from bench.trace import link_utilization, transfer_overlap
-from cluster.config import ServeConfig
+from cluster.config.serve import ServeConfig
 from engine.tracing import TraceEvent
 from kv_transfer.emulated_link import EmulatedLink
 from kv_transfer.pacing import ManualClock

@@ -183,12 +183,11 @@ def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, 
 
 
 def test_study_all_and_run_all_reject_bad_selections_before_launching(tmp_path, capsys) -> None:
-    from bench import run_all
     from bench.cli import study_main
 
     out = str(tmp_path / "out")
     assert study_main(["all", "--out", out, "--configs", "chunk-64"]) == 2
-    assert run_all.main(["--out", out, "--studies", "chunk-size,nope"]) == 2
+    assert study_main(["all", "--out", out, "--studies", "chunk-size,nope"]) == 2
     err = capsys.readouterr().err
     assert "--configs picks configurations of one study" in err and "unknown ['nope']" in err
     assert not (tmp_path / "out").exists()  # nothing was started or written

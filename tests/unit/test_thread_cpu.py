@@ -1,11 +1,11 @@
-"""bench/thread_cpu.py: the CPU per thread of a process (/proc) and its table."""
+"""tools/thread_cpu.py: the CPU per thread of a process (/proc) and its table."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-from bench.thread_cpu import table, thread_times
+from tools.thread_cpu import table, thread_times
 
 
 def test_thread_times_lists_this_thread():

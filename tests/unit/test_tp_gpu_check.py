@@ -1,4 +1,4 @@
-"""bench/tp_gpu_check.py: without CUDA it records a skip and exits 0; `--device cpu` runs
+"""tools/tp_gpu_check.py: without CUDA it records a skip and exits 0; `--device cpu` runs
 the same checks over gloo (exact against transformers) and writes them as JSON."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from bench.tp_gpu_check import main
+from tools.tp_gpu_check import main
 
 
 def test_without_cuda_the_check_is_skipped_cleanly(tmp_path, monkeypatch):

@@ -8,10 +8,10 @@ import argparse
 import pytest
 import yaml
 
-from cluster.config import ServeConfig
-from cluster.config_cli import add_cli_flags, config_from_args
-from cluster.placement import plan_pools
-from cluster.worker_specs import engine_config
+from cluster.config.flags import add_cli_flags, config_from_args
+from cluster.config.serve import ServeConfig
+from cluster.launch.placement import plan_pools
+from cluster.launch.worker_specs import engine_config
 
 
 def test_a_tp_worker_asks_for_one_bundle_per_rank_and_the_plan_counts_them():

@@ -1,4 +1,4 @@
-"""ServeConfig -> WorkerSpec (cluster/worker_specs.py): every worker gets typed configs,
+"""ServeConfig -> WorkerSpec (cluster/launch/worker_specs.py): every worker gets typed configs,
 built once, with one name per knob; the secret stays out of every repr; specs pickle (Ray
 sends them to the actors). And the typed stats a worker answers, as the API sees them."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pickle
 
-from cluster.config import ServeConfig
-from cluster.placement import plan_pools
-from cluster.pool import WorkerHandle
-from cluster.worker_specs import worker_specs
+from cluster.config.serve import ServeConfig
+from cluster.launch.placement import plan_pools
+from cluster.launch.worker_specs import worker_specs
+from cluster.router.pool import WorkerHandle
 from decode_worker.scheduler import DecodeSchedulerConfig
 from kv_transfer.config import TransferConfig
 from prefill_worker.scheduler import PrefillSchedulerConfig

@@ -1,0 +1,223 @@
+"""Placement policies by name: which prefill worker takes a prompt, in which order the
+decode workers are asked for room. Pure Python over plain load records (no Ray, no
+asyncio), so the router and the simulator (sim/) run the same decisions.
+
+Prefill placement (``PREFILL_PLACEMENTS``):
+  least-outstanding  the worker with the fewest outstanding prefill tokens (the first of
+                     equals, in the order given)
+  prefix-affinity    least-outstanding, but a prompt goes back to the worker that last
+                     took the same first block (whose prefix cache likely holds it) unless
+                     that one is more than ``slack_tokens`` busier than the least loaded:
+                     the router's default with prefix caching on (cluster/router/router.py)
+  length-buckets     short / medium / long / ultra-long prompts (``thresholds``) go to
+                     dedicated slices of the pool, least-outstanding inside a slice
+
+Decode order (``DECODE_ORDERS``):
+  least-kv-usage     every worker, least KV usage first (stable among equals): the order
+                     cluster/router/admission.py asks them to reserve. The usage is the workers'
+                     last reported stats, which the router refreshes only when asked
+                     (GetStats, the /metrics refresher): unrefreshed, every worker looks
+                     empty and the first one takes every request it has room for
+  least-legs         least legs the router itself has placed there (always current)
+
+    policy = make_placement("length-buckets", thresholds=(256, 1024, 4096))
+    wid = policy.pick([PrefillLoad("prefill-0", 900), PrefillLoad("prefill-1", 0)], prompt)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import pairwise
+from operator import attrgetter
+from typing import Any, ClassVar, NamedTuple
+
+from engine.block_manager import block_hashes
+
+MAX_AFFINITY_KEYS = 1 << 16  # first blocks remembered (they come from clients' prompts)
+
+
+class PrefillLoad(NamedTuple):
+    """The router's view of one live prefill worker (a tuple: built per decision)."""
+
+    worker_id: str
+    outstanding_tokens: int  # prompt tokens dispatched to it, prefill not done yet
+
+
+class DecodeLoad(NamedTuple):
+    """The router's view of one live decode worker (``kv_usage`` as last reported)."""
+
+    worker_id: str
+    kv_usage: float
+    legs: int = 0  # legs the router has placed there and not ended
+
+
+_OUTSTANDING = attrgetter("outstanding_tokens")
+_KV_USAGE, _LEGS = attrgetter("kv_usage"), attrgetter("legs")
+
+
+def least_outstanding(loads: Sequence[PrefillLoad]) -> PrefillLoad:
+    """The first worker with the fewest outstanding tokens."""
+    if not loads:
+        raise ValueError("no prefill worker to place on")
+    return min(loads, key=_OUTSTANDING)
+
+
+class PrefillPlacement(ABC):
+    """Chooses a prefill worker for a prompt. May keep state (affinity memory)."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
+        """The worker_id of the chosen worker among ``loads`` (the live workers).
+        ``hashes``: the prompt's ``block_hashes`` at the placement's block size, if the
+        caller has them (the simulator hashes a prompt once for placement and prefill)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class LeastOutstanding(PrefillPlacement):
+    name: ClassVar[str] = "least-outstanding"
+
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
+        return least_outstanding(loads).worker_id
+
+
+class PrefixAffinity(PrefillPlacement):
+    """Least outstanding tokens, sticky on a prompt's first block within ``slack_tokens``.
+    Keeps the ``capacity`` most recent first blocks."""
+
+    name: ClassVar[str] = "prefix-affinity"
+
+    def __init__(self, block_size: int = 16, slack_tokens: int = 2048,
+                 capacity: int = MAX_AFFINITY_KEYS):
+        if block_size < 1 or slack_tokens < 0 or capacity < 1:
+            raise ValueError("prefix-affinity needs block_size >= 1, slack_tokens >= 0, "
+                             f"capacity >= 1; got {block_size}, {slack_tokens}, {capacity}")
+        self.block_size, self.slack_tokens, self.capacity = block_size, slack_tokens, capacity
+        self._last: OrderedDict[bytes, str] = OrderedDict()  # first block -> worker_id
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
+        best = least_outstanding(loads)
+        if len(prompt) <= self.block_size:
+            return best.worker_id
+        key = hashes[0] if hashes else block_hashes(prompt[: self.block_size],
+                                                    self.block_size)[0]
+        last = self._last.get(key)
+        sticky = next((w for w in loads if w.worker_id == last), None)
+        if sticky and sticky.outstanding_tokens <= best.outstanding_tokens + self.slack_tokens:
+            best = sticky
+        self._last[key] = best.worker_id
+        self._last.move_to_end(key)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+        return best.worker_id
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "block_size": self.block_size,
+                "slack_tokens": self.slack_tokens}
+
+
+BUCKET_NAMES = ("short", "medium", "long", "ultra-long")
+
+
+class LengthBuckets(PrefillPlacement):
+    """Prompt length -> bucket (``len <= thresholds[i]``: bucket i; beyond: the last) ->
+    that bucket's slice of the workers -> least outstanding in the slice.
+
+    With ``n`` workers and ``b`` buckets, bucket i owns positions
+    ``[floor(i*n/b), max(floor(i*n/b) + 1, floor((i+1)*n/b)))`` of the given order: every
+    bucket has a worker, and with fewer workers than buckets neighbours share one.
+    """
+
+    name: ClassVar[str] = "length-buckets"
+
+    def __init__(self, thresholds: Sequence[int] = (256, 1024, 4096)):
+        t = tuple(int(x) for x in thresholds)
+        if not t or any(x < 1 for x in t) or any(b <= a for a, b in pairwise(t)):
+            raise ValueError(f"length-buckets thresholds must be increasing and >= 1, got {t}")
+        if len(t) + 1 > len(BUCKET_NAMES):
+            raise ValueError(f"length-buckets takes at most {len(BUCKET_NAMES) - 1} thresholds, "
+                             f"got {len(t)}")
+        self.thresholds = t
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.thresholds) + 1
+
+    def bucket(self, prompt_len: int) -> int:
+        return next((i for i, x in enumerate(self.thresholds) if prompt_len <= x),
+                    len(self.thresholds))
+
+    def members(self, bucket: int, n: int) -> range:
+        b = self.num_buckets
+        lo = bucket * n // b
+        return range(lo, max(lo + 1, (bucket + 1) * n // b))
+
+    def pick(self, loads: Sequence[PrefillLoad], prompt: Sequence[int],
+             hashes: Sequence[bytes] | None = None) -> str:
+        if not loads:
+            raise ValueError("no prefill worker to place on")
+        mine = self.members(self.bucket(len(prompt)), len(loads))
+        return least_outstanding([loads[i] for i in mine]).worker_id
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "thresholds": list(self.thresholds),
+                "buckets": list(BUCKET_NAMES[: self.num_buckets])}
+
+
+PREFILL_PLACEMENTS: dict[str, Callable[..., PrefillPlacement]] = {
+    LeastOutstanding.name: LeastOutstanding,
+    PrefixAffinity.name: PrefixAffinity,
+    LengthBuckets.name: LengthBuckets,
+}
+
+
+def make_placement(name: str, **params: Any) -> PrefillPlacement:
+    """A fresh placement policy by name; ValueError names an unknown one or bad params."""
+    try:
+        factory = PREFILL_PLACEMENTS[name]
+    except KeyError:
+        raise ValueError(f"unknown prefill placement {name!r}; choose one of "
+                         f"{sorted(PREFILL_PLACEMENTS)}") from None
+    try:
+        return factory(**params)
+    except TypeError as e:
+        raise ValueError(f"prefill placement {name!r}: {e}") from None
+
+
+def default_placement(prefix_caching: bool) -> str:
+    """Today's router: prefix affinity when prefix caching is on, else least outstanding."""
+    return PrefixAffinity.name if prefix_caching else LeastOutstanding.name
+
+
+def least_kv_usage(loads: Sequence[DecodeLoad]) -> list[str]:
+    return [w.worker_id for w in sorted(loads, key=_KV_USAGE)]
+
+
+def least_legs(loads: Sequence[DecodeLoad]) -> list[str]:
+    return [w.worker_id for w in sorted(loads, key=_LEGS)]
+
+
+DECODE_ORDERS: dict[str, Callable[[Sequence[DecodeLoad]], list[str]]] = {
+    "least-kv-usage": least_kv_usage,
+    "least-legs": least_legs,
+}
+
+
+def decode_order(name: str, loads: Sequence[DecodeLoad]) -> list[str]:
+    """The worker ids to ask for a reservation, in order."""
+    try:
+        return DECODE_ORDERS[name](loads)
+    except KeyError:
+        raise ValueError(f"unknown decode order {name!r}; choose one of "
+                         f"{sorted(DECODE_ORDERS)}") from None
