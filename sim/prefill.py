@@ -165,7 +165,7 @@ class SimPrefill(SimWorker):
         duration = (self._compute + exported + overhead
                     + (costs.sample_s(finals) if finals else 0.0))
         if self.spread:
-            first = any(i.start == 0 for i in items)  # as sim/scaled.py runs_first_chunk
+            first = any(i.start == 0 for i in items)  # as tools/sim_scaled.py runs_first_chunk
             duration = max(duration + costs.prefill_extra_s(first), 0.0)
         self._items = items
         self.num_steps += 1

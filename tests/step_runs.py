@@ -1,4 +1,4 @@
-"""Synthetic traced runs for the step-fit tests (tools/sim_validate_steps.py): linear
+"""Synthetic traced runs for the step-fit tests (tools/sim_validate_fits.py): linear
 synthetic costs, and a run whose prefill and decode steps are made of given offsets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The service step of bench/gpu_check: 1 prefill + 1 decode worker sharing one GPU.
+"""The service step of tools/gpu_check: 1 prefill + 1 decode worker sharing one GPU.
 
 With Ray installed, the real launcher with the defaults (`pools.gpus_per_worker` 1.0 on a
 one-GPU machine: the plan gives each worker 0.5 GPU and says so). Without Ray (the GPU

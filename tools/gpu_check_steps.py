@@ -1,4 +1,4 @@
-"""The steps of bench/gpu_check, one function each: `step(ctx) -> dict` (JSON-ready).
+"""The steps of tools/gpu_check, one function each: `step(ctx) -> dict` (JSON-ready).
 
 `ctx` holds the model directory, the device ('cuda:0', or 'cpu' for the CPU-safe parts),
 the dtype and `quick`. Each step runs in its own process (tools/gpu_check.py), so a step

@@ -16,7 +16,7 @@ configuration and load first runs a contention run (the same mix, twice as many
 requests: ``--contention-requests``) and ``--fit-runs`` (3) runs of the compared
 workload as a calibration under load, and every under-load term comes from all of them
 together (``merge_runs``): each role's step fitted to the workers' traces (with the
-decode steps' spread and the step that legs join, tools/sim_validate_steps.py), the real
+decode steps' spread and the step that legs join, tools/sim_validate_fits.py), the real
 dispatch latency over the simulated one, each leg's KV handoff beyond the simulated one
 (drawn per leg), and the token delivery refitted to their traces (engine/costs/delivery.py's
 mechanism, as ``--control`` fits it at idle) with its stalls scaled so the simulated ITL
@@ -33,6 +33,15 @@ goal is 10%. Where a figure misses it, the last column names the term furthest o
 seconds among those the metric is made of: dispatch, prefill queue, prefill phase and
 first-token delivery for TTFT; the decode step, the token delivery (a step's end to the
 client) and the KV transfer for ITL -- each compared between the two runs.
+
+Recorded validation rows: every real run of a row kept, so the fits and simulations of
+tools/sim_validate.py can be replayed offline on the very same runs.
+
+A validation takes ~22 min here and its real side moves with the host, so two variants of
+the model compared on two validations differ by the host as much as by the model. With
+``--record FILE`` each row's real runs (records, traces, worker stats) are pickled as the
+row ends; ``--replay FILE`` runs ``validate_row`` on them instead of a service: the same
+runs in the same order, fitted and simulated by the code of the moment, in ~30 s a row.
 """
 
 from __future__ import annotations
@@ -41,21 +50,24 @@ import argparse
 import json
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 from tools.machine_canary import canary_s, wake_s
-from tools.sim_validate_design import (
+from tools.sim_validate_report import counts, describe, median_summary, summarize, table
+from tools.sim_validate_row import (
     CONFIGS,
     LOADS,
     MAX_MODEL_LEN,
     QUICK,
     base_config,
     config_for,
+    seeded,
+    validate_row,
     workload,
 )
-from tools.sim_validate_report import counts, describe, median_summary, summarize, table
-from tools.sim_validate_row import seeded, validate_row
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,7 +116,7 @@ def ablate(data: dict, model: str, n: int, seed: int, seeds: int) -> None:
     from engine.costs.loader import load_costs
     from engine.loader import load_model_config
     from sim.adapters import resolve_model_dir
-    from sim.scaled import StepFit
+    from tools.sim_scaled import StepFit
 
     costs = load_costs(Calibration.load(data["calibration"]))
     model_dir = str(resolve_model_dir(model))
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from sim.adapters import resolve_model_dir
     from sim.calibrate import calibrate
     from sim.measure_control import add_control
-    from tools import sim_validate_record as record
+    from tools import sim_validate as record
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,3 +229,65 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+FORMAT = 1
+SHAPE = ("num_requests", "contention_requests", "fit_runs", "repeats", "seed")
+
+
+class Recorder:
+    """A service whose runs are kept in the order they ran."""
+
+    def __init__(self, svc: Any):
+        self.svc, self.runs = svc, []
+
+    def run_workload(self, work, transport: str = "inproc"):
+        out = self.svc.run_workload(work, transport=transport)
+        self.runs.append(out)
+        return out
+
+
+class Replayer:
+    """Stands for the service of a recorded row: each call answers the next recorded run,
+    which must be a run of the workload asked for."""
+
+    def __init__(self, runs: list, row: str):
+        self.runs, self.row = list(runs), row
+
+    def run_workload(self, work, transport: str = "inproc"):
+        if not self.runs:
+            raise ValueError(f"the recording of {self.row} has no run left: it was recorded "
+                             "with other --fit-runs / --repeats")
+        out = self.runs.pop(0)
+        if len(out.records) != len(work):
+            raise ValueError(f"the recording of {self.row} has a run of {len(out.records)} "
+                             f"requests where this replay sends {len(work)}: it was recorded "
+                             "with other --num-requests / --contention-requests")
+        return out
+
+
+def row_key(config: str, load: str) -> str:
+    return f"{config}|{load}"
+
+
+def save(path: str | Path, args, calibration: str, rows: dict[str, list]) -> None:
+    """Write the rows recorded so far (after each row: a stopped validation keeps them)."""
+    data = {"format": FORMAT, "calibration": calibration,
+            "shape": {k: getattr(args, k) for k in SHAPE}, "rows": rows}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_bytes(pickle.dumps(data))
+    tmp.replace(path)
+
+
+def load(path: str | Path, args) -> dict:
+    """A recording, checked against this replay's workload flags."""
+    data = pickle.loads(Path(path).read_bytes())
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a sim_validate recording of format {FORMAT}")
+    moved = {k: (v, getattr(args, k)) for k, v in data["shape"].items()
+             if getattr(args, k) != v}
+    if moved:
+        raise ValueError(f"{path} was recorded with other workload flags (recorded, now): "
+                         + ", ".join(f"--{k.replace('_', '-')} {a} != {b}"
+                                     for k, (a, b) in moved.items()))
+    return data

@@ -1,7 +1,11 @@
 """One row of tools/sim_validate.py's table: a configuration's real runs at one load (a
 contention run, fit runs and compared runs, alternating), the under-load terms fitted to
-them (tools/sim_validate_terms.py, tools/sim_validate_steps.py), and the seeded simulated
-runs compared with the real ones."""
+them (tools/sim_validate_fits.py, tools/sim_validate_fits.py), and the seeded simulated
+runs compared with the real ones.
+
+What tools/sim_validate.py runs: its configurations, load levels and workload, and the
+service configuration each one is served with.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,7 @@ from typing import Any
 import numpy as np
 
 from tools.machine_canary import canary_s, wake_s
-from tools.sim_validate_design import workload
-from tools.sim_validate_report import median_summary, summarize
-from tools.sim_validate_steps import step_fits
-from tools.sim_validate_terms import (
+from tools.sim_validate_fits import (
     arrival_residuals,
     contention,
     delivery_under_load,
@@ -27,7 +28,9 @@ from tools.sim_validate_terms import (
     fit_stall_scale,
     handoff_mean,
     handoff_residuals,
+    step_fits,
 )
+from tools.sim_validate_report import median_summary, summarize
 
 
 def timed_runs(svc, work: list, n: int, canary: list[float], wake: list[float]) -> list:
@@ -74,7 +77,7 @@ def simulated(cfg, reqs: list, costs, factors: dict, delivery, steps=None, hando
     dispatch and first-token delivery)."""
     from sim.cluster import simulate_config
     from sim.options import SimOptions
-    from sim.scaled import ScaledCosts
+    from tools.sim_scaled import ScaledCosts
 
     return simulate_config(cfg, reqs, ScaledCosts(costs, dict(factors), "probe",
                                                   delivery=delivery, steps=steps,
@@ -112,7 +115,7 @@ def validate_row(svc, cfg, costs, name: str, load: str, rate: float, vocab: int,
     from bench.studies.service import merge_runs
     from sim.cluster import simulate_config
     from sim.options import SimOptions
-    from sim.scaled import ScaledCosts
+    from tools.sim_scaled import ScaledCosts
 
     # the contention of this configuration at this load on this machine, from runs of
     # the same workload (a calibration under load): real mean step / simulated per role,
@@ -176,3 +179,50 @@ def validate_row(svc, cfg, costs, name: str, load: str, rate: float, vocab: int,
            "wake_us": [round(x * 1e6, 1) for x in wake],
            "load_average": list(os.getloadavg())}
     return row, compared, sims
+
+
+# name -> (pools P, D, prefill chunk, send policy, fairness policy); a fractional design
+# over the factors (each level of each factor appears; ~1 min per configuration here)
+CONFIGS: dict[str, tuple[int, int, int, str, str]] = {
+    "1P1D-c256-eager-fcfs": (1, 1, 256, "eager", "fcfs"),
+    "1P1D-c64-eager-fcfs": (1, 1, 64, "eager", "fcfs"),
+    "1P1D-c512-eager-srpt": (1, 1, 512, "eager", "srpt"),
+    "1P2D-c128-paced-srpt": (1, 2, 128, "paced", "srpt"),
+    "1P2D-c256-eager-fcfs": (1, 2, 256, "eager", "fcfs"),
+}
+QUICK = ("1P1D-c256-eager-fcfs", "1P2D-c128-paced-srpt")
+LOADS = {"low": 2.0, "high": 5.0}  # requests per second
+PACED_GBPS = 0.05  # 6 MB/s: a 1,000-token prompt's KV (512 KiB on tiny) takes ~85 ms
+MAX_MODEL_LEN = 2048
+
+
+def base_config(model_dir: str):
+    from cluster.config.serve import ServeConfig
+
+    return ServeConfig.from_dict({
+        "model": {"path": model_dir, "device": "cpu", "max_model_len": MAX_MODEL_LEN},
+        "pools": {"cpus_per_worker": 1.0, "max_restarts": 0},
+        "cache": {"kv_cache_memory_gb": 0.25, "enable_prefix_caching": False},
+        "transfer": {"connector": "tcp"},
+    })
+
+
+def config_for(base, spec: tuple[int, int, int, str, str]):
+    p, d, chunk, policy, fairness = spec
+    values: dict[str, Any] = {
+        "pools.prefill_workers": p, "pools.decode_workers": d,
+        "scheduler.max_prefill_chunk": chunk, "scheduler.max_num_batched_tokens": 512,
+        "scheduler.fairness_policy": fairness, "transfer.send_policy": policy}
+    if policy == "paced":
+        values.update({"transfer.rate_gbps": PACED_GBPS, "transfer.burst_mb": 0.0625})
+    return base.with_values(values)
+
+
+def workload(n: int, rate: float, vocab: int, seed: int) -> list:
+    from bench.workload import LengthDist, WorkloadSpec, build_workload
+
+    return build_workload(WorkloadSpec(
+        num_requests=n, request_rate=rate, mix="mixed", seed=seed, vocab_range=(1, vocab - 1),
+        prompt_len=LengthDist.uniform(32, 192), output_len=LengthDist.uniform(16, 48),
+        long_prompt_len=LengthDist.uniform(600, 1400), long_output_len=LengthDist.uniform(8, 16),
+        long_fraction=0.25, max_model_len=MAX_MODEL_LEN, id_prefix=f"v{rate:g}-"))

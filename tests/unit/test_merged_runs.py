@@ -12,7 +12,7 @@ from engine.tracing import TraceEvent
 from tests.step_runs import MS
 from tests.step_runs import linear_costs as _base
 from tests.step_runs import step_run as _run
-from tools.sim_validate_steps import step_fits
+from tools.sim_validate_fits import step_fits
 
 
 def _later(run: RunOutput, dt: float) -> RunOutput:

@@ -1,5 +1,5 @@
-"""Each request's drawn dispatch and first-token delivery (sim/scaled.py ScaledCosts
-``arrival``, measured per request by tools/sim_validate_terms.py arrival_residuals): a
+"""Each request's drawn dispatch and first-token delivery (tools/sim_scaled.py ScaledCosts
+``arrival``, measured per request by tools/sim_validate_fits.py arrival_residuals): a
 request draws one real request's pair, the router's add waits its dispatch part and the
 prefill worker's first token its delivery part."""
 
@@ -13,7 +13,7 @@ from engine.costs.loader import load_costs
 from sim.adapters import ServeConfig
 from sim.cluster import Simulation
 from sim.options import SimOptions
-from sim.scaled import ScaledCosts
+from tools.sim_scaled import ScaledCosts
 
 MS = 1e-3
 BASE = load_costs(analytic_calibration("h200", "llama-3-8b"))

@@ -1,5 +1,5 @@
 """The control plane's delivery model (engine/costs/delivery.py), its fit to measured streams, its
-use in a simulated run, and the contention-scaled cost model (sim/scaled.py)."""
+use in a simulated run, and the contention-scaled cost model (tools/sim_scaled.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from engine.costs.model import TableCosts
 from sim.adapters import ServeConfig
 from sim.cluster import Simulation
 from sim.options import SimOptions
-from sim.scaled import ScaledCosts
 from sim.synthetic import synthetic_calibration
+from tools.sim_scaled import ScaledCosts
 
 MS = 1e-3
 

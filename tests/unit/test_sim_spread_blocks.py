@@ -1,4 +1,4 @@
-"""The steps' spread is drawn in runs of the real steps' own order (sim/scaled.py
+"""The steps' spread is drawn in runs of the real steps' own order (tools/sim_scaled.py
 ``SPREAD_BLOCK``): consecutive real chunks of a long prompt were alike, so the simulated
 ones must be too, or the prompt's sum varies too little and its TTFT p99 comes out low."""
 
@@ -8,10 +8,10 @@ import numpy as np
 
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
-from sim.scaled import SPREAD_BLOCK, SPREAD_DRAWS, ScaledCosts, StepFit, _Draws
 from tests.step_runs import MS
 from tests.step_runs import linear_costs as _base
-from tools.sim_validate_steps import prefill_fit
+from tools.sim_scaled import SPREAD_BLOCK, SPREAD_DRAWS, ScaledCosts, StepFit, _Draws
+from tools.sim_validate_fits import prefill_fit
 
 
 def test_the_draws_follow_the_spreads_order_in_blocks_from_seeded_starts() -> None:

@@ -1,5 +1,5 @@
-"""Per-role step fits under load (tools/sim_validate_steps.py) and their use in the
-contention-scaled cost model (sim/scaled.py StepFit): a step's traced span against the
+"""Per-role step fits under load (tools/sim_validate_fits.py) and their use in the
+contention-scaled cost model (tools/sim_scaled.py StepFit): a step's traced span against the
 calibrated compute, read back as the calibrated compute plus a per-step offset."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from bench.records import RequestRecord
 from bench.studies.service import RunOutput
 from engine.costs.loader import load_costs
 from engine.tracing import TraceEvent
-from sim.scaled import ScaledCosts, StepFit
 from tests.step_runs import DECODE_BATCHES, MS
 from tests.step_runs import linear_costs as _base
 from tests.step_runs import step_run as _run
-from tools.sim_validate_steps import step_fits
+from tools.sim_scaled import ScaledCosts, StepFit
+from tools.sim_validate_fits import step_fits
 
 
 def test_the_fits_read_back_the_offsets_the_run_was_made_of() -> None:
@@ -163,7 +163,7 @@ def test_a_decode_step_adds_a_draw_of_the_spread_repeatably_and_keeps_the_median
 
 
 def test_a_shallow_slope_is_kept_when_the_steps_pin_it_down_and_dropped_when_noise_does() -> None:
-    from tools.sim_validate_steps import _fit
+    from tools.sim_validate_fits import _fit
 
     rng = np.random.default_rng(3)
     x = rng.uniform(0.2, 1.7, 200) * MS  # 64-token chunks over contexts 0..1400, as measured
@@ -176,7 +176,7 @@ def test_a_shallow_slope_is_kept_when_the_steps_pin_it_down_and_dropped_when_noi
 
 
 def test_a_first_chunk_costs_its_own_excess_and_the_typical_step_is_the_median() -> None:
-    from tools.sim_validate_steps import _fit, prefill_fit
+    from tools.sim_validate_fits import _fit, prefill_fit
 
     rng = np.random.default_rng(1)
     x = rng.uniform(0.2, 1.7, 300) * MS
@@ -204,7 +204,7 @@ def test_a_first_chunk_costs_its_own_excess_and_the_typical_step_is_the_median()
 
 
 def test_first_chunks_draw_their_own_spread_and_later_chunks_theirs() -> None:
-    from tools.sim_validate_steps import prefill_fit
+    from tools.sim_validate_fits import prefill_fit
 
     # a first chunk meets a worker that idled: slow and spread wide; later chunks run
     # back to back, tight: each kind's simulated steps must keep its own spread

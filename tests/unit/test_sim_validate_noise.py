@@ -1,10 +1,10 @@
-"""tools/sim_validate_noise.py: what the real runs' own spread lets the validation show."""
+"""tools/sim_validate_report.py: what the real runs' own spread lets the validation show."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.sim_validate_noise import ceiling, noise_line, oracle_rows
+from tools.sim_validate_report import ceiling, noise_line, oracle_rows
 
 M = ("a", "b")
 

@@ -1,4 +1,4 @@
-"""Recorded validation rows (tools/sim_validate_record.py): the real runs kept in order and
+"""Recorded validation rows (tools/sim_validate.py): the real runs kept in order and
 answered back in order to a replay, which must ask for the same workloads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools import sim_validate_record as record
+from tools import sim_validate as record
 
 ARGS = Namespace(num_requests=2, contention_requests=None, fit_runs=1, repeats=1, seed=0)
 

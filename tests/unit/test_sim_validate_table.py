@@ -1,6 +1,6 @@
 """tools/sim_validate_report.py (the validation's figures: the control-plane terms read
 from traces against the client's times, the term the table names when a row misses) and
-tools/sim_validate_terms.py (the under-load terms fitted to the real runs)."""
+tools/sim_validate_fits.py (the under-load terms fitted to the real runs)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from bench.records import RequestRecord
 from bench.studies.service import RunOutput
 from engine.tracing import TraceEvent
+from tools import sim_validate_fits as terms
 from tools import sim_validate_report as sv
-from tools import sim_validate_terms as terms
 
 MS = 1e-3
 
@@ -101,8 +101,8 @@ def test_arrival_residuals_pair_each_requests_dispatch_and_take_the_delivery_off
 ) -> None:
     from engine.costs.delivery import Delivery
     from engine.costs.loader import load_costs
-    from sim.scaled import ScaledCosts
     from sim.synthetic import synthetic_calibration
+    from tools.sim_scaled import ScaledCosts
 
     base = load_costs(synthetic_calibration(prefill=lambda c, p: 1e-5 * c,
                                             decode=lambda b, L: 1e-3, sample_s=0.1 * MS,
