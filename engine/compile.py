@@ -172,21 +172,31 @@ class CompiledStep:
         if rep.mode == "all" and self.graphs:
             shapes += [(False, 2), (False, 3)]
         try:
-            for decode_only, rows in shapes:
-                for _ in range(3 if self.graphs and decode_only else 1):  # warm, record, replay
-                    run_padded(decode_only, rows)
-                    if self.mode == "none":  # the step failed, was logged and ran eagerly
-                        return
-                rep.graphs.append(f"{'decode' if decode_only else 'mixed'} T={rows}")
+            # under inference mode, as serving runs (ModelRunner.run): dynamo guards on
+            # the grad mode, and graphs built with it on would be re-traced (and their CUDA
+            # graphs re-recorded) by the first real step
+            with torch.inference_mode():
+                self._warm(run_padded, shapes)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - any compiler failure: serve eagerly
             self.disable(e)
             return
+        if self.mode == "none":  # a step failed, was logged and ran eagerly
+            return
         rep.compile_s = time.perf_counter() - t0
         rep.cache_hits = counters["inductor"]["fxgraph_cache_hit"] - hits0
         rep.cache_misses = counters["inductor"]["fxgraph_cache_miss"] - miss0
         log.info(rep.line())
+
+    def _warm(self, run_padded: Callable[[bool, int], None],
+              shapes: list[tuple[bool, int]]) -> None:
+        for decode_only, rows in shapes:
+            for _ in range(3 if self.graphs and decode_only else 1):  # warm, record, replay
+                run_padded(decode_only, rows)
+                if self.mode == "none":  # the step failed, was logged and ran eagerly
+                    return
+            self.report.graphs.append(f"{'decode' if decode_only else 'mixed'} T={rows}")
 
     def disable(self, error: BaseException) -> None:
         """Turn the compiled step off for good (the runner re-runs the step eagerly)."""

@@ -31,7 +31,7 @@ from engine.memory import check_kv_fits, device_memory, num_kv_blocks
 from engine.models.linear import can_pack, drop_onednn
 from engine.parallel.loader import load_shard
 from engine.parallel.state import rank_shard
-from engine.runner_warmup import run_padding, warm_kernels
+from engine.runner_warmup import run_padding, warm_kernels, warms_kernels
 
 __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
@@ -154,7 +154,7 @@ class ModelRunner:
         self._buf = _StepBuffer(self.device)
         self.compiled: CompiledStep | None = None  # eager until built below
         self._compiling = False
-        if self.backend.name == "triton" and self.device.type == "cuda":
+        if warms_kernels(self):
             self.warmup()
         # a TP forward runs eager unless compiling is asked for by name: its all-reduces
         # in a compiled / CUDA-graph step are not yet checked on a multi-GPU machine

@@ -17,6 +17,12 @@ import torch
 # not imported back (the layering contract forbids the cycle), only named.
 
 
+def warms_kernels(runner: Any) -> bool:
+    """Whether start-up runs `warm_kernels`: the Triton kernels on CUDA (a tensor-parallel
+    group's every rank warms up at once, each on its own: their all-reduces pair up)."""
+    return runner.backend.name == "triton" and runner.device.type == "cuda"
+
+
 def warm_kernels(runner: Any, chunk: type) -> None:
     """Run one batch of each kind the attention kernels specialise on, on block 0, then
     clear block 0: the first requests do not wait for the compiler. `chunk`: SeqChunk."""

@@ -115,15 +115,21 @@ class DriverRunner(ModelRunner):
 
     def __init__(self, config: EngineConfig, num_blocks: int | None, group: TPGroup,
                  describe_failure=None):
-        super().__init__(config, num_blocks)  # (its warm-up runs on every rank at once)
+        # set before the base init: its warm-up steps come through `run`
         self.group = group
         self.describe_failure = describe_failure  # () -> str | None: which rank died
         self.on_failure = None  # (TPGroupError) -> None: e.g. end the process for a restart
         self.failed: TPGroupError | None = None
+        # Start-up's warm-up runs on every rank at once, each rank its own steps (their
+        # all-reduces pair up): rank 0 broadcasts none of them, or the other ranks, busy
+        # warming up, would meet its STEP broadcast in their own collectives.
+        self._broadcast = False
+        super().__init__(config, num_blocks)
+        self._broadcast = True
         self.kv = GroupKV(self.kv, group, _shards(group, config), self.fail)
 
     def run(self, chunks: list[SeqChunk]) -> StepLogits:
-        if not chunks:
+        if not chunks or not self._broadcast:
             return super().run(chunks)
         if self.failed is not None:
             raise self.failed
