@@ -60,7 +60,10 @@ def weight_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
 
 
 def device_memory(device: torch.device) -> tuple[int, int, int]:
-    """(free, total, held by this process's allocator) bytes of a CUDA device."""
+    """(free, total, held by this process's allocator) bytes of a CUDA device. What the
+    caching allocator keeps but no tensor uses (e.g. the weights `fuse()` replaced by
+    fused copies) is handed back first: it is neither held nor taken from `free`."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return int(free), int(total), int(torch.cuda.memory_reserved(device))
 
