@@ -102,3 +102,13 @@ def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
             _pin_failed = True
             log.warning("pinned host memory unavailable (%s); host copies will block", e)
     return torch.empty(tuple(shape), dtype=dtype)
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without a stream sync: on CUDA staged in
+    pinned memory and copied non-blocking (`torch.tensor(values, device=cuda)` copies from
+    pageable memory, and the host waits for the copy); on the CPU just the tensor."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return pinned_empty(host.shape, dtype).copy_(host).to(device, non_blocking=True)

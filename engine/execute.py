@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.device import to_device
 from engine.logprobs import TokenLogprobs, unpack
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.request import Request
@@ -79,6 +80,8 @@ def execute_and_sample(runner: ModelRunner, items: Sequence[ScheduledItem]) -> l
     """Run `items` as one batch; returns a Sampled for each row that samples (a decode,
     or a prefill's last chunk), in the runner's row order. Prompt log-probs computed by
     the step are stored on their requests (`Request.prompt_logprobs`)."""
+    if getattr(runner, "samples_itself", False):  # the emulated device: no logits at all
+        return runner.execute_and_sample(items)  # (engine/emulate/runner.py)
     chunks: list[SeqChunk] = []
     spans: list[_PromptSpan] = []
     for item in items:
@@ -122,7 +125,7 @@ def _prompt_pack(all_logits: dict[str, torch.Tensor], spans: list[_PromptSpan], 
     """Packed raw log-probs (gather_logprobs) of every span's prompt tokens, in
     span order, from one log-softmax over all their rows."""
     logits = torch.cat([all_logits[s.request.request_id][:s.n] for s in spans])  # [M, V]
-    targets = torch.tensor([t for s in spans for t in
-                            s.request.prompt_token_ids[s.first:s.first + s.n]],
-                           device=device)
+    targets = to_device([t for s in spans for t in
+                         s.request.prompt_token_ids[s.first:s.first + s.n]],
+                        torch.long, device)
     return gather_logprobs(logits.float().log_softmax(dim=-1), targets, k).flatten()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.device import ThreadBinder, pinned_empty
+from engine.device import ThreadBinder, pinned_empty, to_device
 
 
 def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -99,10 +99,8 @@ class KVCache:
         return KVCache.bytes_per_token(model, dtype) * block_size
 
     def _slot_index(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
-        idx = torch.tensor(slots_for(block_ids, start, end, self.block_size), dtype=torch.long)
-        if not self._cuda:
-            return idx
-        return pinned_empty(idx.shape, idx.dtype).copy_(idx).to(self.device, non_blocking=True)
+        return to_device(slots_for(block_ids, start, end, self.block_size), torch.long,
+                         self.device)  # pinned, non-blocking on CUDA
 
     # ---- export (prefill side) -----------------------------------------------------------
     def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:

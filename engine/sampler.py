@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device
 from engine.logprobs import TokenLogprobs, unpack
 from engine.request import SamplingParams
 
@@ -112,15 +113,14 @@ def _filter(x: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, k_max: in
     top-k keeps every token tied with the k-th value; top-p drops a token when the mass
     of the tokens before it (renormalised over the top-k) already reaches p, so >= 1 stays.
     """
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
     k_idx = (top_k.long() - 1).clamp(min=0, max=max(k_max, 1) - 1)[:, None]  # [N, 1]
     if not any_top_p:
         kth = torch.topk(x, k_max, dim=-1).values.gather(1, k_idx)  # [N, 1]
-        kth = torch.where(top_k[:, None] > 0, kth, neg_inf)
+        kth = kth.masked_fill(top_k[:, None] <= 0, float("-inf"))  # (no host scalar)
         return x.masked_fill(x < kth, float("-inf"))
     sorted_x, order = x.sort(dim=-1, descending=True)
     if k_max:
-        kth = torch.where(top_k[:, None] > 0, sorted_x.gather(1, k_idx), neg_inf)
+        kth = sorted_x.gather(1, k_idx).masked_fill(top_k[:, None] <= 0, float("-inf"))
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
@@ -199,7 +199,7 @@ def sample_on_device(
     if rows:
         out.k = max(params[i].logprobs for i in rows)
         # the rows that ask, as one index on the device (none when every row asks)
-        idx = None if len(rows) == n else torch.tensor(rows, device=logits.device)
+        idx = None if len(rows) == n else to_device(rows, torch.long, logits.device)
 
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t if idx is None else t.index_select(0, idx)
@@ -222,7 +222,7 @@ def _logprob_source(raw: torch.Tensor, x: torch.Tensor | None,
         return raw
     if not any(modes):
         return x
-    return torch.where(torch.tensor(modes, device=raw.device)[:, None], raw, x)
+    return torch.where(to_device(modes, torch.bool, raw.device)[:, None], raw, x)
 
 
 def sample_batch(

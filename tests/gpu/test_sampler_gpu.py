@@ -59,3 +59,27 @@ def test_seeded_rows_repeat_whatever_the_batch_on_cuda():
     gen = torch.Generator().manual_seed(5)
     assert generator_on(gen, DEV) is generator_on(gen, DEV)
     assert generator_on(gen, DEV).device.type == "cuda"
+
+
+def test_a_sampling_step_queues_without_a_host_sync():
+    """Issue 37 item 5: top-k, top-p, log-prob rows and a raw/processed mix queue their
+    kernels with no stream sync (CUDA's sync-debug mode raises on one); only the step's
+    one host copy, after, waits."""
+    from dataclasses import replace
+
+    from engine.sampler import sample_on_device
+
+    base = SamplingParams(temperature=0.8, max_tokens=4)
+    params = [replace(base, temperature=0.0), replace(base, top_k=3),
+              replace(base, top_p=0.7, logprobs=2),
+              replace(base, top_k=5, top_p=0.9, logprobs=1, logprobs_mode="raw"), base]
+    gens = [None, torch.Generator().manual_seed(1), None, None, None]
+    logits = torch.randn(len(params), 32000, device=DEV)
+    sample_on_device(logits, params, gens)  # first use: generators, pinned blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample_on_device(logits, params, gens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.ids.shape == (len(params),) and out.packed is not None
