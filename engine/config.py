@@ -215,6 +215,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class EmulateConfig:
+    """The emulated accelerator (engine/emulate/): steps take the time the cost model
+    (engine/costs/) gives, on real KV bytes of the model's shape. ``costs``: an analytic
+    profile (engine.costs.analytic PROFILES: "h200", "h100", "a100") or a calibration
+    file (``*.json``); ``shape``: the model shape it runs (analytic SHAPES)."""
+
+    costs: str
+    shape: str
+
+    def __post_init__(self) -> None:
+        from engine.costs.analytic import PROFILES, SHAPES  # (numpy: loaded only when asked)
+
+        if self.costs not in PROFILES and not self.costs.endswith(".json"):
+            raise ValueError(f"emulate: {self.costs!r} is neither an analytic profile "
+                             f"({', '.join(sorted(PROFILES))}) nor a calibration file (.json)")
+        if self.shape not in SHAPES:
+            raise ValueError(f"emulate: unknown model shape {self.shape!r}; known: "
+                             f"{', '.join(sorted(SHAPES))}")
+
+    @property
+    def label(self) -> str:
+        """What every output says about figures of this device."""
+        if self.costs.endswith(".json"):
+            return f"emulated {self.costs.rsplit('/', 1)[-1]}, {self.shape}: calibration file"
+        return f"emulated {self.costs}, {self.shape}: analytic, not measured"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
     model: ModelConfig
@@ -226,6 +254,7 @@ class EngineConfig:
     seed: int = 0
     compile: str = "auto"  # compiled model step (engine.compile): auto, none, decode, all
     tensor_parallel_size: int = 1  # ranks of one engine (engine.parallel), vLLM's name
+    emulate: EmulateConfig | None = None  # an emulated accelerator (engine/emulate/)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -186,7 +186,12 @@ def serve_rank(runner: ModelRunner, group: TPGroup,
 def make_runner(config: EngineConfig, num_blocks: int | None = None,
                 describe_failure=None) -> ModelRunner:
     """The runner of this process: a plain ModelRunner without TP (and on ranks > 0,
-    which then call `serve_rank`), a DriverRunner on rank 0."""
+    which then call `serve_rank`), a DriverRunner on rank 0; with `config.emulate`, the
+    emulated accelerator's runner (engine/emulate/runner.py)."""
+    if config.emulate is not None:
+        from engine.emulate.runner import EmulatedRunner
+
+        return EmulatedRunner(config, num_blocks)  # type: ignore[return-value]
     group, _ = rank_shard(config)  # TPGroupError when TP is asked outside a group
     if group is not None and group.rank == 0:
         return DriverRunner(config, num_blocks, group, describe_failure)

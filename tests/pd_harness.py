@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EmulateConfig, EngineConfig, SchedulerConfig
 from engine.loader import load_model_config
 from engine.request import SamplingParams
 from kv_transfer.config import TransferConfig
@@ -19,27 +19,30 @@ from runtime.messages import DecodeTask, EventKind, PrefillTask
 _ids = itertools.count()
 
 
-def engine_cfg(model_dir, block_size: int, prefix: bool = True) -> EngineConfig:
+def engine_cfg(model_dir, block_size: int, prefix: bool = True,
+               emulate: EmulateConfig | None = None) -> EngineConfig:
+    """``emulate``: on the emulated accelerator (its shape's KV in bfloat16)."""
     model = load_model_config(model_dir)
     return EngineConfig(str(model_dir), model, CacheConfig(block_size, None, 1 << 30, prefix),
-                        SchedulerConfig(max_model_len=1024))
+                        SchedulerConfig(max_model_len=1024),
+                        dtype="bfloat16" if emulate else "float32", emulate=emulate)
 
 
 class PDPair:
     def __init__(self, model_dir, p_block=16, d_block=16, chunk=16, budget=64,
                  p_blocks=256, d_blocks=256, send_policy="eager", fairness="fcfs",
-                 headroom=64, stream_interval=1):
+                 headroom=64, stream_interval=1, emulate: EmulateConfig | None = None):
         n = next(_ids)
         tcfg = TransferConfig(connector="inproc", send_policy=send_policy)
         self.receiver = make_receiver(tcfg, name=f"d{n}")
         self.sender = make_sender(tcfg, name=f"p{n}")
         self.prefill = PrefillEngine(
-            "prefill-0", engine_cfg(model_dir, p_block),
+            "prefill-0", engine_cfg(model_dir, p_block, emulate=emulate),
             PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk,
                                    fairness_policy=fairness),
             self.sender, p_blocks)
         self.decode = DecodeEngine(
-            "decode-0", engine_cfg(model_dir, d_block),
+            "decode-0", engine_cfg(model_dir, d_block, emulate=emulate),
             DecodeSchedulerConfig(max_model_len=1024, headroom_tokens=headroom),
             self.receiver, d_blocks, stream_interval=stream_interval)
         self.outputs: dict[str, list[int]] = {}

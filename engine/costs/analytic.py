@@ -67,6 +67,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2-0.5b": dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896,
                        intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
                        head_dim=64, max_position_embeddings=32768, tie_word_embeddings=True),
+    # pdserve's embedded tiny model (engine/tiny_model.py PRESETS["tiny"], its 2,048-token
+    # tokenizer): the emulated device's shape for fast tests, 256 bytes of KV per token
+    "tiny": dict(architecture="LlamaForCausalLM", vocab_size=2048, hidden_size=64,
+                 intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 max_position_embeddings=4096, tie_word_embeddings=False),
     "smollm2-135m": dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                          head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True),

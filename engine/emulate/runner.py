@@ -1,0 +1,232 @@
+"""EmulatedRunner: ModelRunner's interface on an emulated accelerator.
+
+A step costs what the cost model (engine/costs/) gives for exactly that batch -- the
+prefill chunks' sizes and contexts, the decode batch and its contexts, the sampled rows
+-- on the device timeline (engine/emulate/device.py); KV exports and imports cost their
+copies there too. Meanwhile the host does the model's real memory work: each token's KV,
+of the shape's true size, is written into a real paged cache (engine/emulate/
+kv_pattern.py), exported and imported as the real runner's is, and every range imported
+is checked. Then the host waits for the step's end, without the GIL.
+
+The emulated model's next token after position ``i`` is a hash of the KV state there
+(``h[i]``: the tokens up to ``i``) and of the request's draw key -- 0 for greedy rows,
+the seed for seeded ones, a fresh random key per request otherwise -- inside the
+vocabulary: greedy streams are a function of the prompt alone, the same colocated or
+disaggregated, and a decode worker reads the state off the KV it received. EOS, stop
+tokens and max_tokens end requests as usual; log-probs have their usual shapes (the
+chosen token at log-prob 0, rank 1, then the next candidates of the hash).
+
+The engines reach it through engine.execute.execute_and_sample (``samples_itself``):
+no logits exist, so no [rows, vocab] tensor is built.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import EngineConfig, torch_dtype
+from engine.costs.analytic import analytic_calibration
+from engine.costs.calibration import Calibration
+from engine.costs.loader import load_costs
+from engine.costs.model import CostModel
+from engine.emulate.device import DeviceEvent, EmulatedDevice
+from engine.emulate.kv_pattern import ROOT, KVPattern, chain, mix, step
+from engine.execute import Sampled
+from engine.kv_cache import KVCache, PendingExport, slots_for
+from engine.logprobs import TokenLogprobs
+from engine.memory import num_kv_blocks
+
+_M64 = (1 << 64) - 1
+
+
+def emulated_costs(config: EngineConfig) -> CostModel:
+    """The cost model of ``config.emulate``: an analytic profile for its shape, or a
+    calibration file."""
+    em = config.emulate
+    assert em is not None
+    if em.costs.endswith(".json"):
+        return load_costs(Calibration.load(em.costs))
+    return load_costs(analytic_calibration(em.costs, em.shape, config.dtype))
+
+
+def _token(h: int, key: int, vocab: int) -> int:
+    return mix(h ^ key) % vocab
+
+
+class EmulatedKV(KVCache):
+    """The paged cache, real bytes; exports and imports charge the device's copy engine
+    (one queue with the steps: the simulator's accounting) and imports are checked."""
+
+    def __init__(self, runner: EmulatedRunner, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.runner = runner
+        self.words = self._slots.view(torch.int64)  # [L, 2, slots, KVH, Q]
+        self.checked_ranges = 0
+
+    def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:
+        r = self.runner
+        payload = super().export_async(block_ids, start, end).payload  # a real gather
+        done = r.accel.submit(r.costs.kv_export_s(max(1, end - start)))
+        return PendingExport(payload, DeviceEvent(r.accel, done))
+
+    def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
+                      layer_start: int = 0, head_start: int | None = None) -> None:
+        self.runner.pattern.check(data, start, layer_start)  # PatternError fails the leg
+        self.checked_ranges += 1
+        super().import_tokens(block_ids, start, data, layer_start, head_start)
+        r = self.runner
+        r.accel.submit(r.costs.kv_import_s(max(1, data.shape[2])))
+
+
+class EmulatedRunner:
+    """ModelRunner's interface (``kv``, ``num_blocks``, ``config``, ``bind``) on the
+    emulated device; ``execute_and_sample`` instead of ``run``."""
+
+    samples_itself = True
+
+    def __init__(self, config: EngineConfig, num_blocks: int | None = None):
+        em = config.emulate
+        if em is None:
+            raise ValueError("EmulatedRunner needs config.emulate")
+        self.config = config
+        self.costs = emulated_costs(config)
+        self.label = f"{em.label} ({self.costs.label.removeprefix('analytic, not measured: ')})"
+        self.device = torch.device("cpu")  # where its tensors live (ModelRunner's meaning)
+        self.accel = EmulatedDevice()  # the emulated accelerator's timeline
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.cache.block_size
+        model = config.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if model.head_dim * elem % 8:
+            raise ValueError(f"emulated KV needs head_dim x element size divisible by 8 "
+                             f"bytes, got {model.head_dim} x {elem}")
+        if config.tensor_parallel_size != 1:
+            raise ValueError("the emulated device runs one rank per worker "
+                             "(tensor_parallel_size 1)")
+        self.num_blocks = num_blocks if num_blocks is not None else num_kv_blocks(config)
+        per_token = KVCache.bytes_per_token(model, self.dtype)
+        capacity = self.num_blocks * self.block_size
+        need = config.scheduler.max_model_len
+        if capacity < need:
+            raise ValueError(
+                f"{em.label}: the KV pool holds {capacity} tokens ({self.num_blocks} blocks "
+                f"of {self.block_size}, {per_token / 1024:g} KiB per token of {em.shape}: "
+                f"{self.num_blocks * self.block_size * per_token / (1 << 30):.2f} GiB), less "
+                f"than one request of max_model_len {need}: raise the KV memory budget "
+                "(--kv-cache-memory-gb / cache.kv_cache_memory_bytes) or lower "
+                "--max-model-len")
+        self.kv = EmulatedKV(self, model, self.num_blocks, self.block_size, self.dtype, "cpu")
+        self.pattern = KVPattern(model.num_layers, max(model.max_position_embeddings,
+                                                        config.scheduler.max_model_len))
+        self.vocab = model.vocab_size
+        self._last: set[str] = set()  # request ids of the previous step
+        self._keys: dict[str, int] = {}  # unseeded sampling: one random key per request
+        self._rng = random.Random()
+
+    def bind(self) -> None:
+        """No device thread binding (ModelRunner.bind's place)."""
+
+    def stats(self) -> dict[str, float]:
+        return {**self.accel.stats(), "kv_checked_ranges": float(self.kv.checked_ranges)}
+
+    # ---- one step ---------------------------------------------------------------------
+    def step_cost_s(self, items, chunks) -> float:
+        """The device time of one batch (its ScheduledItems and their SeqChunks): the
+        prefill chunks' compute, the decode rows', and the sampled rows'."""
+        c = self.costs
+        pre = [(len(ch.token_ids), ch.start) for it, ch in zip(items, chunks, strict=True)
+               if it.is_prefill]
+        dec = [ch for it, ch in zip(items, chunks, strict=True) if not it.is_prefill]
+        cost = c.prefill_s(pre) if pre else 0.0
+        if dec:
+            ends = [ch.end for ch in dec]
+            cost += c.decode_s(len(dec), sum(ends), max(ends))
+            if any(ch.request_id not in self._last for ch in dec):
+                cost += c.leg_join_s()
+        rows = sum(1 for ch in chunks if ch.sample)
+        return cost + (c.sample_s(rows) if rows else 0.0)
+
+    def execute_and_sample(self, items) -> list:
+        """engine.execute.execute_and_sample on the emulated device: the step queued at
+        once, the KV written while it runs, the host back when it ends."""
+        chunks = [it.to_chunk() for it in items]
+        ids = {ch.request_id for ch in chunks}
+        done = self.accel.submit(self.step_cost_s(items, chunks),
+                                 continues=bool(ids & self._last))
+        self._last = ids
+        bs, kv, pattern = self.block_size, self.kv, self.pattern
+        # the state before each chunk: the root, or off the KV at its previous position
+        reads = [(it, ch) for it, ch in zip(items, chunks, strict=True) if ch.start > 0]
+        prev = pattern.state_at(kv.words, [slots_for(ch.block_ids, ch.start - 1, ch.start,
+                                                     bs)[0] for _, ch in reads],
+                                [ch.start - 1 for _, ch in reads])
+        before = dict(zip((ch.request_id for _, ch in reads), prev, strict=True))
+        states, positions, slots, out = [], [], [], []
+        for it, ch in zip(items, chunks, strict=True):
+            h0 = before.get(ch.request_id, ROOT)
+            hs = [step(h0, ch.token_ids[0])] if len(ch.token_ids) == 1 else \
+                chain(h0, ch.token_ids)
+            states += hs
+            positions.extend(range(ch.start, ch.end))
+            slots += slots_for(ch.block_ids, ch.start, ch.end, bs)
+            r = it.request
+            if r.wants_prompt_logprobs and it.is_prefill:
+                self._prompt_logprobs(it, h0, hs)
+            if ch.sample:
+                tok, lps = self._draw(r, hs[-1])
+                out.append(Sampled(r, tok, lps))
+        pattern.write(kv.words, torch.tensor(slots, dtype=torch.long), states, positions)
+        self.accel.wait(done)
+        if len(self._keys) > 4096:  # keys of requests that ended: forget them now and then
+            self._keys = {k: v for k, v in self._keys.items() if k in ids}
+        return out
+
+    def _key(self, r) -> int:
+        p = r.sampling_params
+        if p.greedy:
+            return 0
+        if p.seed is not None:
+            return mix(p.seed + 1) | 1
+        key = self._keys.get(r.request_id)
+        if key is None:
+            key = self._keys[r.request_id] = self._rng.getrandbits(62) | 1
+        return key
+
+    def _draw(self, r, h: int) -> tuple[int, TokenLogprobs | None]:
+        key = self._key(r)
+        tok = _token(h, key, self.vocab)
+        n = r.sampling_params.logprobs
+        if n is None:
+            return tok, None
+        return tok, self._logprobs(tok, h, key, n)
+
+    def _logprobs(self, tok: int, h: int, key: int, n: int) -> TokenLogprobs:
+        """The chosen token first at log-prob 0 (the emulated model is certain), then
+        ``n - 1`` other ids of the hash at falling log-probs."""
+        top = [(tok, 0.0)]
+        j = 1
+        while len(top) < n:
+            other = _token(h, (key + j * 0x9E37_79B9) & _M64, self.vocab)
+            j += 1
+            if all(other != t for t, _ in top):
+                top.append((other, -float(len(top))))
+        return TokenLogprobs(tok, 0.0, 1, tuple(top[:n]))
+
+    def _prompt_logprobs(self, it, h0: int, hs: list[int]) -> None:
+        """Log-probs of the prompt tokens this chunk predicts (rank by the hash: 1 where
+        the emulated model would have drawn it greedily)."""
+        r, k = it.request, it.request.sampling_params.prompt_logprobs
+        end = min(it.start + it.num_tokens, r.num_prompt_tokens - 1)
+        if r.prompt_logprobs is None:
+            r.prompt_logprobs = [None]
+        del r.prompt_logprobs[it.start + 1:]
+        for i in range(it.start, end):
+            target = r.prompt_token_ids[i + 1]
+            h = hs[i - it.start]
+            best = _token(h, 0, self.vocab)
+            lp = 0.0 if target == best else -1.0
+            top = self._logprobs(best, h, 0, k).top if k else ()
+            r.prompt_logprobs.append(TokenLogprobs(target, lp, 1 if lp == 0.0 else 2, top))

@@ -1,0 +1,171 @@
+"""The emulated accelerator (engine/emulate/): its device timeline and host accounting,
+the KV pattern's write and check, pseudo-tokens, and the worker engines on it -- greedy
+streams identical colocated and disaggregated, a corrupted KV frame caught end to end,
+no block leaked."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EmulateConfig, EngineConfig, SchedulerConfig
+from engine.emulate.device import EmulatedDevice
+from engine.emulate.kv_pattern import ROOT, KVPattern, PatternError, chain
+from engine.emulate.model_dir import emulated_model_dir
+from engine.emulate.runner import EmulatedRunner
+from engine.llm import LLM
+from engine.loader import load_model_config
+from engine.request import SamplingParams
+from runtime.messages import EventKind
+from tests.pd_harness import PDPair, greedy
+
+TINY = EmulateConfig("h200", "tiny")
+
+
+@pytest.fixture(scope="module")
+def emu_dir():
+    return emulated_model_dir("tiny")
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_a_step_submitted_late_starts_late_and_only_a_continuing_step_counts_host_lag():
+    clock = FakeClock()
+    dev = EmulatedDevice(clock, clock.sleep)
+    end = dev.submit(0.010)  # idle device: starts now
+    assert end == pytest.approx(100.010)
+    end2 = dev.submit(0.005, continues=True)  # queued behind the first: no lag
+    assert end2 == pytest.approx(100.015)
+    dev.wait(end2)
+    assert clock.t == pytest.approx(100.015)
+    clock.t += 0.003  # the host took 3 ms after the device went idle
+    dev.submit(0.002, continues=True)
+    clock.t += 1.0  # idle: nothing to run
+    dev.submit(0.002, continues=False)
+    s = dev.stats()
+    assert s["host_lag_steps"] == 2 and s["host_lag_s"] == pytest.approx(0.003)
+    assert s["device_busy_s"] == pytest.approx(0.019)
+    assert s["device_busy_ratio"] == pytest.approx(0.019 / (clock.t - 100.0))
+
+
+def test_the_kv_pattern_checks_out_where_written_and_catches_a_flipped_byte_or_a_shift():
+    layers, kvh, d = 3, 2, 16
+    pat = KVPattern(layers, 64)
+    cache = torch.zeros((layers, 2, 32, kvh, d), dtype=torch.bfloat16)
+    words = cache.view(torch.int64)
+    states = chain(ROOT, [5, 9, 11, 3, 7])
+    pat.write(words, torch.arange(10, 15), states, list(range(5)))
+    assert pat.state_at(words, [12], [2]) == [states[2]]
+    payload = cache[:, :, 10:15].clone()  # positions 0..4
+    pat.check(payload, 0)  # what was written checks out
+    pat.check(payload[1:], 0, layer_start=1)  # a frame of later layers too
+    bad = payload.clone()
+    bad.view(torch.uint8)[2, 1, 3, 1, 5] ^= 0x10  # one byte of layer 2, V, position 3
+    with pytest.raises(PatternError, match="position 3, layer 2 V"):
+        pat.check(bad, 0)
+    with pytest.raises(PatternError, match="emulated KV check failed"):
+        pat.check(payload, 1)  # the same bytes placed one position later
+    with pytest.raises(PatternError):
+        pat.check(payload[1:], 0)  # layers 1.. presented as layers 0..
+
+
+def _llm(emu_dir, chunk=16) -> LLM:
+    model = load_model_config(emu_dir)
+    cfg = EngineConfig(str(emu_dir), model, CacheConfig(16, None, 1 << 30, True),
+                       SchedulerConfig(64, 16, chunk, True, 1024), dtype="bfloat16",
+                       emulate=TINY)
+    return LLM.from_config(cfg)
+
+
+PROMPTS = [list(range(1, 41)), list(range(1, 33)) + [7, 7, 7], [9] * 5, [100 + i for i in range(70)]]
+
+
+def test_greedy_streams_are_identical_colocated_and_disaggregated_and_every_range_checks(
+        emu_dir):
+    llm = _llm(emu_dir)
+    colocated = [o.token_ids for o in llm.generate(PROMPTS, greedy(12))]
+    assert all(0 <= t < 2048 for out in colocated for t in out)
+    assert len({tuple(o) for o in colocated}) == len(PROMPTS)  # prompts differ, streams too
+    pair = PDPair(emu_dir, p_block=16, d_block=8, chunk=16, budget=32, emulate=TINY)
+    try:
+        for i, p in enumerate(PROMPTS):
+            assert pair.submit(f"r{i}", p, greedy(12))
+        pair.run()
+        assert [pair.outputs[f"r{i}"] for i in range(len(PROMPTS))] == colocated
+        assert pair.decode.runner.kv.checked_ranges >= len(PROMPTS)
+        stats = pair.decode.runner.stats()
+        assert stats["device_steps"] > 0 and 0 < stats["device_busy_ratio"] <= 1
+        pair.leak_check()
+    finally:
+        pair.close()
+
+
+def test_seeded_streams_repeat_and_logprobs_have_their_usual_shape(emu_dir):
+    llm = _llm(emu_dir)
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True, logprobs=3)
+    a, b = llm.generate([PROMPTS[0], PROMPTS[0]], sp)
+    assert a.token_ids == b.token_ids
+    greedy_out = llm.generate([PROMPTS[0]], greedy(6))[0]
+    assert a.token_ids != greedy_out.token_ids  # the seed is part of the draw
+    assert len(a.logprobs) == 6 and all(len(lp.top) == 3 and lp.rank == 1 for lp in a.logprobs)
+    assert [lp.token_id for lp in a.logprobs] == a.token_ids
+    stop = llm.generate([PROMPTS[0]], replace(greedy(6), stop_token_ids=(greedy_out.token_ids[2],)))
+    assert stop[0].token_ids == greedy_out.token_ids[:3]  # a stop token ends it as usual
+
+
+def test_a_corrupted_kv_frame_fails_its_request_with_a_clear_error_and_leaks_nothing(emu_dir):
+    pair = PDPair(emu_dir, chunk=16, budget=32, emulate=TINY)
+    send = pair.sender.send
+    hit = []
+
+    def corrupting_send(chunk, dest):
+        # after the export, before framing: the wire's own checksum is of these bytes
+        if chunk.request_id == "bad" and chunk.seq_no == 1 and not hit:
+            chunk.payload.view(torch.uint8).view(-1)[777] ^= 0x04
+            hit.append(chunk.seq_no)
+        return send(chunk, dest=dest)
+
+    pair.sender.send = corrupting_send
+    try:
+        assert pair.submit("good", PROMPTS[0], greedy(5))
+        assert pair.submit("bad", PROMPTS[3], greedy(5))
+        pair.run()
+        assert hit and pair.finished["bad"] == EventKind.FAILED
+        failed = [e for e in pair.events if e.kind == EventKind.FAILED]
+        assert {e.leg_id for e in failed} == {"bad"}  # (decode's, then the sender's)
+        assert failed[0].worker_id == "decode-0"
+        assert "emulated KV check failed at position" in failed[0].message
+        assert "corrupted or misplaced in transfer" in failed[0].message
+        assert len(pair.outputs["good"]) == 5 and pair.finished["good"] != EventKind.FAILED
+        pair.prefill.abort("bad")  # the router's part: end the prefill leg too
+        pair.leak_check()
+    finally:
+        pair.close()
+
+
+def test_a_kv_pool_that_cannot_hold_one_request_is_a_clear_error(emu_dir):
+    model = load_model_config(emu_dir)
+    cfg = EngineConfig(str(emu_dir), model, CacheConfig(16, None, 16 * 256 * 10),
+                       SchedulerConfig(max_model_len=1024), dtype="bfloat16", emulate=TINY)
+    with pytest.raises(ValueError, match="less than one request of max_model_len 1024"):
+        EmulatedRunner(cfg)
+
+
+def test_an_unknown_profile_or_shape_is_named():
+    with pytest.raises(ValueError, match="neither an analytic profile"):
+        EmulateConfig("h300", "tiny")
+    with pytest.raises(ValueError, match="unknown model shape 'llama-9'"):
+        EmulateConfig("h200", "llama-9")
+    assert EmulateConfig("h200", "llama-3-8b").label == \
+        "emulated h200, llama-3-8b: analytic, not measured"
