@@ -55,10 +55,13 @@ def run_study(name: str, ctx: StudyContext, *, echo: Callable[[str], None] = pri
     """Run one study, write its files and echo its table; returns the result."""
     from bench.studies.results import write_result
 
+    module = importlib.import_module(STUDIES[name]) if name in STUDIES else None
     fn = study_fn(name)
     t0 = time.monotonic()
     result = fn(ctx)
     result.elapsed_s = result.elapsed_s or time.monotonic() - t0
+    if derive := getattr(module, "findings", None):
+        result.findings = derive(result)
     if ctx.simulated:  # every output says what ran it (an analytic model says so)
         result.notes.insert(0, ctx.describe())
     paths = write_result(ctx, result)
@@ -74,7 +77,9 @@ def format_result(result: StudyResult, ctx: StudyContext, md: Path) -> str:
     if "side_by_side" in result.extra:
         lines += ["", *result.extra["side_by_side"]]
     lines += [f"   note: {n}" for n in result.notes]
-    lines.append(f"   -> {md} (+ {len(result.plots)} plot(s))")
+    lines += [f"   finding: {f}" for f in result.findings]
+    lines.append(f"   -> {md} (+ {len(result.plots)} plot(s); all on one page: "
+                 f"{md.with_name('report.html')})")
     return "\n".join(lines)
 
 

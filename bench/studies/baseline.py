@@ -29,6 +29,12 @@ def engine_vs_hf_args(ctx: StudyContext) -> list[str]:
             "--decode-steps", "0" if quick else "8"]
 
 
+def findings(result: StudyResult) -> list[str]:
+    """The engine's output rate against each transformers peer."""
+    return [f"engine.LLM ran at {r['ratio']:.2f}x the output tokens/s of {r['config']} "
+            f"(greedy-equal prompts: {r['greedy_equal']})." for r in result.rows
+            if r["config"] != "engine" and r.get("ratio") is not None]
+
 def run(ctx: StudyContext) -> StudyResult:
     import torch
 

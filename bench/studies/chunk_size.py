@@ -23,6 +23,7 @@ from bench.studies.common import (
     step_ms,
     trace_metrics,
 )
+from bench.studies.report import change, ratio_line
 
 NAME = "chunk-size"
 CHUNKS_FULL = (64, 128, 256, 512, 1024)
@@ -57,6 +58,26 @@ def metrics_row(m: BenchmarkMetrics, run: ConfigRun) -> dict:
         "goodput_rps": m.request_goodput, "completed": m.completed, "failed": m.failed,
     }
 
+
+def findings(result: StudyResult) -> list[str]:
+    """The smallest chunk against the largest, and where goodput peaked."""
+    rows = sorted((r for r in result.rows if r.get("chunk")), key=lambda r: r["chunk"])
+    if len(rows) < 2:
+        return []
+    small, big = rows[0], rows[-1]
+    out = [ratio_line(f"Chunk {small['chunk']} (against {big['chunk']})", [
+        change("ITL p99", big.get("itl_p99_ms"), small.get("itl_p99_ms")),
+        change("the short prompts' TTFT p99", big.get("short_ttft_p99_ms"),
+               small.get("short_ttft_p99_ms")),
+        change("the long prompts' mean TTFT", big.get("long_ttft_mean_ms"),
+               small.get("long_ttft_mean_ms"))])]
+    good = [r for r in rows if r.get("goodput_rps") is not None]
+    if good:
+        best = max(good, key=lambda r: r["goodput_rps"])
+        worst = min(good, key=lambda r: r["goodput_rps"])
+        out.append(f"SLO goodput peaked at chunk {best['chunk']} ({best['goodput_rps']:.2f} "
+                   f"req/s; lowest {worst['goodput_rps']:.2f} at chunk {worst['chunk']}).")
+    return [s for s in out if s]
 
 def run(ctx: StudyContext) -> StudyResult:
     t0 = time.monotonic()

@@ -83,6 +83,22 @@ def contended_shares(run: ConfigRun) -> dict[str, float] | None:
     return {k: v / total for k, v in tokens.items()} if total and len(tokens) > 1 else None
 
 
+def findings(result: StudyResult) -> list[str]:
+    """The fairest configuration, and each one's contended split against the weights."""
+    rows = [r for r in result.rows if r.get("jain_contended") is not None]
+    if not rows:
+        return []
+    want = TENANT_WEIGHTS["gold"] / (TENANT_WEIGHTS["gold"] + TENANT_WEIGHTS["free"])
+    best = max(rows, key=lambda r: r["jain_contended"])
+    out = [f"{best['config']} came closest to the weights "
+           f"{TENANT_WEIGHTS['gold']:g}:{TENANT_WEIGHTS['free']:g}: Jain index of the contended "
+           f"shares over weights {best['jain_contended']:.3f}."]
+    for r in rows:
+        if r.get("gold_share") is not None:
+            out.append(f"{r['config']}: gold got {r['gold_share']:.2f} of the contended "
+                       f"prefill (its weight's share: {want:.2f}).")
+    return out
+
 def run(ctx: StudyContext) -> StudyResult:
     from bench.workload import TenantSpec
 

@@ -154,6 +154,14 @@ def _defined(v: float | None) -> float | None:
     return None if v is None or v != v else v  # NaN (no gaps) -> n/a
 
 
+def findings(result: StudyResult) -> list[str]:
+    """How much long prompts stretched chat ITL p99, per layout."""
+    parts = [f"{r['config']} {r['ratio']:.2f}x" for r in result.rows
+             if r.get("ratio") is not None]
+    if not parts:
+        return []
+    return ["Long prompts arriving multiplied the chats' ITL p99 by: " + ", ".join(parts) + "."]
+
 def run(ctx: StudyContext) -> StudyResult:
     t0 = time.monotonic()
     spec = workload_spec(ctx)

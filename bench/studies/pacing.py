@@ -23,6 +23,7 @@ from bench.studies.common import (
     pct_ms,
     trace_metrics,
 )
+from bench.studies.report import change, ratio_line
 
 NAME = "pacing"
 SMALL_WINDOW_BLOCKS = 4  # the small credit window: a few KV blocks in flight per link
@@ -64,6 +65,25 @@ def configs(ctx: StudyContext) -> dict[str, dict[str, Any]]:
                                               "transfer.credit_window_chunks": 0.0}
     return out
 
+
+def findings(result: StudyResult) -> list[str]:
+    """Each send policy against sending at the end of prefill."""
+    by = {r["config"]: r for r in result.rows}
+    base = by.get("at_end")
+    if base is None:
+        return []
+    out = []
+    for name, r in by.items():
+        if name == "at_end":
+            continue
+        out.append(ratio_line(f"{name} (against at_end)", [
+            change("TTFT p99", base.get("ttft_p99_ms"), r.get("ttft_p99_ms")),
+            change("the running decodes' ITL p99", base.get("chat_itl_p99_ms"),
+                   r.get("chat_itl_p99_ms"))]))
+        if r.get("transfer_overlap") is not None:
+            out.append(f"{name} hid {r['transfer_overlap'] * 100:.0f}% of its transfer time "
+                       f"behind prefill (at_end: {(base.get('transfer_overlap') or 0) * 100:.0f}%).")
+    return [s for s in out if s]
 
 def run(ctx: StudyContext) -> StudyResult:
     t0 = time.monotonic()

@@ -46,6 +46,7 @@ class StudyResult:
     notes: list[str] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)  # PNG file names in the out dir
     elapsed_s: float = 0.0
+    findings: list[str] = field(default_factory=list)  # sentences derived from the rows
 
     def table(self) -> str:
         """The markdown table of ``rows`` (what ``NAME.md`` and the console show)."""
@@ -57,25 +58,29 @@ class StudyResult:
 
 
 def write_result(ctx: StudyContext, result: StudyResult) -> dict[str, Path]:
-    """Write ``NAME.json`` and ``NAME.md`` into the output directory; returns their paths."""
+    """Write ``NAME.json`` and ``NAME.md`` into the output directory and renew its
+    ``report.html`` (bench/studies/report.py); returns their paths."""
+    from bench.studies.report import write_report
+
     out = ctx.out
     header = {
         "study": result.name, "title": result.title, "description": result.description,
         "created_unix_s": time.time(), "elapsed_s": result.elapsed_s,
+        "runs": ctx.describe(),
         "options": {"quick": ctx.opts.quick, "model": ctx.opts.model,
                     "model_dir": str(ctx.model_dir), "transport": ctx.opts.transport,
                     "seed": ctx.opts.seed, "slos_ms": dict(ctx.opts.slos)},
     }
     if "link" not in result.extra and _uses_link(result):
-        result.extra["link"] = ctx.link.to_dict()
+        result.extra["link"] = {**ctx.link.to_dict(), "description": ctx.link.describe()}
     data = {**header, "columns": [c.__dict__ for c in result.columns], "rows": result.rows,
             "configs": result.configs, **result.extra, "notes": result.notes,
-            "plots": result.plots}
+            "plots": result.plots, "findings": result.findings}
     js = out / f"{result.name}.json"
     js.write_text(json.dumps(data, indent=2, default=_json_default), encoding="utf-8")
     md = out / f"{result.name}.md"
     md.write_text(render_markdown(ctx, result), encoding="utf-8")
-    return {"json": js, "md": md}
+    return {"json": js, "md": md, "html": write_report(out)}
 
 
 def _uses_link(result: StudyResult) -> bool:
@@ -94,6 +99,8 @@ def _json_default(o: Any) -> Any:
 
 def render_markdown(ctx: StudyContext, result: StudyResult) -> str:
     lines = [f"# {result.title}", "", result.description, ""]
+    if result.findings:
+        lines += [f"- {s}" for s in result.findings] + [""]
     if "link" in result.extra:
         lines += [f"Emulated KV link: {ctx.link.describe()}.", ""]
     if "workload" in result.extra:

@@ -73,6 +73,14 @@ def zoomed_timeline(ctx: StudyContext, mode: str, events: list[TraceEvent],
     return png.name
 
 
+def findings(result: StudyResult) -> list[str]:
+    """How many of the example's claims this run's trace bears out."""
+    claims = result.extra.get("claims") or {}
+    if not claims:
+        return []
+    held = sum(1 for v in claims.values() if v)
+    return [f"{held} of {len(claims)} of the example's claims held in this run's trace."]
+
 def run(ctx: StudyContext) -> StudyResult:
     t0 = time.monotonic()
     spec = t.TeachingSpec(repeats=3 if ctx.opts.quick else 5)

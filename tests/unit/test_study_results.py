@@ -28,7 +28,8 @@ REF = Reference(512, 0.1, 0.005, 512)
 
 def fake_ctx(out: Path) -> SimpleNamespace:
     return SimpleNamespace(out=out, opts=StudyOptions(out=out, quick=True), model_dir=out,
-                           link=LinkEmulation.from_ratio(REF, 0.15, 16))
+                           link=LinkEmulation.from_ratio(REF, 0.15, 16),
+                           describe=lambda: "real services on this machine (test)")
 
 
 def test_markdown_table_and_json_rows_agree(tmp_path: Path) -> None:
