@@ -102,6 +102,13 @@ class _PoolCollector:
                                      "Time KV frames waited in the send queue", labels=labels)
         alive = GaugeMetricFamily("pdserve:worker_alive", "1 if the worker answers",
                                   labels=labels)
+        # an emulated accelerator's accounting (engine/emulate/device.py): analytic figures
+        busy = GaugeMetricFamily("pdserve:device_busy_ratio", "Emulated device time over "
+                                 "wall time since it started (analytic, not measured)",
+                                 labels=labels)
+        lag = GaugeMetricFamily("pdserve:host_lag_seconds", "How long the emulated device "
+                                "waited for the host's next step (latest steps)",
+                                labels=[*labels, "quantile"])
         for w in self.metrics._stats:
             lv = [w.worker_id, w.role]
             total = w.kv_blocks_used + w.kv_blocks_free
@@ -114,7 +121,11 @@ class _PoolCollector:
                 sent.add_metric(lv, w.extra.get("kv_bytes_sent", 0.0))
                 xfer.add_metric(lv, w.extra.get("kv_transfer_s", 0.0))
                 queued.add_metric(lv, w.extra.get("kv_send_queue_s", 0.0))
-        yield from (running, waiting, usage, inflight, sent, xfer, queued, alive)
+            if w.extra.get("device_wall_s"):
+                busy.add_metric(lv, w.extra.get("device_busy_ratio", 0.0))
+                lag.add_metric([*lv, "0.5"], w.extra.get("host_lag_p50_s", 0.0))
+                lag.add_metric([*lv, "0.99"], w.extra.get("host_lag_p99_s", 0.0))
+        yield from (running, waiting, usage, inflight, sent, xfer, queued, alive, busy, lag)
         yield self._chunk_histogram()
 
     def _chunk_histogram(self) -> HistogramMetricFamily:

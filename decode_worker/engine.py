@@ -29,7 +29,7 @@ from engine.tp_driver import make_runner
 from engine.tracing import TraceRecorder
 from kv_transfer.base import KVChunk, KVReceiver
 from runtime.messages import NO_TIMING, DecodeTask, EventKind, LegTiming, WorkerEvent
-from runtime.stats import DecodeStats
+from runtime.stats import DecodeStats, device_stats
 
 if TYPE_CHECKING:
     from kv_transfer.faults import FaultInjector
@@ -314,4 +314,5 @@ class DecodeEngine:
             kv_early_held_chunks=self.early.nchunks, kv_early_held_bytes=self.early.nbytes,
             kv_early_dropped_chunks=sum(self.early.dropped_chunks.values()),
             kv_reserves_refused=self.early.refusals,
+            **device_stats(self.runner),
         )

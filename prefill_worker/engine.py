@@ -29,7 +29,7 @@ from engine.validation import validate_prompt
 from kv_transfer.base import KVChunk, KVSender
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent
-from runtime.stats import PrefillStats
+from runtime.stats import PrefillStats, device_stats
 from runtime.tp_links import SEP
 
 log = logging.getLogger(__name__)
@@ -273,4 +273,5 @@ class PrefillEngine:
             kv_inflight_bytes=float(kv.get("inflight_bytes", 0)),
             kv_queued_bytes=float(kv.get("queued_bytes", 0) + kv.get("export_wait_bytes", 0)),
             kv_send_failures=float(kv.get("failures", 0)),
+            **device_stats(self.runner),
         )

@@ -15,7 +15,7 @@ from engine.llm import LLM
 from engine.request import Request, RequestStatus
 from engine.tombstones import Tombstones
 from runtime.messages import EventKind, LegTiming, PrefillTask, WorkerEvent
-from runtime.stats import EngineStats
+from runtime.stats import EngineStats, device_stats
 
 
 @dataclass
@@ -107,4 +107,5 @@ class ColocatedEngine:
         s, bm = self.llm.scheduler, self.llm.block_manager
         return EngineStats(role="colocated", num_running=len(s.running),
                            num_waiting=len(s.waiting), kv_blocks_used=bm.num_used_blocks,
-                           kv_blocks_free=bm.num_free_blocks, num_steps=self.llm.num_steps)
+                           kv_blocks_free=bm.num_free_blocks, num_steps=self.llm.num_steps,
+                           **device_stats(self.llm.runner))

@@ -30,6 +30,20 @@ class EngineStats:
     gc_full_collections: int = 0
     gc_pause_s: float = 0.0
     gc_max_pause_s: float = 0.0
+    # an emulated accelerator (engine/emulate/device.py): its label ("" on a real device),
+    # device seconds and wall seconds since it started, and the host's lag behind it
+    emulated: str = ""
+    device_busy_s: float = 0.0
+    device_wall_s: float = 0.0
+    host_lag_s: float = 0.0  # summed over the steps that continued the one before
+    host_lag_steps: int = 0
+    host_lag_p50_s: float = 0.0  # of the latest steps (engine/emulate/device.py LAG_WINDOW)
+    host_lag_p99_s: float = 0.0
+
+    @property
+    def device_busy_ratio(self) -> float:
+        """Device time over wall time since the emulated device started (0 on a real one)."""
+        return self.device_busy_s / self.device_wall_s if self.device_wall_s else 0.0
 
     @property
     def queue_depth(self) -> int:
@@ -42,7 +56,22 @@ class EngineStats:
                if isinstance(getattr(self, f.name), int | float)
                and not isinstance(getattr(self, f.name), bool)}
         out.update({k: float(v) for k, v in self.faults.items()})
+        if self.device_wall_s:  # an emulated device
+            out["device_busy_ratio"] = self.device_busy_ratio
         return out
+
+
+DEVICE_FIELDS = ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps",
+                 "host_lag_p50_s", "host_lag_p99_s")
+
+
+def device_stats(runner: object) -> dict:
+    """The emulated device's fields of a worker's stats ({} for a real device)."""
+    if not getattr(runner, "samples_itself", False):
+        return {}
+    s = runner.stats()  # type: ignore[attr-defined]
+    return {"emulated": runner.label, **{k: type(getattr(EngineStats, k))(s[k])  # type: ignore[attr-defined]
+                                         for k in DEVICE_FIELDS}}
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,34 @@ def test_greedy_streams_are_identical_colocated_and_disaggregated_and_every_rang
         assert pair.decode.runner.kv.checked_ranges >= len(PROMPTS)
         stats = pair.decode.runner.stats()
         assert stats["device_steps"] > 0 and 0 < stats["device_busy_ratio"] <= 1
+        _stats_reach_metrics(pair)
         pair.leak_check()
     finally:
         pair.close()
+
+
+def _stats_reach_metrics(pair: PDPair) -> None:
+    """The device's accounting in the workers' stats (GetStats' figures) and /metrics."""
+    from prometheus_client import generate_latest
+
+    from cluster.metrics import ServiceMetrics
+    from cluster.router.types import WorkerStats
+
+    workers = []
+    for eng in (pair.prefill, pair.decode):
+        s = eng.stats()
+        assert s.emulated.startswith("emulated h200, tiny: analytic, not measured")
+        assert s.device_busy_s > 0 and s.device_wall_s >= s.device_busy_s
+        assert s.host_lag_steps > 0 and s.host_lag_p99_s >= s.host_lag_p50_s >= 0
+        figures = s.figures()
+        assert figures["device_busy_ratio"] == pytest.approx(s.device_busy_s / s.device_wall_s)
+        workers.append(WorkerStats(eng.worker_id, s.role, True, extra=figures))
+    metrics = ServiceMetrics()
+    metrics.update_workers(workers)
+    text = generate_latest(metrics.registry).decode()
+    for w in ("prefill-0", "decode-0"):
+        assert f'pdserve:device_busy_ratio{{role="{w[:-2]}",worker="{w}"}}' in text
+        assert f'pdserve:host_lag_seconds{{quantile="0.99",role="{w[:-2]}",worker="{w}"}}' in text
 
 
 def test_seeded_streams_repeat_and_logprobs_have_their_usual_shape(emu_dir):
