@@ -4,6 +4,9 @@ Modes (`EngineConfig.compile`, `LLM(compile=...)`, `--compile`):
 - `none`    every step runs the eager forward;
 - `decode`  steps whose rows are all single-token decodes run the compiled forward;
 - `all`     every step does (prefill chunks and mixed batches too);
+- `prefill` every step does, without CUDA graphs: what a prefill worker runs for `all`
+            (`role_mode`: its steps are chunks; graphs of decode batches it never runs
+            would cost it start-up time and graph memory);
 - `auto`    the default: `AUTO_MODE` of the device type, chosen from measurements
             (bench/engine_vs_hf.py --compile; see the README's figures).
 
@@ -60,6 +63,15 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
 
 
+def role_mode(mode: str, role: str) -> str:
+    """The mode a `role` worker compiles for the configured `mode`. A prefill worker runs
+    chunks, not decode batches: it compiles no decode step ("auto" and "decode": "none")
+    and records no CUDA graph ("all": "prefill"); other roles run `mode` itself."""
+    if role != "prefill":
+        return mode
+    return "prefill" if mode in ("all", "prefill") else "none"
+
+
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """The CUDA-graph batch sizes: DECODE_BUCKETS up to the first one >= max_num_seqs."""
     out = [b for b in DECODE_BUCKETS if b < max_num_seqs]
@@ -108,9 +120,10 @@ class CompiledStep:
                  max_num_seqs: int):
         self.device = device
         self.report = CompileReport(requested=mode, mode=resolve_mode(mode, device))
-        self.graphs = device.type == "cuda"  # CUDA graphs for decode steps
+        # CUDA graphs for decode steps (none in "prefill" mode)
+        self.graphs = device.type == "cuda" and self.report.mode != "prefill"
         # decode batches padded to buckets, tables to a fixed width: what graphs need
-        self.padded = device.type in PADDED_DECODE
+        self.padded = device.type in PADDED_DECODE and self.report.mode != "prefill"
         self.buckets = decode_buckets(max_num_seqs) if self.padded else ()
         self._decode: Callable | None = None
         self._mixed: Callable | None = None
@@ -128,6 +141,10 @@ class CompiledStep:
         def mixed_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model(input_ids, positions)
 
+        if self.report.mode == "prefill":  # one graph-free forward for every step
+            self._decode = self._mixed = torch.compile(mixed_forward, dynamic=True,
+                                                       fullgraph=True)
+            return
         mode_kw = {"mode": "reduce-overhead"} if self.graphs else {}
         self._decode = torch.compile(decode_forward, dynamic=True, fullgraph=True, **mode_kw)
         if self.report.mode == "all":
@@ -171,6 +188,8 @@ class CompiledStep:
                                                                               (True, 2)]
         if rep.mode == "all" and self.graphs:
             shapes += [(False, 2), (False, 3)]
+        if rep.mode == "prefill":  # T == 1 and T >= 2 of its one forward
+            shapes = [(True, 1), (False, 2)]
         try:
             # under inference mode, as serving runs (ModelRunner.run): dynamo guards on
             # the grad mode, and graphs built with it on would be re-traced (and their CUDA

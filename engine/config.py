@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 DTYPES = ("float32", "float16", "bfloat16")
 # The one list of compiled-step modes (engine.compile says what each does; kept here, in
 # a torch-free module, so the CLI's choices come from it without loading torch).
-COMPILE_MODES = ("auto", "none", "decode", "all")
+COMPILE_MODES = ("auto", "none", "decode", "all", "prefill")
 
 
 def torch_dtype(name: str):
@@ -252,7 +252,7 @@ class EngineConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"
     seed: int = 0
-    compile: str = "auto"  # compiled model step (engine.compile): auto, none, decode, all
+    compile: str = "auto"  # compiled model step (engine.compile): COMPILE_MODES
     tensor_parallel_size: int = 1  # ranks of one engine (engine.parallel), vLLM's name
     emulate: EmulateConfig | None = None  # an emulated accelerator (engine/emulate/)
 

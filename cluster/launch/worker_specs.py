@@ -17,6 +17,7 @@ from cluster.config.serve import ServeConfig
 from cluster.launch.placement import PoolPlan
 from decode_worker.early_kv import EarlyKVConfig
 from decode_worker.scheduler import DecodeSchedulerConfig
+from engine.compile import role_mode
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, torch_dtype
 from engine.kv_cache import KVCache
 from engine.loader import load_model_config
@@ -45,7 +46,8 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
             enable_chunked_prefill=s.enable_chunked_prefill if colocated else True,
             max_model_len=cfg.model.max_model_len or model.max_position_embeddings),
         device=cfg.model.device, dtype=cfg.model.dtype,
-        attention_backend=cfg.model.attention_backend, compile=cfg.model.compile,
+        attention_backend=cfg.model.attention_backend,
+        compile=role_mode(cfg.model.compile, role),  # a prefill worker: no decode graphs
         tensor_parallel_size=tp)
 
 

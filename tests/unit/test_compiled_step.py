@@ -224,8 +224,9 @@ def test_the_compile_key_reaches_the_workers_engine_config(tiny_model):
     assert cfg.model.compile == "decode"
     with pytest.raises(ValueError, match="model.compile must be one of"):
         ServeConfig().with_values({"model.compile": "fast"})
-    for role in ("prefill", "decode", "colocated"):
+    for role in ("decode", "colocated"):
         assert engine_config(cfg, str(tiny_model), role).compile == "decode"
+    assert engine_config(cfg, str(tiny_model), "prefill").compile == "none"  # no decode steps
 
 
 def test_the_compile_choices_load_no_torch():
