@@ -66,6 +66,11 @@ class TransferConfig:
     require_expect: bool = False  # discard unannounced requests (never in the service: its
     # KV may overtake the reserve, decode_worker/early_kv.py holds it)
     socket_buffer_bytes: int = 4 << 20
+    # nixl connector: "none" lets UCX use its shared-memory transports, which cannot
+    # report a dead peer (pdserve's heartbeats and per-write leases do); "peer" keeps UCX
+    # to transports that can (tcp, rdma). docs/design-nixl.md
+    nixl_ucx_error_handling: str = "none"
+
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"TransferConfig.{name} {why}")
@@ -114,6 +119,9 @@ class TransferConfig:
             raise bad("checksum", f"must be 'auto' or one of {CHECKSUM_ALGOS}, got {self.checksum!r}")
         if resolve_checksum(self.checksum) not in CHECKSUM_FUNCS:
             raise bad("checksum", f"{self.checksum!r} needs the xxhash package")
+        if self.nixl_ucx_error_handling not in ("none", "peer"):
+            raise bad("nixl_ucx_error_handling",
+                      f"must be 'none' or 'peer', got {self.nixl_ucx_error_handling!r}")
         if self.socket_buffer_bytes < 0:
             raise bad("socket_buffer_bytes", f"must be >= 0, got {self.socket_buffer_bytes}")
         if not (math.isfinite(self.default_tenant_weight) and self.default_tenant_weight > 0):

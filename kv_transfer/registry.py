@@ -8,6 +8,7 @@ never imports Ray (only the "ray" connector does). A new transport is its module
 
   inproc  sender: clock, name                  receiver: name
   tcp     sender: clock, name                  receiver: (none; bind from cfg)
+  nixl    sender: clock, name, sender_id       receiver: (none; bind from cfg)
   ray     sender: resolver(dest) -> actor      receiver: endpoint (actor name)
   torchdist sender: clock, name, sender_id     receiver: (none; bind from cfg)
 
@@ -83,6 +84,12 @@ def make_receiver(cfg: ConnectorConfig, **kwargs: Any) -> KVReceiver:
 register_connector(
     "tcp", "kv_transfer.tcp_connector:make_tcp_sender", "kv_transfer.tcp_connector:make_tcp_receiver",
     help="HMAC-authenticated sockets", requires_secret=True,
+    worker_kwargs=lambda role, wid, actor: {"name": wid} if role == "prefill" else {})
+register_connector(
+    "nixl", "kv_transfer.nixl_connector:make_nixl_sender",
+    "kv_transfer.nixl_connector:make_nixl_receiver",
+    help="NIXL one-sided writes (UCX) into registered staging; tcp+HMAC control",
+    requires_secret=True,
     worker_kwargs=lambda role, wid, actor: {"name": wid} if role == "prefill" else {})
 register_connector(
     "ray", "kv_transfer.ray_connector:make_ray_sender", "kv_transfer.ray_connector:make_ray_receiver",

@@ -112,9 +112,17 @@ class TcpTransport(LinkTransport):
         client_handshake(sock, reader, cfg.secret, self._sender_id)
         reader.max_frame_bytes = reader.max_header_bytes = _CONTROL_LIMIT
         reader.rebind(sock.recv_into, buffer_bytes=_CONTROL_LIMIT)
+        self._authenticated(sock, reader)
         self._reader = threading.Thread(target=self._read_acks, args=(reader,), daemon=True,
                                         name=f"kv-acks<-{self._dest}")
         self._reader.start()
+
+    def _authenticated(self, sock: socket.socket, reader) -> None:  # noqa: B027 - a hook
+        """After the handshake, before the ack reader starts: a subclass's own setup
+        messages on the authenticated connection (the nixl connector's region grant)."""
+
+    def _on_acks(self, acks: list[Ack]) -> None:
+        self._events.on_acks(acks)
 
     # fault injection (tests; kv_transfer.faults): a replacement payload written after
     # the header, whose checksum was computed from the real one
@@ -143,7 +151,7 @@ class TcpTransport(LinkTransport):
                 if msg is None:
                     raise ConnectionResetError("receiver closed the connection")
                 if msg.kind == "ack":
-                    self._events.on_acks(parse_acks(msg.control))
+                    self._on_acks(parse_acks(msg.control))
                 elif msg.kind != "hb":
                     raise WireError(f"unexpected message {msg.kind!r} from receiver")
         except TimeoutError:

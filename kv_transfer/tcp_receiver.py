@@ -126,7 +126,10 @@ class TcpReceiver(InboxReceiver):
         reader.max_frame_bytes = cfg.max_frame_bytes
         reader.max_header_bytes = MAX_HEADER_BYTES
         reader.set_alloc(self._pool.get)
-        link = _TcpRxLink(conn, f"{peer}@{addr[0]}:{addr[1]}", cfg.failure_timeout_s / 3)
+        link = self._open_link(conn, f"{peer}@{addr[0]}:{addr[1]}", reader)
+        if link is None:
+            conn.close()
+            return
         with self._lock:
             if self._closed:
                 link.close()
@@ -138,7 +141,7 @@ class TcpReceiver(InboxReceiver):
                     msg = reader.read()
                 except TimeoutError:
                     # at a frame boundary with nothing incomplete, silence is fine
-                    if reader.in_frame or self._has_incomplete(link):
+                    if reader.in_frame or self._silence_fails(link):
                         raise
                     continue
                 if msg is None:
@@ -167,6 +170,15 @@ class TcpReceiver(InboxReceiver):
             out["pending_handshakes"], out["pending_handshakes_peak"] = (
                 self._pending, self._pending_peak)
         return out
+
+    def _open_link(self, conn: socket.socket, name: str, reader) -> _TcpRxLink | None:
+        """The link of an authenticated connection (None: refused, the connection closes);
+        a subclass may first exchange its own setup messages on ``conn``."""
+        return _TcpRxLink(conn, name, self.cfg.failure_timeout_s / 3)
+
+    def _silence_fails(self, link: RxLink) -> bool:
+        """Whether ``failure_timeout_s`` of silence on ``link``'s connection fails it."""
+        return self._has_incomplete(link)
 
     def _has_incomplete(self, link: RxLink) -> bool:
         with self._lock:
