@@ -87,6 +87,8 @@ class KVCache:
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._imports: list[tuple[torch.cuda.Event, frozenset[int]]] = []
+        # pinned sources of imports in flight, each held until its copy is done
+        self._held: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
     @staticmethod
     def bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -137,8 +139,11 @@ class KVCache:
     ) -> None:
         """Write `data` `[L', 2, T, H', D]` as the KV of global tokens [start, start + T)
         for layers [layer_start, layer_start + L') and the model's KV heads [head_start,
-        head_start + H') (default: this cache's heads). `data` is read before this returns
-        (it may be released at once); on CUDA the device copy completes asynchronously."""
+        head_start + H') (default: this cache's heads). `data` may be released at once;
+        on CUDA the device copy completes asynchronously, from pinned `data` itself (which
+        is then held until the copy is done: its owner must not write to it meanwhile, as
+        kv_transfer's buffer pool reuses a buffer only once nobody references it), else
+        through a pinned copy made before this returns."""
         num_tokens = data.shape[2]
         layers = slice(layer_start, layer_start + data.shape[0])
         assert data.shape[1] == 2 and layers.stop <= self.num_layers, data.shape
@@ -157,7 +162,13 @@ class KVCache:
             return
         self.bind()
         idx = self._slot_index(block_ids, start, start + num_tokens)
-        staging = pinned_empty(data.shape, self.dtype).copy_(data)  # host memcpy (+ cast)
+        if data.is_pinned() and data.dtype == self.dtype and data.is_contiguous():
+            # a pinned receive buffer (kv_transfer/buffers.py): copied to the device from
+            # where it is, and held until the copy is done (its pool reuses it only once
+            # nobody references it)
+            staging = data
+        else:  # pageable: a host memcpy (+ cast) into pinned memory, here and now
+            staging = pinned_empty(data.shape, self.dtype).copy_(data)
         side = self._stream
         side.wait_stream(torch.cuda.current_stream(self.device))  # blocks freed by queued steps
         with torch.cuda.stream(side):
@@ -168,6 +179,9 @@ class KVCache:
             event.record(side)
         first, last = start // self.block_size, (start + num_tokens - 1) // self.block_size
         self._imports.append((event, frozenset(block_ids[first:last + 1])))
+        self._held = [h for h in self._held if not h[0].query()]
+        if staging is data:
+            self._held.append((event, data))
 
     def wait_imports(self, block_ids: Iterable[int]) -> None:
         """Make the current stream wait (on the GPU; the host goes on) for imports into
@@ -185,3 +199,4 @@ class KVCache:
             else:
                 pending.append((event, blocks))
         self._imports = pending
+        self._held = [h for h in self._held if not h[0].query()]

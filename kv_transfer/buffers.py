@@ -9,6 +9,11 @@ only once *no one else* references its memory, judged by the storage's use count
 tensor, view or ``.numpy()`` array of it holds one). A chunk the owner still holds,
 released or not, is never overwritten. If the torch build lacks the use-count hook the
 pool just allocates fresh buffers.
+
+Pinned: in a process that drives a GPU (one whose CUDA context exists: a decode worker's
+engine), big buffers are page-locked, so the KV import copies a received chunk to the
+device straight from it, with no pageable-to-pinned staging copy on the engine's thread
+(engine/kv_cache.py). Until then, and in processes that never touch CUDA, they are plain.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from engine.device import pinned_empty
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 MIN_POOLED_BYTES = 1 << 20  # smaller buffers come from malloc's heap cheaply anyway
@@ -32,9 +39,16 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def _cuda_process() -> bool:
+    return torch.cuda.is_initialized()
+
+
 class BufferPool:
-    def __init__(self, max_idle_bytes: int) -> None:
+    def __init__(self, max_idle_bytes: int, pin: bool | None = None) -> None:
+        """`pin`: page-locked buffers; None: once this process has a CUDA context."""
         self._max_idle = max_idle_bytes
+        self._pin = pin
+        self._pinned: set[int] = set()  # ids of the lent buffers allocated to be pinned
         self._lock = threading.Lock()
         self._lent: list[torch.Tensor] = []  # every buffer handed out, base tensors
         self._baseline: int | None = None  # use count of a buffer nobody else holds
@@ -47,9 +61,11 @@ class BufferPool:
         if not self.enabled or nbytes < MIN_POOLED_BYTES:
             return torch.empty(nbytes, dtype=torch.uint8)
         want = size_class(nbytes)
+        pin = _cuda_process() if self._pin is None else self._pin
         with self._lock:
             idle = [b for b in self._lent if _refs(b) == self._baseline]
-            pick = next((b for b in idle if b.numel() == want), None)
+            pick = next((b for b in idle if b.numel() == want
+                         and (id(b) in self._pinned) == pin), None)
             # cap the memory parked here: forget idle buffers beyond the budget
             parked = sum(b.numel() for b in idle if b is not pick)
             drop: set[int] = set()
@@ -59,8 +75,12 @@ class BufferPool:
                     parked -= b.numel()
             if drop:  # by identity: == on tensors compares elements
                 self._lent = [b for b in self._lent if id(b) not in drop]
+                self._pinned -= drop
             if pick is None:
-                pick = torch.empty(want, dtype=torch.uint8)
+                pick = pinned_empty((want,), torch.uint8) if pin else torch.empty(
+                    want, dtype=torch.uint8)
+                if pin:  # (pageable after all where the OS refuses: pinned_empty says so)
+                    self._pinned.add(id(pick))
                 if self._baseline is None:
                     self._baseline = _refs(pick)
                 self._lent.append(pick)

@@ -108,3 +108,39 @@ def test_a_pd_pair_on_one_gpu_gives_the_colocated_tokens(tiny_model):
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_pinned_receive_buffer_is_imported_without_staging_and_held_till_copied(
+        monkeypatch):
+    """Issue 37 item 6: a chunk received into the pool's pinned buffer goes to the device
+    straight from it (no pageable-to-pinned copy on the engine's thread), and the pool
+    does not lend that buffer again while the copy may still read it."""
+    from engine import kv_cache as kv_mod
+    from kv_transfer.buffers import BufferPool
+
+    src = cuda_cache(seed=4)
+    payload = src.export_tokens(list(range(10, 30)), 0, 300)
+    pool = BufferPool(max_idle_bytes=64 << 20)  # pin=None: this process has a CUDA context
+    raw = pool.get(payload.numel() * payload.element_size())
+    assert raw.is_pinned()
+    data = raw.view(payload.dtype).view(payload.shape)
+    data.copy_(payload)
+    staged = []
+    real = kv_mod.pinned_empty
+    monkeypatch.setattr(kv_mod, "pinned_empty", lambda *a: staged.append(a) or real(*a))
+    dst = cuda_cache(seed=5)
+    big = torch.randn(4096, 4096, device=DEV)
+    for _ in range(20):  # the side stream's copy waits behind these
+        big = big @ big.T / 4096
+    blocks = list(range(40, 60))
+    dst.import_tokens(blocks, 0, data)
+    ptr = raw.data_ptr()
+    del raw, data
+    again = pool.get(payload.numel() * payload.element_size())
+    assert staged == [] and again.data_ptr() != ptr  # held: not lent while in flight
+    dst.wait_imports(blocks)
+    back = dst.data[:, :, 40:60].reshape(MODEL.num_layers, 2, 320, 2, 8)[:, :, :300].cpu()
+    assert as_bytes(back) == as_bytes(payload)
+    torch.cuda.synchronize()
+    dst.wait_imports([])
+    assert dst._held == []  # let go once copied
