@@ -40,6 +40,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="write metrics, workload and records here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_workload_args(p)
+    from bench.emulated import add_emulate_args
+
+    add_emulate_args(p)
 
 
 def run_bench_cmd(args: argparse.Namespace) -> int:
@@ -49,6 +52,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     import grpc
 
     from bench.client import run_bench, server_model_info
+    from bench.emulated import device_report, device_snapshot, emulate_label, format_report
     from bench.metrics import compute_metrics, parse_slo
     from bench.workload import build_workload, summarize_workload
     from cluster.grpc.auth import read_token
@@ -67,6 +71,10 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
                                                        tls_ca=args.tls_ca, backend=args.backend))
         spec = workload_spec(args, vocab, max_len)
         requests = build_workload(spec)
+        label = emulate_label(args)
+        snapshot = (lambda: asyncio.run(device_snapshot(target, token=token, tls_ca=args.tls_ca))
+                    ) if args.backend == "grpc" else dict
+        devices_before = snapshot()
     except grpc.RpcError as e:
         print(f"pdserve bench: error: {args.addr}: {e.code().name}: {e.details()}",
               file=sys.stderr)
@@ -89,13 +97,17 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     m = compute_metrics(run.records, run.duration_s, slos=slos,
                         long_prompt_threshold=args.long_prompt_threshold,
                         tenant_weights=weights)
-    print(m.format())
+    devices = device_report(devices_before, snapshot()) if devices_before else {}
+    print(m.format() if label is None else f"{label}\n{m.format()}")
+    if devices:
+        print(format_report(devices, label))
     errors = sorted({r.error for r in run.records if r.error})
     for e in errors[:5]:
         print(f"  error: {e}", file=sys.stderr)
     if args.json:
         out = {"addr": target, "backend": args.backend, "workload": summary, "max_concurrency": args.max_concurrency,
-               "metrics": m.to_json_dict(), "records": [asdict(r) for r in run.records]}
+               "metrics": m.to_json_dict(), "records": [asdict(r) for r in run.records],
+               "emulated": {"label": label, "devices": devices} if label or devices else None}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {args.json}")

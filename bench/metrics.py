@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.records import PHASES, RequestRecord
+from bench.records import PHASES, TTFT_PHASES, RequestRecord
 from engine.quantiles import median
 from engine.quantiles import percentiles as percentiles_of
 
@@ -132,6 +132,8 @@ class BenchmarkMetrics:
     tenant_throughput: dict[str, float] = field(default_factory=dict)
     max_queue_wait_s: float | None = None
     short_ttft_with_long: Dist | None = None
+    # tenant -> TTFT phase (bench.records.TTFT_PHASES) -> its distribution; "all" first
+    ttft_phases: dict[str, dict[str, Dist]] = field(default_factory=dict)
 
     def _scalars(self) -> list[tuple[str, str, object]]:
         """(json key, printed label, value) of the headline and fairness numbers."""
@@ -176,7 +178,39 @@ class BenchmarkMetrics:
             out[f"mean_{name}_ms"], out[f"median_{name}_ms"] = d.mean * 1e3, d.median * 1e3
             out[f"std_{name}_ms"], out[f"count_{name}"] = d.std * 1e3, d.count
             out.update({f"p{_pname(p)}_{name}_ms": v * 1e3 for p, v in d.percentiles.items()})
+        if self.ttft_phases:
+            out["ttft_phases_ms"] = {
+                tenant: {ph: {"mean": d.mean * 1e3, "median": d.median * 1e3,
+                              **{f"p{_pname(p)}": v * 1e3 for p, v in d.percentiles.items()}}
+                         for ph, d in phases.items()}
+                for tenant, phases in self.ttft_phases.items()}
+            out["ttft_phase_sum_over_ttft_p50"] = self.phase_sum_ratio()
         return out
+
+    def phase_sum_ratio(self) -> float | None:
+        """The phases' p50s summed over the TTFT p50 (all tenants): how well the medians
+        of the parts describe the median of the whole (1.0 when one request dominates)."""
+        phases = self.ttft_phases.get("all")
+        if not phases or not self.ttft.median > 0:
+            return None
+        return sum(d.median for d in phases.values()) / self.ttft.median
+
+    def format_ttft_phases(self) -> list[str]:
+        """The TTFT phase table: p50 / p99 (ms) per phase, one row per tenant."""
+        if not self.ttft_phases:
+            return []
+        names = list(next(iter(self.ttft_phases.values())))
+        width = max(12, *(len(n) + 1 for n in names))
+        lines = [f"{'TTFT by phase, p50 / p99 (ms)':-^50}",
+                 "tenant".ljust(10) + "".join(n.rjust(width) for n in names) + "  n".rjust(6)]
+        for tenant, phases in self.ttft_phases.items():
+            cells = "".join(f"{d.median * 1e3:.1f}/{d.percentiles.get(99.0, d.median) * 1e3:.1f}"
+                            .rjust(width) for d in phases.values())
+            count = next(iter(phases.values())).count
+            lines.append(tenant[:10].ljust(10) + cells + str(count).rjust(6))
+        if (ratio := self.phase_sum_ratio()) is not None:
+            lines.append(f"{'Phase p50s summed / TTFT p50:':<40} {ratio:<10.2f}")
+        return lines
 
     def format(self, title: str = "Serving Benchmark Result") -> str:
         """The ``vllm bench serve`` result block, followed by fairness lines."""
@@ -197,6 +231,7 @@ class BenchmarkMetrics:
             for p, v in d.percentiles.items():
                 if p != 50:
                     row(f"P{_pname(p)} {short} (ms):", v * 1e3)
+        lines += self.format_ttft_phases()
         lines.append(f"{'Fairness':-^50}")
         for _, label, v in scalars[-3:]:
             row(label, "n/a" if v is None else float(v))  # type: ignore[arg-type]
@@ -239,6 +274,12 @@ def compute_metrics(
     per_weight = [v / weights.get(t, 1.0) for t, v in served.items()]
     slow = slowdowns(ok, latency_alone)
     phases = {p: [v for r in ok if (v := getattr(r, f"{p}_s")) is not None] for p in PHASES}
+    split = [(r.tenant, parts) for r in ok if (parts := r.ttft_phases()) is not None]
+    by_tenant: dict[str, list[dict[str, float]]] = {"all": [p for _, p in split]} if split else {}
+    for tenant, parts in split:
+        by_tenant.setdefault(tenant, []).append(parts)
+    if len(by_tenant) == 2:  # one tenant: its row is the "all" row
+        by_tenant = {"all": by_tenant["all"]}
     thr = long_prompt_threshold
     short = _short_ttfts_with_long(ok, thr) if thr is not None else []
     # fmt: off
@@ -259,5 +300,7 @@ def compute_metrics(
         tenant_throughput=served,
         max_queue_wait_s=max(phases["queue"], default=None),
         short_ttft_with_long=dist(short) if short else None,
+        ttft_phases={t: {ph: dist([p[ph] for p in rows]) for ph in TTFT_PHASES}
+                     for t, rows in by_tenant.items()},
     )
     # fmt: on

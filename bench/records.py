@@ -10,6 +10,9 @@ from itertools import pairwise
 from typing import Any
 
 PHASES: tuple[str, ...] = ("queue", "prefill", "transfer", "decode")  # server-side, in order
+# the TTFT's phases, in order (RequestRecord.ttft_phases): each on the clock that saw it
+TTFT_PHASES: tuple[str, ...] = ("admission", "prefill_queue", "prefill_compute", "control",
+                                "delivery")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class RequestRecord:
     prefill_s: float | None = None
     transfer_s: float | None = None
     decode_s: float | None = None
+    admission_s: float | None = None  # router clock: arrival -> the first token's leg sent
+    router_ttft_s: float | None = None  # router clock: arrival -> first token
     latency_alone_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -76,8 +81,31 @@ class RequestRecord:
     def itls(self) -> list[float]:
         return [b - a for a, b in pairwise(self.token_times)]
 
+    def ttft_phases(self) -> dict[str, float] | None:
+        """The TTFT split into TTFT_PHASES, None without the server's phase times.
+
+        admission (router clock: the admission queue and the decode reservation),
+        prefill_queue and prefill_compute (the prefill worker's clock: waiting for its
+        first chunk, then the chunks up to the first token), control (the router's TTFT
+        less those: the add's trip to the worker and the first token's trip back, loops
+        included) and delivery (the client's TTFT less the router's: the front door and
+        the network both ways). pdserve streams the first token from the prefill worker,
+        so the KV transfer and decode admission fall on the second token (`transfer_s`).
+        The phases add up to the client's TTFT by construction."""
+        ttft = self.ttft
+        parts = (self.admission_s, self.queue_s, self.prefill_s, self.router_ttft_s)
+        if ttft is None or any(v is None for v in parts) or not self.router_ttft_s:
+            return None
+        adm, queue, prefill, router = parts  # type: ignore[misc]
+        return {"admission": adm, "prefill_queue": queue, "prefill_compute": prefill,
+                "control": router - adm - queue - prefill, "delivery": ttft - router}
+
 
 def phase_times(usage: Any) -> dict[str, float | None]:
-    """``queue_s`` .. ``decode_s`` of a request's final usage (``cluster.router.types.Usage``),
-    as RequestRecord keyword arguments; all None without one."""
-    return {f"{p}_s": getattr(usage, f"{p}_s", None) if usage else None for p in PHASES}
+    """``queue_s`` .. ``decode_s``, ``admission_s`` and the router's TTFT of a request's final
+    usage (``cluster.router.types.Usage``), as RequestRecord keyword arguments; all None
+    without one."""
+    out = {f"{p}_s": getattr(usage, f"{p}_s", None) if usage else None for p in PHASES}
+    out["admission_s"] = getattr(usage, "admission_s", None) if usage else None
+    out["router_ttft_s"] = getattr(usage, "ttft_s", None) if usage else None
+    return out

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the service (DESIGN.md §5 names), served on `--metrics-port`.
+"""Prometheus metrics of the service (docs/design.md names), served on `--metrics-port`.
 
 Latency histograms are observed by the router as tokens stream (monotonic time in the
 server process); pool gauges and KV-transfer counters are refreshed from every worker's
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+MAX_TENANT_LABELS = 32  # distinct tenant label values before the rest count as "other"
 CHUNK_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -50,6 +51,12 @@ class ServiceMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft_phase = Histogram(
+            "pdserve:ttft_phase_seconds", "The TTFT's server-side phases per tenant: "
+            "admission (router clock), prefill_queue and prefill_compute (the prefill "
+            "worker's), control (the router's TTFT less those: the trips between them)",
+            labelnames=("phase", "tenant"), buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._tenants: set[str] = set()
         self._last_token: dict[str, float] = {}
         self._stats: list[Any] = []
         self._chunk_sizes: dict[str, dict[int, int]] = {}
@@ -67,8 +74,18 @@ class ServiceMetrics:
             self.itl.observe(now - last)
         self._last_token[rid] = now
 
-    def observe_finish(self, usage) -> None:
+    def observe_finish(self, usage, tenant: str = "default") -> None:
         self.e2e.observe(usage.e2e_s)
+        if usage.ttft_s > 0 and usage.prefill_s > 0:  # the first token came from a prefill
+            if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
+                tenant = "other"  # tenants are the clients' strings: bound the series
+            self._tenants.add(tenant)
+            control = usage.ttft_s - usage.admission_s - usage.queue_s - usage.prefill_s
+            for phase, seconds in (("admission", usage.admission_s),
+                                   ("prefill_queue", usage.queue_s),
+                                   ("prefill_compute", usage.prefill_s),
+                                   ("control", max(control, 0.0))):
+                self.ttft_phase.labels(phase, tenant).observe(seconds)
 
     def forget(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)

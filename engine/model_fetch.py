@@ -107,9 +107,9 @@ def ensure_real_model(name: str, dtype: str = "float32", out: Path | None = None
             staging.chmod(0o755)  # mkdtemp made it private; a model cache is readable
             for f in staging.iterdir():
                 f.chmod(0o644)
-            if dest.exists():
-                dest.rmdir()  # empty (checked above)
             try:
+                if dest.exists():
+                    dest.rmdir()  # empty (checked above), unless another process finished
                 staging.rename(dest)
             except OSError:
                 if not is_ready(dest):  # not another process finishing first

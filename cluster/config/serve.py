@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from cluster.config.fields import Section, did_you_mean, opt
 from cluster.router.policies import PREFILL_PLACEMENTS
 from engine.attention.registry import ATTENTION_BACKENDS
-from engine.config import COMPILE_MODES, DTYPES
+from engine.config import COMPILE_MODES, DTYPES, EmulateConfig
 from engine.logprobs import LOGPROBS_MODES
 from engine.model_fetch import REAL_MODELS
 from kv_transfer.pacing import SEND_POLICIES
@@ -160,10 +160,34 @@ class ModelSection(Section):
     compile: str = opt("auto", "compiled model step (torch.compile; CUDA graphs for decode on "
                        "CUDA): none, decode (decode-only steps), all, or auto = the device's "
                        "default (engine/compile.py)", choices=COMPILE_MODES)
+    emulate: str | None = opt(None, "run on an emulated accelerator (engine/emulate/): an "
+                              "analytic profile (h200, h100, a100) or a calibration file "
+                              "(.json); each step takes the time the cost model gives, on real "
+                              "KV bytes of --model-shape (its config and a tokenizer of its "
+                              "vocabulary; model.path is not used); every figure is labelled "
+                              "'emulated <profile>, <shape>: analytic, not measured'")
+    model_shape: str | None = opt(None, "the model shape an emulated accelerator runs "
+                                  "(engine/costs/analytic.py SHAPES: llama-3-8b, qwen2.5-7b, "
+                                  "qwen2-0.5b, smollm2-135m, tiny); also the simulator's")
 
     def _check(self) -> None:
         if not self.path:
             raise self._bad("path", "must be a model directory, 'tiny' or 'smollm2'")
+        if self.emulate is not None:
+            if self.model_shape is None:
+                raise self._bad("emulate", "needs model.model_shape (--model-shape), the "
+                                "shape the emulated accelerator runs")
+            try:
+                self.emulate_config  # noqa: B018 - validates the profile and the shape
+            except ValueError as e:
+                raise self._bad("emulate", str(e).removeprefix("emulate: ")) from None
+
+    @property
+    def emulate_config(self) -> EmulateConfig | None:
+        """The emulated accelerator of ``emulate`` (None: a real device)."""
+        if self.emulate is None:
+            return None
+        return EmulateConfig(self.emulate, str(self.model_shape))
         if not _DEVICE_RE.match(self.device):
             raise self._bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
@@ -177,7 +201,12 @@ class ModelSection(Section):
 
     def resolve_path(self) -> Path:
         """The model directory; 'tiny' is created and 'smollm2' fetched on first use
-        (engine.model_fetch.ModelFetchError when it cannot be had)."""
+        (engine.model_fetch.ModelFetchError when it cannot be had); with ``emulate``, the
+        emulated model's directory of ``model_shape``."""
+        if self.emulate is not None:
+            from engine.emulate.model_dir import emulated_model_dir
+
+            return emulated_model_dir(str(self.model_shape))
         if self.path == "tiny":
             from engine.tiny_model import ensure_model
 

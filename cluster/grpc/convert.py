@@ -20,7 +20,7 @@ FINISH_TO_PROTO = {
 }
 FINISH_FROM_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_s",
-                 "queue_s", "prefill_s", "transfer_s", "decode_s", "e2e_s")
+                 "queue_s", "prefill_s", "transfer_s", "decode_s", "e2e_s", "admission_s")
 _WORKER_FIELDS = ("worker_id", "role", "alive", "num_running", "num_waiting",
                   "kv_blocks_used", "kv_blocks_free", "queue_depth", "send_queue_depth")
 

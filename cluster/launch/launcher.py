@@ -40,14 +40,6 @@ class LaunchOptions:
     fault_injection: dict | None = None  # tests only
 
 
-def resolve_model(path: str) -> str:
-    if path == "tiny":
-        from engine.tiny_model import ensure_model
-
-        return str(ensure_model("tiny", "llama"))
-    return path
-
-
 def _init_ray(cfg: ServeConfig, plan_cpus: float) -> bool:
     """Join `pools.address` or start an embedded Ray; returns True if we started it."""
     if ray.is_initialized():
@@ -72,7 +64,7 @@ def options_from_config(cfg: ServeConfig) -> LaunchOptions:
 
 def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = None) -> Router:
     opts = opts or options_from_config(cfg)
-    model_dir = resolve_model(cfg.model.path)
+    model_dir = str(cfg.model.resolve_path())  # (an emulated model's with model.emulate)
     model = load_model_config(model_dir)
     p = cfg.pools
     provisional = plan_pools(p.prefill_workers, p.decode_workers, device="cpu",
@@ -183,7 +175,7 @@ def build_colocated_pool_router(cfg: ServeConfig, num_engines: int,
     from cluster.launch.colocated_pool import RemoteColocatedWorker
 
     opts = opts or LaunchOptions()
-    model_dir = resolve_model(cfg.model.path)
+    model_dir = str(cfg.model.resolve_path())
     model = load_model_config(model_dir)
     _init_ray(cfg, num_engines * cfg.pools.cpus_per_worker)
     p = cfg.pools

@@ -48,7 +48,7 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
         device=cfg.model.device, dtype=cfg.model.dtype,
         attention_backend=cfg.model.attention_backend,
         compile=role_mode(cfg.model.compile, role),  # a prefill worker: no decode graphs
-        tensor_parallel_size=tp)
+        tensor_parallel_size=tp, emulate=cfg.model.emulate_config)
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:

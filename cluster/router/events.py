@@ -256,7 +256,7 @@ class EventPump:
             self.router.end_leg(flight, ended=ended)
             usage = flight.usage()
             if self.router.metrics:
-                self.router.metrics.observe_finish(usage)
+                self.router.metrics.observe_finish(usage, flight.spec.tenant)
         flight.unsent.extend(token_ids)
         if logprobs is not None:
             flight.unsent_logprobs.extend(logprobs)

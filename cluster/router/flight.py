@@ -90,6 +90,7 @@ class Flight:
     leg_prompt_len: int = 0
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    dispatched_at: float | None = None  # its latest leg's add sent, until the first token
     last_token_at: float | None = None
     timing: LegTiming = field(default_factory=LegTiming)  # summed over its legs
     done: bool = False
@@ -148,6 +149,7 @@ class Flight:
             ttft_s=(self.first_token_at or now) - self.arrival,
             queue_s=t.queue_s, prefill_s=t.prefill_s, transfer_s=t.transfer_s,
             decode_s=t.decode_s, e2e_s=now - self.arrival,
+            admission_s=(self.dispatched_at or self.arrival) - self.arrival,
         )
 
 

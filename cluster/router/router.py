@@ -162,6 +162,8 @@ class Router(RouterAdmin):
         deadline_s = None if spec.ttft_deadline_ms is None else spec.ttft_deadline_ms / 1000
         task = PrefillTask(leg_id, prompt, sampling, decode.endpoint, self.eos_token_ids,
                            spec.tenant, spec.priority, deadline_s)
+        if flight.first_token_at is None:  # the TTFT's admission phase ends here
+            flight.dispatched_at = time.monotonic()
         try:
             await prefill.actor.add.remote(task)
         except ValueError as e:

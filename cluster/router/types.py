@@ -57,6 +57,7 @@ class Usage:
     transfer_s: float = 0.0
     decode_s: float = 0.0
     e2e_s: float = 0.0
+    admission_s: float = 0.0  # arrival -> the first token's leg dispatched (router clock)
 
 
 @dataclass(slots=True)

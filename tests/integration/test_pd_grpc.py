@@ -69,6 +69,9 @@ def test_concurrent_streams_equal_offline_engine(pd_server, tiny_model):
         assert "".join(c.text for c in chunks) == want.text
         assert chunks[-1].finish_reason == "length"
         assert chunks[-1].usage.completion_tokens == 10
+        u = chunks[-1].usage  # the TTFT's phases: the router's and the prefill worker's
+        assert u.admission_s > 0 and u.queue_s >= 0 and u.prefill_s > 0
+        assert u.admission_s + u.queue_s + u.prefill_s < u.ttft_s
     assert_no_leaks(client)
 
 

@@ -1,8 +1,9 @@
 """The connector contract end to end, for every connector that runs in one process
-(inproc, tcp, torchdist): byte-exact round trips and the sender's lifecycle."""
+(inproc, tcp, torchdist, nixl): byte-exact round trips and the sender's lifecycle."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import threading
 import time
@@ -11,17 +12,20 @@ import pytest
 import torch
 
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
+from kv_transfer.registry import CONNECTORS as CONNECTORS_REGISTRY
 from kv_transfer.testing import PagedKV, make_chunks, pump, random_bounds
 
 SHAPE = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64}  # 4 KiB of KV per token
 SECRET = b"connector-contract-tests-secret-0123"
-CONNECTORS = ["inproc", "tcp", "torchdist"]
+HAS_NIXL = importlib.util.find_spec("nixl_cu12") is not None
+CONNECTORS = ["inproc", "tcp", "torchdist",
+              pytest.param("nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="no nixl"))]
 NOWHERE = {"inproc": "inproc://no-such-receiver", "tcp": "tcp://127.0.0.1:1",
-           "torchdist": "torchdist://127.0.0.1:1"}
+           "torchdist": "torchdist://127.0.0.1:1", "nixl": "nixl://127.0.0.1:1"}
 
 
 def _cfg(connector: str, **kw) -> TransferConfig:
-    if connector == "tcp":
+    if CONNECTORS_REGISTRY.get(connector).requires_secret:  # tcp, nixl
         kw["secret"] = SECRET
     return TransferConfig(connector=connector, **kw)
 

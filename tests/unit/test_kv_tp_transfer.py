@@ -10,6 +10,7 @@ import torch
 
 from kv_transfer import TransferConfig, make_receiver, make_sender
 from kv_transfer.heads import rank_heads, sends_of, transfer_plan
+from kv_transfer.registry import CONNECTORS
 from kv_transfer.testing import PagedKV, make_chunks
 from kv_transfer.wire import chunks_for_heads
 
@@ -20,7 +21,7 @@ BOUNDS = {"a": [0, 16, 32, 37], "b": [0, 5, 5], "c": [0, 64]}
 
 
 def _cfg(connector: str) -> TransferConfig:
-    kw = {"secret": SECRET} if connector == "tcp" else {}
+    kw = {"secret": SECRET} if CONNECTORS.get(connector).requires_secret else {}
     return TransferConfig(connector=connector, failure_timeout_s=5.0, **kw)
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x1d\n\x10ttft_deadline_ms\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x13\n\x11_ttft_deadline_msB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc0\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"e\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xa7\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\x05\x12\x18\n\x10send_queue_depth\x18\t \x01(\x05\x12\x31\n\x05\x65xtra\x18\n \x03(\x0b\x32\".pdserve.v1.WorkerStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x7f\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x1a\n\x12router_queue_depth\x18\x02 \x01(\x05\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\x05\x12\x0f\n\x07serving\x18\x04 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"6\n\tModelInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x1d\n\x10ttft_deadline_ms\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x13\n\x11_ttft_deadline_msB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xd5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\x12\x13\n\x0b\x61\x64mission_s\x18\n \x01(\x01\"e\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xa7\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\x05\x12\x18\n\x10send_queue_depth\x18\t \x01(\x05\x12\x31\n\x05\x65xtra\x18\n \x03(\x0b\x32\".pdserve.v1.WorkerStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x7f\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerStats\x12\x1a\n\x12router_queue_depth\x18\x02 \x01(\x05\x12\x14\n\x0cnum_inflight\x18\x03 \x01(\x05\x12\x0f\n\x07serving\x18\x04 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"6\n\tModelInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xa2\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTATS_EXTRAENTRY']._loaded_options = None
   _globals['_WORKERSTATS_EXTRAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1775
-  _globals['_FINISHREASON']._serialized_end=1920
+  _globals['_FINISHREASON']._serialized_start=1796
+  _globals['_FINISHREASON']._serialized_end=1941
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_GENERATEREQUEST']._serialized_start=66
   _globals['_GENERATEREQUEST']._serialized_end=578
   _globals['_USAGE']._serialized_start=581
-  _globals['_USAGE']._serialized_end=773
-  _globals['_TOKENLOGPROBS']._serialized_start=775
-  _globals['_TOKENLOGPROBS']._serialized_end=876
-  _globals['_TOPLOGPROB']._serialized_start=878
-  _globals['_TOPLOGPROB']._serialized_end=925
-  _globals['_GENERATERESPONSE']._serialized_start=928
-  _globals['_GENERATERESPONSE']._serialized_end=1179
-  _globals['_ABORTREQUEST']._serialized_start=1181
-  _globals['_ABORTREQUEST']._serialized_end=1215
-  _globals['_ABORTRESPONSE']._serialized_start=1217
-  _globals['_ABORTRESPONSE']._serialized_end=1247
-  _globals['_GETSTATSREQUEST']._serialized_start=1249
-  _globals['_GETSTATSREQUEST']._serialized_end=1266
-  _globals['_WORKERSTATS']._serialized_start=1269
-  _globals['_WORKERSTATS']._serialized_end=1564
-  _globals['_WORKERSTATS_EXTRAENTRY']._serialized_start=1520
-  _globals['_WORKERSTATS_EXTRAENTRY']._serialized_end=1564
-  _globals['_GETSTATSRESPONSE']._serialized_start=1566
-  _globals['_GETSTATSRESPONSE']._serialized_end=1693
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1695
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1716
-  _globals['_MODELINFO']._serialized_start=1718
-  _globals['_MODELINFO']._serialized_end=1772
-  _globals['_GENERATION']._serialized_start=1923
-  _globals['_GENERATION']._serialized_end=2213
+  _globals['_USAGE']._serialized_end=794
+  _globals['_TOKENLOGPROBS']._serialized_start=796
+  _globals['_TOKENLOGPROBS']._serialized_end=897
+  _globals['_TOPLOGPROB']._serialized_start=899
+  _globals['_TOPLOGPROB']._serialized_end=946
+  _globals['_GENERATERESPONSE']._serialized_start=949
+  _globals['_GENERATERESPONSE']._serialized_end=1200
+  _globals['_ABORTREQUEST']._serialized_start=1202
+  _globals['_ABORTREQUEST']._serialized_end=1236
+  _globals['_ABORTRESPONSE']._serialized_start=1238
+  _globals['_ABORTRESPONSE']._serialized_end=1268
+  _globals['_GETSTATSREQUEST']._serialized_start=1270
+  _globals['_GETSTATSREQUEST']._serialized_end=1287
+  _globals['_WORKERSTATS']._serialized_start=1290
+  _globals['_WORKERSTATS']._serialized_end=1585
+  _globals['_WORKERSTATS_EXTRAENTRY']._serialized_start=1541
+  _globals['_WORKERSTATS_EXTRAENTRY']._serialized_end=1585
+  _globals['_GETSTATSRESPONSE']._serialized_start=1587
+  _globals['_GETSTATSRESPONSE']._serialized_end=1714
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1716
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1737
+  _globals['_MODELINFO']._serialized_start=1739
+  _globals['_MODELINFO']._serialized_end=1793
+  _globals['_GENERATION']._serialized_start=1944
+  _globals['_GENERATION']._serialized_end=2234
 # @@protoc_insertion_point(module_scope)
