@@ -29,14 +29,15 @@ from sim import compiled
 
 
 def _calibration_source(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cost model")
-    src = g.add_mutually_exclusive_group(required=True)
+    # (--model-shape is the serve flag model.model_shape, and --emulate PROFILE|FILE, as
+    # `pdserve serve --emulate` runs it, is a cost source too: the same cost model)
+    g = p.add_argument_group("cost model (or --emulate PROFILE|FILE as `pdserve serve`; "
+                             "--model-shape: a shape name or a HF model directory, default "
+                             "llama-3-8b)")
+    src = g.add_mutually_exclusive_group()
     src.add_argument("--calibration", metavar="FILE", help="calibration from `pdserve calibrate`")
     src.add_argument("--analytic", metavar="PROFILE", help="an analytic hardware profile "
                      "(h200, h100, a100): roofline, not measured")
-    g.add_argument("--model-shape", default="llama-3-8b", help="with --analytic: a model "
-                   "shape name (llama-3-8b, qwen2.5-7b, qwen2-0.5b, smollm2-135m) or a HF "
-                   "model directory (default llama-3-8b)")
     g.add_argument("--analytic-dtype", default="bfloat16", help="with --analytic (default "
                    "bfloat16)")
 
@@ -81,9 +82,16 @@ def load_cost_model(args: argparse.Namespace):
     from engine.costs.calibration import Calibration
     from engine.costs.loader import load_costs
 
-    if args.calibration:
-        return load_costs(Calibration.load(args.calibration))
-    shape = args.model_shape
+    emulate = vars(args).get("model.emulate")
+    calibration = args.calibration or (emulate if emulate and emulate.endswith(".json") else None)
+    if calibration:
+        return load_costs(Calibration.load(calibration))
+    analytic = args.analytic or emulate
+    if analytic is None:
+        raise SystemExit("pdserve simulate: a cost model is needed: --calibration FILE, "
+                         "--analytic PROFILE or --emulate PROFILE|FILE")
+    shape = vars(args).get("model.model_shape") or getattr(args, "model_shape", None) \
+        or "llama-3-8b"
     if Path(shape).is_dir():
         from sim.adapters import engine_tools
 
@@ -92,7 +100,7 @@ def load_cost_model(args: argparse.Namespace):
             "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
             "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
             "tie_word_embeddings")}}
-    return load_costs(analytic_calibration(args.analytic, shape, args.analytic_dtype))
+    return load_costs(analytic_calibration(analytic, shape, args.analytic_dtype))
 
 
 def _on_command_line() -> bool:
