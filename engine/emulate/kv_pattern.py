@@ -89,16 +89,29 @@ class KVPattern:
         """int64 ``[L', 2, T]`` of the states ``[T]`` at ``positions`` ``[T]``."""
         return states.view(1, 1, -1) ^ self.salt[layers][:, :, positions]
 
-    def write(self, slots64: torch.Tensor, slot_index: torch.Tensor, states: list[int],
-              positions: list[int]) -> None:
+    def write(self, slots64: torch.Tensor, slots: list[int], states: list[int],
+              positions: list[int], sparse: bool = False) -> None:
         """Write the words of ``states`` at ``positions`` into ``slots64`` (the cache as
-        int64 ``[L, 2, S, KVH, Q]``) at ``slot_index`` ``[T]``."""
+        int64 ``[L, 2, S, KVH, Q]``) at ``slots``. A run of consecutive slots (a block's
+        tokens) is one broadcast copy into its slice: one pass over the bytes written.
+        ``sparse``: only each slab's first word (decode tokens, see the runner)."""
         if not states:
             return
         w = self.words(torch.tensor(states, dtype=torch.int64),
                        torch.tensor(positions, dtype=torch.long))  # [L, 2, T]
-        tiles = w[:, :, :, None, None].expand(-1, -1, -1, *slots64.shape[3:])
-        slots64.index_copy_(2, slot_index, tiles.contiguous())
+        tiles = w[:, :, :, None, None]  # [L, 2, T, 1, 1], broadcast over [KVH, Q]
+        runs, i = [], 0
+        while i < len(slots):
+            j = i + 1
+            while j < len(slots) and slots[j] == slots[j - 1] + 1:
+                j += 1
+            runs.append((i, j))
+            i = j
+        if sparse:  # the first word of each slab: what a later step reads back
+            slots64[:, :, torch.tensor(slots, dtype=torch.long), 0, 0] = w
+            return
+        for i, j in runs:
+            slots64[:, :, slots[i]:slots[j - 1] + 1] = tiles[:, :, i:j]
 
     def state_at(self, slots64: torch.Tensor, slots: list[int], positions: list[int]
                  ) -> list[int]:
@@ -117,8 +130,10 @@ class KVPattern:
             raise PatternError(f"KV range layers [{layer_start}, {layer_start + L}) x "
                                f"positions [{start}, {start + T}) is outside the model")
         first = v[..., :1, :1]  # [L', 2, T, 1, 1]
-        bad = (v != first).flatten(3).any(dim=3)  # [L', 2, T]: a slab not one word tiled
         h = first[..., 0, 0] ^ self.salt[layer_start:layer_start + L, :, start:start + T]
+        if torch.equal(v, first.expand_as(v)) and torch.equal(h, h[:1, :1].expand_as(h)):
+            return  # every slab one word tiled, and every slab of a position one state
+        bad = (v != first).flatten(3).any(dim=3)  # [L', 2, T]: a slab not one word tiled
         bad |= h != h[:1, :1]  # layers and K/V disagree on the position's state
         if bool(bad.any()):
             ls, kv, t = (int(x) for x in bad.nonzero()[0])

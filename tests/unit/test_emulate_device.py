@@ -65,7 +65,7 @@ def test_the_kv_pattern_checks_out_where_written_and_catches_a_flipped_byte_or_a
     cache = torch.zeros((layers, 2, 32, kvh, d), dtype=torch.bfloat16)
     words = cache.view(torch.int64)
     states = chain(ROOT, [5, 9, 11, 3, 7])
-    pat.write(words, torch.arange(10, 15), states, list(range(5)))
+    pat.write(words, [10, 11, 12, 13, 14], states, list(range(5)))
     assert pat.state_at(words, [12], [2]) == [states[2]]
     payload = cache[:, :, 10:15].clone()  # positions 0..4
     pat.check(payload, 0)  # what was written checks out
