@@ -303,7 +303,7 @@ class NixlSender(ThreadedSender):
 class _NixlRxLink(_TcpRxLink):
     def __init__(self, sock: socket.socket, name: str, heartbeat_s: float, region: torch.Tensor,
                  descs: Any, token: bytes, peer_agent: str) -> None:
-        super().__init__(sock, name, heartbeat_s)
+        super().__init__(sock, name, heartbeat_s, start=False)
         self.region = region  # [bytes] uint8, registered
         self.descs = descs
         self.token = token
@@ -341,18 +341,27 @@ class NixlReceiver(TcpReceiver):
                 raise WireError("expected nixl_hello with the sender's agent name")
             region = torch.empty(self._region_bytes, dtype=torch.uint8)
             descs = self._agent.register_memory(region)
-            token = os.urandom(TOKEN_BYTES)
+        except Exception as e:  # a bad hello, a broken connection, a registration refused
+            log.warning("kv receiver %s: nixl setup with %s failed: %s", self.endpoint, name, e)
+            return None
+        token = os.urandom(TOKEN_BYTES)
+        link = _NixlRxLink(conn, name, self.cfg.failure_timeout_s / 3, region, descs, token,
+                           agent)
+        with self._lock:  # known before the grant: the first write may follow it at once
+            self._by_token[token] = link
+            self._counters["staging_regions_made"] += 1
+        try:
             md = self._agent.get_partial_agent_metadata(descs, True)
             conn.sendall(encode_control({
                 "k": "nixl_grant", "md": md, "agent": self._agent.name,
                 "addr": region.data_ptr(), "len": region.numel(), "tok": token}))
-        except (OSError, WireError) as e:
-            log.warning("kv receiver %s: nixl setup with %s failed: %s", self.endpoint, name, e)
+        except OSError as e:
+            log.warning("kv receiver %s: nixl grant to %s failed: %s", self.endpoint, name, e)
+            with self._lock:
+                self._by_token.pop(token, None)
+            self._release_region(link)
             return None
-        link = _NixlRxLink(conn, name, self.cfg.failure_timeout_s / 3, region, descs, token, agent)
-        with self._lock:
-            self._by_token[token] = link
-            self._counters["staging_regions_made"] += 1
+        link.acks.start()  # only now: its heartbeats must not interleave with the grant
         return link
 
     def _silence_fails(self, link: RxLink) -> bool:

@@ -30,12 +30,16 @@ _READ_BUFFER_BYTES = 256 << 10  # an authenticated link's read buffer
 
 
 class _TcpRxLink(RxLink):
-    def __init__(self, sock: socket.socket, name: str, heartbeat_s: float) -> None:
+    def __init__(self, sock: socket.socket, name: str, heartbeat_s: float, *,
+                 start: bool = True) -> None:
         self.name = name
         self._sock = sock
-        # a failed ack write closes the link, which wakes the reader too
+        # a failed ack write closes the link, which wakes the reader too; not started:
+        # the caller still writes its own setup messages first (``acks.start()`` after)
         self.acks = AckWriter(name, heartbeat_s, sock.sendall, errors=(OSError,),
-                              on_error=self.close).start()
+                              on_error=self.close)
+        if start:
+            self.acks.start()
 
     def send_acks(self, acks: list[Ack]) -> None:
         self.acks.send(acks)
