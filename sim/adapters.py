@@ -25,6 +25,7 @@ from cluster.launch.worker_specs import (
     decode_config,
     engine_config,
     prefill_config,
+    router_config,
     transfer_config,
 )
 from cluster.router.admission import RETRY_S as ADMISSION_RETRY_S
@@ -51,7 +52,6 @@ from engine.tracing import TraceEvent
 from kv_transfer.config import TransferConfig
 from kv_transfer.link_scheduler import LinkScheduler
 from kv_transfer.send_queue import QueuedFrame
-from prefill_worker.policies import CHUNK_POLICIES
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from runtime.loop import WorkerLoop
 from runtime.messages import DecodeTask
@@ -120,7 +120,7 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
     """What cluster/launch/worker_specs.py gives each worker and cluster/launch/launcher.py the router
     for ``cfg`` (the same functions; the model and dtype from the calibration);
     ``gpu_memory_bytes`` None sizes KV as on a CPU."""
-    c, s = cfg.cache, cfg.scheduler
+    c = cfg.cache
     device = "cuda" if gpu_memory_bytes else "cpu"
     cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, device=device))
     model = model_config(shape)
@@ -138,15 +138,7 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
 
     (pn, pbs, prefix), (dn, dbs, _) = blocks("prefill"), blocks("decode")
     max_len = engine_config(cfg, "<simulated>", "decode", 1.0, model).scheduler.max_model_len
-    router = RouterConfig(  # cluster/launch/launcher.py build_disaggregated_router
-        max_queue_len=cfg.limits.max_queue_len, request_timeout_s=cfg.limits.request_timeout_s,
-        prefix_affinity=c.enable_prefix_caching, affinity_block_size=pbs,
-        unavailable_grace_s=cfg.limits.restart_grace_s,
-        adaptive_chunks=CHUNK_POLICIES.get(s.chunk_policy).uses_decode_pressure,
-        itl_target_s=s.itl_target_ms / 1000, placement=cfg.pools.prefill_placement,
-        stream_interval=cfg.server.stream_interval,
-        reserve_with_add=cfg.pools.reserve_with_add,
-        pipelined_reserves=cfg.pools.pipelined_reserves)
+    router = router_config(cfg, pbs)  # the service's router settings
     return WorkerPlan(
         prefill=prefill_config(cfg), decode=decode_config(cfg, max_len),
         prefill_blocks=pn, decode_blocks=dn, prefill_block_size=pbs, decode_block_size=dbs,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from cluster.config.fields import Section, did_you_mean, opt
-from cluster.router.policies import PREFILL_PLACEMENTS
+from cluster.router.policies import ADMISSION_ORDERS, PREFILL_PLACEMENTS
 from engine.attention.registry import ATTENTION_BACKENDS
 from engine.config import COMPILE_MODES, DTYPES, EmulateConfig
 from engine.logprobs import LOGPROBS_MODES
@@ -181,6 +181,8 @@ class ModelSection(Section):
                 self.emulate_config  # noqa: B018 - validates the profile and the shape
             except ValueError as e:
                 raise self._bad("emulate", str(e).removeprefix("emulate: ")) from None
+        if not _DEVICE_RE.match(self.device):
+            raise self._bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
     @property
     def emulate_config(self) -> EmulateConfig | None:
@@ -188,8 +190,6 @@ class ModelSection(Section):
         if self.emulate is None:
             return None
         return EmulateConfig(self.emulate, str(self.model_shape))
-        if not _DEVICE_RE.match(self.device):
-            raise self._bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
     @property
     def resolved_device(self) -> str:
@@ -303,8 +303,11 @@ class SchedulerSection(Section):
     chunk_policy: str = opt("fixed", "prefill chunk sizing", choices=CHUNK_POLICIES)
     fairness_policy: str = opt("fcfs", "which prefill gets the token budget first",
                                choices=FAIRNESS_POLICIES)
-    tenant_weights: Mapping[str, float] = opt(None, "per-tenant weights for wfq, "
+    tenant_weights: Mapping[str, float] = opt(None, "per-tenant weights of every wfq policy "
+                                              "(prefill, KV send queue, decode admission), "
                                               "e.g. 'gold=4,free=1'", factory=dict)
+    decode_admission: str = opt("fcfs", "the order requests waiting for decode KV are "
+                                "admitted in", choices=ADMISSION_ORDERS)
     itl_target_ms: float = opt(100.0, "decode inter-token latency the adaptive chunk policy "
                                "defends: prefill chunks shrink while ITL p90 exceeds it", gt=0)
     aging_s: float = opt(5.0, "a prefill not served for this many seconds goes ahead of "

@@ -16,12 +16,11 @@ import ray
 from cluster.config.serve import ServeConfig
 from cluster.launch.placement import PoolPlan, actor_options, plan_colocated, plan_pools
 from cluster.launch.tp_groups import TPGroups
-from cluster.launch.worker_specs import worker_specs
+from cluster.launch.worker_specs import router_config, worker_specs
 from cluster.router.pool import WorkerHandle
 from cluster.router.router import Router, RouterConfig
 from decode_worker.worker import RemoteDecodeWorker
 from engine.loader import load_model_config, load_tokenizer
-from prefill_worker.policies import CHUNK_POLICIES
 from prefill_worker.worker import RemotePrefillWorker
 
 log = logging.getLogger(__name__)
@@ -99,17 +98,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
         raise
     router = Router(
         [h for h in handles if h.role == "prefill"], [h for h in handles if h.role == "decode"],
-        RouterConfig(max_queue_len=cfg.limits.max_queue_len,
-                     request_timeout_s=cfg.limits.request_timeout_s,
-                     prefix_affinity=cfg.cache.enable_prefix_caching,
-                     affinity_block_size=cfg.cache.prefill_block_size or cfg.cache.block_size,
-                     placement=cfg.pools.prefill_placement,
-                     unavailable_grace_s=cfg.limits.restart_grace_s,
-                     adaptive_chunks=CHUNK_POLICIES.get(cfg.scheduler.chunk_policy).uses_decode_pressure,
-                     itl_target_s=cfg.scheduler.itl_target_ms / 1000,
-                     stream_interval=cfg.server.stream_interval,
-                     reserve_with_add=cfg.pools.reserve_with_add,
-                     pipelined_reserves=cfg.pools.pipelined_reserves),
+        router_config(cfg, cfg.cache.prefill_block_size or cfg.cache.block_size),
         load_tokenizer(model_dir), model.vocab_size,
         cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
         channel_secret=specs[0].transfer.secret,

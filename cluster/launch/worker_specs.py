@@ -15,6 +15,7 @@ from typing import Any
 
 from cluster.config.serve import ServeConfig
 from cluster.launch.placement import PoolPlan
+from cluster.router.flight import RouterConfig
 from decode_worker.early_kv import EarlyKVConfig
 from decode_worker.scheduler import DecodeSchedulerConfig
 from engine.compile import role_mode
@@ -23,6 +24,7 @@ from engine.kv_cache import KVCache
 from engine.loader import load_model_config
 from kv_transfer.config import TransferConfig
 from kv_transfer.faults import FaultPlan
+from prefill_worker.policies import CHUNK_POLICIES
 from prefill_worker.scheduler import PrefillSchedulerConfig
 from runtime.spec import WorkerSpec
 
@@ -49,6 +51,21 @@ def engine_config(cfg: ServeConfig, model_dir: str, role: str, gpu_share: float 
         attention_backend=cfg.model.attention_backend,
         compile=role_mode(cfg.model.compile, role),  # a prefill worker: no decode graphs
         tensor_parallel_size=tp, emulate=cfg.model.emulate_config)
+
+
+def router_config(cfg: ServeConfig, affinity_block_size: int) -> RouterConfig:
+    """The disaggregated router's settings (the service's and the simulator's router);
+    ``affinity_block_size``: the prefill workers' block size (prefix affinity hashes it)."""
+    s = cfg.scheduler
+    return RouterConfig(
+        max_queue_len=cfg.limits.max_queue_len, request_timeout_s=cfg.limits.request_timeout_s,
+        prefix_affinity=cfg.cache.enable_prefix_caching, affinity_block_size=affinity_block_size,
+        placement=cfg.pools.prefill_placement, unavailable_grace_s=cfg.limits.restart_grace_s,
+        adaptive_chunks=CHUNK_POLICIES.get(s.chunk_policy).uses_decode_pressure,
+        itl_target_s=s.itl_target_ms / 1000, stream_interval=cfg.server.stream_interval,
+        reserve_with_add=cfg.pools.reserve_with_add,
+        pipelined_reserves=cfg.pools.pipelined_reserves,
+        admission_order=s.decode_admission, tenant_weights=dict(s.tenant_weights or {}))
 
 
 def prefill_config(cfg: ServeConfig) -> PrefillSchedulerConfig:

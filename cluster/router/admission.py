@@ -1,10 +1,11 @@
-"""Decode admission: requests waiting for a decode reservation, served in arrival order.
+"""Decode admission: requests waiting for a decode reservation, served in the queue's order
+(arrival order, or the tenants' weighted shares: cluster/router/policies.py ADMISSION_ORDERS).
 
 `AdmissionCore` decides, with no asyncio or Ray (the router and the simulator, sim/
 admission.py, drive the same object): the queue of waiters, which one asks which decode
 worker, which grants are kept. `DecodeAdmission` drives it with `admit` and real `reserve`
 calls. Several waiters ask at once, one `reserve` in flight per worker, so admissions are
-not serialised behind one waiter's round trips. Arrival order is kept by two rules. (1) A
+not serialised behind one waiter's round trips. The queue's order is kept by two rules. (1) A
 waiter's grant on worker W is *tentative* until every earlier waiter still queued has
 been refused by W in the current round; only then is it kept (the head's at once). Before
 an earlier waiter asks W, the tentative grants of later waiters on W are given back, so
@@ -30,17 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cluster.router.flight import Flight, RouterCore
+from cluster.router.policies import AdmissionOrder, ArrivalOrder, make_admission_order
 from cluster.router.pool import WorkerHandle
 from cluster.router.types import ErrorCode, RouterError
 from runtime.messages import DecodeTask
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.25  # the head re-asks even when no event said "freed" (e.g. a KV-wait expiry)
+MAX_TENANTS = 64  # tenants counted apart in the admission's shares (the rest: "other")
 
 
 @dataclass(eq=False)
 class Waiter:
-    key: tuple[float, int]  # (arrival, tie-break): the queue's order
+    key: tuple[float, ...]  # (the order's key..., tie-break): the queue's order
     flight: Any  # has .done and .leg_id (its current leg)
     task: Any  # what its driver asks with (a DecodeTask: .leg_id)
     event: Any = None  # its driver's wake-up state (the router's asyncio.Event)
@@ -71,8 +74,12 @@ class AdmissionDriver(Protocol):  # what an AdmissionCore asks of the router or 
 class AdmissionCore:
     """The admission's decisions, synchronous: the queue and the asks' bookkeeping."""
 
-    def __init__(self, driver: AdmissionDriver):
+    def __init__(self, driver: AdmissionDriver, order: AdmissionOrder | None = None):
         self.driver = driver
+        self.order = order if order is not None else ArrivalOrder()
+        # tenant -> promised tokens admitted while another tenant had a waiter queued: each
+        # tenant's share of contended decode KV (the fairness study reads it, GetStats)
+        self.contended_tokens: dict[str, int] = {}
         self.waiters: list[Waiter] = []  # sorted by key
         self._of: dict[int, list[Waiter]] = {}  # id(flight) -> its waiters (a new leg's
         self._seq = itertools.count()  # may queue while its old one is leaving)
@@ -85,7 +92,8 @@ class AdmissionCore:
         return len(self.waiters)
 
     def enqueue(self, flight: Any, arrival: float, task: Any) -> Waiter:
-        w = Waiter((arrival, next(self._seq)), flight, task)
+        key = self.order.key(arrival, task.tenant, task.prompt_len)
+        w = Waiter((*key, next(self._seq)), flight, task)
         bisect.insort(self.waiters, w, key=lambda x: x.key)
         self._of.setdefault(id(flight), []).append(w)
         return w
@@ -105,6 +113,15 @@ class AdmissionCore:
 
     def take(self, w: Waiter) -> Any:  # the worker `w` was granted (it then leaves), or None
         worker, w.granted = w.granted, None
+        if worker is not None:
+            self.order.admitted(w.key[:-1])
+            tenant = w.task.tenant
+            if any(v.task.tenant != tenant for v in self.waiters if not v.left):
+                if tenant not in self.contended_tokens and \
+                        len(self.contended_tokens) >= MAX_TENANTS:
+                    tenant = "other"
+                self.contended_tokens[tenant] = \
+                    self.contended_tokens.get(tenant, 0) + w.task.prompt_len
         return worker
 
     def leave(self, w: Waiter) -> None:
@@ -122,6 +139,8 @@ class AdmissionCore:
             mine.remove(w)
             if not mine:
                 del self._of[id(w.flight)]
+        if not self.waiters:
+            self.order.idle()
         self.pump()  # later waiters may keep their grants now, or ask its worker
 
     def answered(self, wt: Waiter, worker: Any, ok: bool, round_: int) -> None:
@@ -210,7 +229,9 @@ class DecodeAdmission:
 
     def __init__(self, router: RouterCore):
         self.router = router
-        self.core = AdmissionCore(self)
+        cfg = router.config
+        self.core = AdmissionCore(self, make_admission_order(cfg.admission_order,
+                                                             cfg.tenant_weights))
         self.wake_head, self.wake = self.core.wake_head, self.core.wake  # (see the core's)
         self._deadlines: dict[Waiter, float] = {}  # waiter -> its admission_timeout_s end
         self._timer: asyncio.TimerHandle | None = None  # the retry tick, while any wait

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cluster.router.delta_stream import DeltaStream
-from cluster.router.policies import PrefillPlacement, default_placement, make_placement
+from cluster.router.policies import (
+    PrefillPlacement,
+    default_placement,
+    make_admission_order,
+    make_placement,
+)
 from cluster.router.pool import WorkerHandle
 from cluster.router.types import GenerateSpec, RouterError, Usage
 from engine.request import SamplingParams
@@ -48,6 +53,10 @@ class RouterConfig:
     # flight, has room for it (a burst is reserved in one go); False: one reserve in flight
     # per decode worker, the rest of a burst queues for admission
     pipelined_reserves: bool = True
+    # the admission queue's order (cluster/router/policies.py ADMISSION_ORDERS) and the
+    # tenants' weights it shares decode KV by (the prefill and link policies' weights)
+    admission_order: str = "fcfs"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.max_queue_len < 1 or self.max_legs < 1:
@@ -59,6 +68,7 @@ class RouterConfig:
         if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
         self.make_placement()  # ValueError names an unknown policy or bad parameters
+        make_admission_order(self.admission_order, self.tenant_weights)  # (the same)
 
     @property
     def placement_name(self) -> str:

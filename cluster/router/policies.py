@@ -20,6 +20,16 @@ Decode order (``DECODE_ORDERS``):
                      empty and the first one takes every request it has room for
   least-legs         least legs the router itself has placed there (always current)
 
+Decode admission order (``ADMISSION_ORDERS``): which waiter of cluster/router/admission.py's
+queue asks for decode room first, when decode KV is contended (requests wait):
+  fcfs               arrival order (a re-dispatched leg keeps its request's arrival)
+  wfq                the tenants share the promised KV by ``tenant_weights``: start-time
+                     fair queuing over promised tokens (a tenant's waiter is tagged where
+                     its tenant's earlier waiters end, in tokens / weight, and no earlier
+                     than the tag admitted last). Starvation-free: a waiter's tag is fixed
+                     and every later waiter of any tenant is tagged past the virtual time,
+                     which rises with each admission
+
     policy = make_placement("length-buckets", thresholds=(256, 1024, 4096))
     wid = policy.pick([PrefillLoad("prefill-0", 900), PrefillLoad("prefill-1", 0)], prompt)
 """
@@ -28,7 +38,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from operator import attrgetter
 from typing import Any, ClassVar, NamedTuple
@@ -221,3 +231,77 @@ def decode_order(name: str, loads: Sequence[DecodeLoad]) -> list[str]:
     except KeyError:
         raise ValueError(f"unknown decode order {name!r}; choose one of "
                          f"{sorted(DECODE_ORDERS)}") from None
+
+
+class AdmissionOrder:
+    """The decode admission queue's order: the sort key a waiter gets when it joins."""
+
+    name: ClassVar[str]
+
+    def key(self, arrival: float, tenant: str, tokens: int) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def admitted(self, key: tuple[float, ...]) -> None:
+        """A waiter with ``key`` was admitted."""
+
+    def idle(self) -> None:
+        """The queue is empty: nothing is contended."""
+
+
+class ArrivalOrder(AdmissionOrder):
+    name = "fcfs"
+
+    def key(self, arrival: float, tenant: str, tokens: int) -> tuple[float, ...]:
+        return (arrival,)
+
+
+class TenantFairOrder(AdmissionOrder):
+    """Start-time fair queuing over promised tokens, weighted by tenant."""
+
+    name = "wfq"
+
+    def __init__(self, tenant_weights: Mapping[str, float] | None = None,
+                 default_weight: float = 1.0):
+        self.weights = dict(tenant_weights or {})
+        bad = {t: w for t, w in self.weights.items() if not w > 0}
+        if bad or not default_weight > 0:
+            raise ValueError(f"tenant weights must be > 0, got {bad or default_weight}")
+        self.default_weight = default_weight
+        self.vtime = 0.0  # the start tag admitted last (never decreasing)
+        self._finish: dict[str, float] = {}  # tenant -> where its last waiter's tag ends
+
+    def key(self, arrival: float, tenant: str, tokens: int) -> tuple[float, ...]:
+        start = max(self.vtime, self._finish.get(tenant, 0.0))
+        weight = self.weights.get(tenant, self.default_weight)
+        self._finish[tenant] = start + max(tokens, 1) / weight
+        return (start, arrival)
+
+    def admitted(self, key: tuple[float, ...]) -> None:
+        if key[0] > self.vtime:
+            self.vtime = key[0]
+            # a tenant whose tags all lie behind the virtual time is tagged from it anyway:
+            # forget it (tenants are the clients' strings)
+            self._finish = {t: f for t, f in self._finish.items() if f > self.vtime}
+
+    def idle(self) -> None:
+        # no backlog: every tenant starts afresh at the virtual time (a tenant that ran ahead
+        # before keeps no debt into the next contended period, as in start-time fair queuing)
+        self.vtime = max(self.vtime, *self._finish.values()) if self._finish else self.vtime
+        self._finish.clear()
+
+
+ADMISSION_ORDERS: dict[str, type[AdmissionOrder]] = {
+    ArrivalOrder.name: ArrivalOrder,
+    TenantFairOrder.name: TenantFairOrder,
+}
+ADMISSION_ORDER_HELP = {"fcfs": "arrival order", "wfq": "tenants share the promised decode KV "
+                        "by tenant_weights (start-time fair queuing over tokens)"}
+
+
+def make_admission_order(name: str, tenant_weights: Mapping[str, float] | None = None
+                         ) -> AdmissionOrder:
+    """A fresh admission order by name; ValueError names an unknown one."""
+    if name not in ADMISSION_ORDERS:
+        raise ValueError(f"unknown decode admission order {name!r}; choose one of "
+                         f"{sorted(ADMISSION_ORDERS)}")
+    return TenantFairOrder(tenant_weights) if name == "wfq" else ArrivalOrder()

@@ -16,8 +16,10 @@ class Leg:  # what the core reads of a request: its current leg and whether it e
 
 
 @dataclass(eq=False)
-class Task:
+class Task:  # what the core reads of a DecodeTask
     leg_id: str
+    tenant: str = "default"
+    prompt_len: int = 1
 
 
 class Driver:
