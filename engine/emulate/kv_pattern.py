@@ -108,7 +108,10 @@ class KVPattern:
             runs.append((i, j))
             i = j
         if sparse:  # the first word of each slab: what a later step reads back
-            slots64[:, :, torch.tensor(slots, dtype=torch.long), 0, 0] = w
+            L, _, S, H, Q = slots64.shape
+            base = torch.arange(L * 2, dtype=torch.long).view(L, 2, 1) * (S * H * Q)
+            flat = base + torch.tensor(slots, dtype=torch.long).view(1, 1, -1) * (H * Q)
+            slots64.view(-1)[flat.view(-1)] = w.reshape(-1)  # (the cache is contiguous)
             return
         for i, j in runs:
             slots64[:, :, slots[i]:slots[j - 1] + 1] = tiles[:, :, i:j]

@@ -26,6 +26,7 @@ no logits exist, so no [rows, vocab] tensor is built.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +60,34 @@ def _token(h: int, key: int, vocab: int) -> int:
     return mix(h ^ key) % vocab
 
 
+class ExportEvent(DeviceEvent):
+    """An export's copy: done once the device's clock passes its end and the bytes are
+    gathered (once, by whichever thread comes first)."""
+
+    def __init__(self, device: EmulatedDevice, at: float, slots: torch.Tensor,
+                 idx: torch.Tensor, out: torch.Tensor):
+        super().__init__(device, at)
+        self._src: tuple | None = (slots, idx, out)
+        self._lock = threading.Lock()
+
+    def gather(self) -> None:
+        with self._lock:
+            if self._src is not None:
+                slots, idx, out = self._src
+                torch.index_select(slots, 2, idx, out=out)
+                self._src = None
+
+    def query(self) -> bool:
+        if not super().query():
+            return False
+        self.gather()
+        return True
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self.gather()
+
+
 class EmulatedKV(KVCache):
     """The paged cache, real bytes; exports and imports charge the device's copy engine
     (one queue with the steps: the simulator's accounting) and imports are checked."""
@@ -68,12 +97,27 @@ class EmulatedKV(KVCache):
         self.runner = runner
         self.words = self._slots.view(torch.int64)  # [L, 2, slots, KVH, Q]
         self.checked_ranges = 0
+        self._exports: list[ExportEvent] = []  # gathers not done yet
 
     def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:
+        """As on a GPU: the copy is queued (on the device's timeline) and the caller goes
+        on; the gather of the real bytes runs on the thread that waits for it (the KV
+        link's), or at the latest before the next step writes the cache."""
         r = self.runner
-        payload = super().export_async(block_ids, start, end).payload  # a real gather
+        idx = self._slot_index(block_ids, start, end)
+        payload = torch.empty((self.num_layers, 2, end - start, *self._slots.shape[3:]),
+                              dtype=self.dtype)
         done = r.accel.submit(r.costs.kv_export_s(max(1, end - start)))
-        return PendingExport(payload, DeviceEvent(r.accel, done))
+        ev = ExportEvent(r.accel, done, self._slots, idx, payload)
+        self._exports.append(ev)
+        return PendingExport(payload, ev)
+
+    def finish_exports(self) -> None:
+        """Gather every export still pending (a step is about to write the cache: blocks
+        freed since may be written; on a GPU the step's stream waits for the gathers)."""
+        for ev in self._exports:
+            ev.gather()
+        self._exports.clear()
 
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                       layer_start: int = 0, head_start: int | None = None) -> None:
@@ -187,6 +231,7 @@ class EmulatedRunner:
             if ch.sample:
                 tok, lps = self._draw(r, hs[-1])
                 out.append(Sampled(r, tok, lps))
+        kv.finish_exports()
         pattern.write(kv.words, slots, states, positions)
         pattern.write(kv.words, dslots, dstates, dpositions, sparse=True)
         self.accel.wait(done)

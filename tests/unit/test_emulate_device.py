@@ -157,6 +157,7 @@ def test_a_corrupted_kv_frame_fails_its_request_with_a_clear_error_and_leaks_not
     def corrupting_send(chunk, dest):
         # after the export, before framing: the wire's own checksum is of these bytes
         if chunk.request_id == "bad" and chunk.seq_no == 1 and not hit:
+            chunk = chunk.resolved()  # the export's bytes, gathered
             chunk.payload.view(torch.uint8).view(-1)[777] ^= 0x04
             hit.append(chunk.seq_no)
         return send(chunk, dest=dest)
