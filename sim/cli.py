@@ -42,9 +42,7 @@ def _calibration_source(p: argparse.ArgumentParser) -> None:
                    "bfloat16)")
 
 
-def add_simulate_args(p: argparse.ArgumentParser) -> None:
-    from cluster.config.flags import add_cli_flags
-
+def _add_simulator_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     _calibration_source(p)
     s = p.add_argument_group("simulator")
     s.add_argument("--placement", help="prefill placement policy (cluster/router/policies.py: "
@@ -60,6 +58,24 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    "transfer.connector; analytic profiles: nvlink, infiniband)")
     s.add_argument("--decode-stepping", choices=("fast", "exact"), default="fast",
                    help="exact: the decode scheduler runs every step (slower, same result)")
+    return s
+
+
+def _sim_options(args: argparse.Namespace, trace: bool = False):
+    from sim.options import SimOptions
+
+    return SimOptions(
+        placement=args.placement, decode_order=args.decode_order,
+        length_buckets=tuple(int(x) for x in args.length_buckets.split(",") if x),
+        interconnect=args.interconnect, decode_stepping=args.decode_stepping,
+        stats_refresh_s=args.stats_refresh_s, trace=trace,
+        max_concurrency=getattr(args, "max_concurrency", None))
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    from cluster.config.flags import add_cli_flags
+
+    s = _add_simulator_args(p)
     s.add_argument("--trace-out", metavar="OUT", help="write a Perfetto trace of the run here "
                    "(engine/tracing.py events on the simulated clock)")
     s.add_argument("--code", choices=compiled.CODES, default="auto",
@@ -73,6 +89,26 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="most requests in flight; later arrivals wait (default: unlimited)")
     b.add_argument("--json", metavar="OUT", help="write metrics, workload and records here")
     b.add_argument("--no-records", action="store_true", help="--json without per-request records")
+    add_workload_args(p)
+    add_cli_flags(p)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    from cluster.config.flags import add_cli_flags
+
+    _add_simulator_args(p)
+    g = p.add_argument_group("plan")
+    g.add_argument("--gpus", type=int, required=True,
+                   help="workers (GPUs) to split between the prefill and decode pools")
+    g.add_argument("--slo", required=True, help="the SLOs goodput counts by, in ms, e.g. "
+                   "ttft:500,tpot:50 (ttft, tpot, e2el)")
+    g.add_argument("--chunk-sizes", default="", help="prefill chunk sizes to try with each "
+                   "split, e.g. 256,512 (default: scheduler.max_prefill_chunk alone)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight; later arrivals wait (default: unlimited)")
+    g.add_argument("--out-config", metavar="FILE", help="write the recommended configuration "
+                   "here (YAML for `pdserve serve --config FILE`)")
+    g.add_argument("--json", metavar="OUT", help="write every candidate's figures here")
     add_workload_args(p)
     add_cli_flags(p)
 
@@ -125,18 +161,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from cluster.config.flags import config_from_args
     from engine.costs.calibration import CalibrationError
     from sim.cluster import Simulation
-    from sim.options import SimOptions
 
     try:
         slos = parse_slo(args.slo)
         cfg = config_from_args(args)
         costs = load_cost_model(args)
-        opts = SimOptions(
-            placement=args.placement, decode_order=args.decode_order,
-            length_buckets=tuple(int(x) for x in args.length_buckets.split(",") if x),
-            interconnect=args.interconnect, decode_stepping=args.decode_stepping,
-            stats_refresh_s=args.stats_refresh_s, trace=bool(args.trace_out),
-            max_concurrency=args.max_concurrency)
+        opts = _sim_options(args, trace=bool(args.trace_out))
         sim = Simulation(cfg, costs, opts)
         model = costs.calibration.get("model")
         spec = replace(workload_spec(args, model["vocab_size"], sim.plan.max_model_len),
@@ -185,6 +215,72 @@ def _simulate(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0 if m.completed else 1
+
+
+def run_plan_cmd(args: argparse.Namespace) -> int:
+    from bench.metrics import parse_slo
+    from bench.workload import build_workload, summarize_workload
+    from cluster.config.flags import config_from_args
+    from sim.cluster import Simulation
+    from sim.plan import format_plan, plan_splits, plan_yaml
+
+    try:
+        slos = parse_slo(args.slo)
+        chunks = tuple(int(x) for x in args.chunk_sizes.split(",") if x.strip())
+        cfg = config_from_args(args)
+        costs = load_cost_model(args)
+        opts = _sim_options(args)
+        model = costs.calibration.get("model")
+        max_len = Simulation(cfg, costs, opts).plan.max_model_len  # (the same for each split)
+        spec = replace(workload_spec(args, model["vocab_size"], max_len), id_prefix="plan-")
+        requests = build_workload(spec)
+    except (ValueError, OSError) as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    summary = summarize_workload(requests)
+    print(f"pdserve plan: {summary['num_requests']} requests, mix {spec.mix}, rate "
+          f"{spec.request_rate:g}/s, prompt mean {summary['prompt_len']['mean']:.0f}, output "
+          f"mean {summary['max_tokens']['mean']:.0f}; {args.gpus} GPUs", flush=True)
+    bar = _progress(args.gpus - 1, max(len(chunks), 1))
+    try:
+        plan = plan_splits(cfg, costs, opts, requests, args.gpus, slos, chunks,
+                           progress=lambda c: bar.set_description(f"simulating {c.name}")
+                           or bar.update(1) if bar else None)
+    except ValueError as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if bar:
+            bar.close()
+    print(format_plan(plan))
+    if "analytic" == costs.calibration.kind:
+        print("NOTE: analytic, not measured: a roofline of published peak figures")
+    for o in plan.outcomes:
+        for e in o.errors:
+            print(f"  {o.candidate.name}: error: {e}", file=sys.stderr)
+    print(plan_yaml(plan))
+    if args.out_config:
+        Path(args.out_config).write_text(plan_yaml(plan, full=True), encoding="utf-8")
+        print(f"wrote {args.out_config} (every key; pdserve serve --config {args.out_config})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "gpus": plan.gpus, "slos_ms": plan.slos, "cost_model": plan.label,
+            "workload": summary, "candidates": [o.row() for o in plan.outcomes],
+            "recommendation": plan.best.row()}, indent=2, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _progress(splits: int, chunks: int):
+    """A progress bar over the candidates when tqdm is installed and stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=splits * chunks, unit="split", leave=False)
 
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
@@ -269,4 +365,6 @@ SUBCOMMANDS = {
                  add_simulate_args, run_simulate_cmd),
     "calibrate": ("measure this machine for `pdserve simulate` (or write an analytic profile)",
                   add_calibrate_args, run_calibrate_cmd),
+    "plan": ("the P:D split (and prefill chunk) of N GPUs that serves a workload best, asked "
+             "of the simulator", add_plan_args, run_plan_cmd),
 }
