@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
@@ -38,16 +39,18 @@ def stub_paths(root: Path) -> list[Path]:
 
 
 def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
-    """Run protoc (grpc_tools) for every proto file into `out_dir`; returns the stubs."""
-    from grpc_tools import protoc
+    """Run protoc (grpc_tools) for every proto file into `out_dir`; returns the stubs.
 
+    protoc runs in a child interpreter: its compiler library must not load into a process
+    that already holds other native libraries bundling protobuf or abseil (a NIXL agent's
+    UCX plug-ins: the import then crashes the process, as it crashed the test session)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
     for proto in PROTO_FILES:
         (out_dir / proto).parent.mkdir(parents=True, exist_ok=True)
         args = [
-            "grpc_tools.protoc",
+            sys.executable, "-m", "grpc_tools.protoc",
             f"-I{PROTO_ROOT}",
             f"-I{well_known}",
             f"--python_out={out_dir}",
@@ -55,9 +58,10 @@ def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
             f"--grpc_python_out={out_dir}",
             proto,
         ]
-        rc = protoc.main(args)
-        if rc != 0:
-            raise RuntimeError(f"protoc failed on {proto} (exit {rc})")
+        run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            raise RuntimeError(f"protoc failed on {proto} (exit {run.returncode}): "
+                               f"{run.stderr.strip()[-2000:]}")
     stubs = stub_paths(out_dir)
     for path in stubs:
         text = _IMPORT_RE.sub(f"from {PACKAGE_PREFIX}.pdserve.v1 import ", path.read_text())
