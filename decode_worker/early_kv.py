@@ -24,7 +24,7 @@ DROP_REASONS = ("refused", "aborted", "failed", "expired", "limit", "shutdown")
 
 @dataclass(frozen=True)
 class EarlyKVConfig:
-    """Set from ServeConfig's transfer.early_kv_* (cluster/worker_specs.py), carried to the
+    """Set from ServeConfig's transfer.early_kv_* (cluster/launch/worker_specs.py), carried to the
     decode worker in DecodeSchedulerConfig.early_kv."""
 
     max_leg_bytes: int = 64 << 20  # payload held for one leg

@@ -33,7 +33,7 @@ MAX_SPLITS = 64  # reduce kernel holds [MAX_SPLITS, D] fp32 in registers
 MIN_PARTITION = 256  # tokens per split: below this the scratch traffic stops paying off
 # Split until the grid holds this many programs per SM. Compiled for sm_90 (Triton 3.9,
 # bf16, D=128, BLOCK_N=64) a program uses ~39 KiB smem and 110-150 registers/thread, so
-# ~3 are resident per SM; `bench/attention_bw.py --sweep` times the alternatives.
+# ~3 are resident per SM; `tools/attention_bw.py --sweep` times the alternatives.
 TARGET_PROGRAMS_PER_SM = 4
 
 

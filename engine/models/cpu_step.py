@@ -13,7 +13,7 @@ kernel, so a row gets the same bits alone, beside other decodes, or beside a pro
 chunk: P/D and colocated serving compute a sequence's tokens alike. Measured on the
 2-core development machine (SmolLM2's 121 weights, one thread, CPU time, oneDNN's packed
 GEMMs beside it): 0.59x oneDNN's time at 1 row, 0.84x at 16, 0.95x at 64, 1.00x at 256
-and 512 (`python -m bench.gemm_rows`).
+and 512 (`python -m tools.gemm_rows`).
 
 The stack serves decode-only batches of up to `FUSED_ROWS` rows; wider batches and any
 prefill run the layer loop of engine/models/llama.py, the reference it is tested against

@@ -28,7 +28,7 @@ and every row of every step is multiplied by its GEMM, which gives a row the sam
 at any row count (engine/models/cpu_step.cpp): a sequence's tokens do not depend on what
 it was batched with (a P/D decode worker at batch 1, or colocated beside prompt chunks).
 oneDNN gives a row other bits at 1 row than at 2+ for some shapes (SmolLM2's down
-projection). One thread, CPU time, SmolLM2's 121 weights (`python -m bench.gemm_rows`):
+projection). One thread, CPU time, SmolLM2's 121 weights (`python -m tools.gemm_rows`):
 the row-block GEMM takes 0.59x oneDNN's time at 1 row, 0.84x at 16, 0.95x at 64, 1.00x
 at 256 and 512; at two threads under load oneDNN's GEMMs collapse (several-fold) and the
 row-block GEMM's do not.
