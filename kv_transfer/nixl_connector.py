@@ -155,6 +155,11 @@ class NixlTransport(TcpTransport):
         self._slots_lock = threading.Lock()
         self._slots: dict[int, list[int]] = {}  # tx -> [offset, nbytes, acks still due]
         self.writes = 0
+        # the writer thread and its one pending job (framed, not yet written)
+        self._jobs_cond = threading.Condition()
+        self._job: tuple | None = None
+        self._error: BaseException | None = None
+        self._writer: threading.Thread | None = None
 
     def _authenticated(self, sock: socket.socket, reader) -> None:
         agent, _ = self._shared.get()
@@ -190,12 +195,62 @@ class NixlTransport(TcpTransport):
         super()._on_acks(acks)
 
     def transmit(self, pieces: list[Piece]) -> None:
+        """Frame the batch (headers, checksums, extents) here and hand its writes to the
+        link's writer thread, so the next batch's checksums overlap this one's write;
+        waits while one write runs and another is ready (raises what failed the writer)."""
         for i in range(0, len(pieces), PIECES_PER_WRITE):
-            self._write(pieces[i : i + PIECES_PER_WRITE])
+            self._hand_over(self._frame(pieces[i : i + PIECES_PER_WRITE]))
 
-    def _write(self, pieces: list[Piece]) -> None:
-        """One NIXL request for the batch's payloads, its headers in the notification;
-        returns once the writes are done (the lease: ``failure_timeout_s``)."""
+    def _hand_over(self, job: tuple) -> None:
+        deadline = time.monotonic() + self._cfg.failure_timeout_s
+        with self._jobs_cond:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                                name=f"kv-nixl-write->{self._dest}")
+                self._writer.start()
+            while self._job is not None and self._error is None and not self._closed:
+                if not self._jobs_cond.wait(max(0.0, deadline - time.monotonic())):
+                    self._error = TimeoutError(f"NIXL write to {self._dest} not done within "
+                                               f"{self._cfg.failure_timeout_s:g}s (its lease)")
+            if self._error is not None or self._closed:
+                self._shared.stranded.extend(job[4])
+                raise self._error or ConnectionAbortedError("link closed")
+            self._job = job
+            self._jobs_cond.notify_all()
+
+    def _write_loop(self) -> None:
+        agent, regs = self._shared.get()
+        while True:
+            with self._jobs_cond:
+                while self._job is None and not self._closed:
+                    self._jobs_cond.wait()
+                if self._job is None:
+                    return
+                job = self._job
+            local, remote, notif, zero, held = job
+            try:
+                if local:
+                    self._post(agent, local, remote, notif)
+                else:
+                    agent.send_notif(self._remote, notif)
+            except Exception as e:  # the write's sources stay registered: see _frame
+                self._shared.stranded.extend(held)
+                with self._jobs_cond:
+                    self._error, self._job = e, None
+                    self._jobs_cond.notify_all()
+                if not self._closed:
+                    self._events.on_failure(f"send to {self._dest} failed: "
+                                            f"{type(e).__name__}: {e}")
+                return
+            for ptr in held:
+                regs.release(ptr)
+            with self._jobs_cond:
+                self._job = None
+                self._jobs_cond.notify_all()
+
+    def _frame(self, pieces: list[Piece]) -> tuple:
+        """(local descs, remote descs, notification, zero-byte only, held sources) of one
+        NIXL request: the batch's payloads, their headers in the notification."""
         agent, regs = self._shared.get()
         ext, cfg = self._extents, self._cfg
         assert ext is not None and self._remote is not None
@@ -228,17 +283,12 @@ class NixlTransport(TcpTransport):
                     remote.append((self._addr + off, n, 0))
                 frames.append([off, header.to_wire()])
             notif = msgpack.packb({"tok": self._token, "f": frames}, use_bin_type=True)
-            if local:
-                self._post(agent, local, remote, notif)
-            else:
-                agent.send_notif(self._remote, notif)
         except BaseException:
-            # a write may still read its sources: they stay registered (and alive) until
-            # the sender closes; the link fails, so no extent of it is ever reused
+            # sources of a failed batch stay registered (and alive) until the sender
+            # closes (a write may still read them); the link fails: no extent is reused
             self._shared.stranded.extend(held)
             raise
-        for ptr in held:
-            regs.release(ptr)
+        return local, remote, notif, not local, held
 
     def _post(self, agent: Any, local: list, remote: list, notif: bytes) -> None:
         h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
@@ -273,9 +323,17 @@ class NixlTransport(TcpTransport):
         super().close()
         if self._extents is not None:
             self._extents.close()
+        with self._jobs_cond:
+            self._jobs_cond.notify_all()
 
     def release(self) -> None:
         super().release()
+        if self._writer is not None:  # a write in progress ends within its lease
+            self._writer.join(timeout=self._cfg.failure_timeout_s + 1.0)
+        with self._jobs_cond:
+            if self._job is not None:  # framed but never written
+                self._shared.stranded.extend(self._job[4])
+                self._job = None
         if self._remote is not None:
             self._shared.drop_remote(self._remote)
             self._remote = None

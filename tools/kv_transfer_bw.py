@@ -1,15 +1,18 @@
-"""KV transfer bandwidth: raw loopback socket vs the tcp, torchdist and ray connectors.
+"""KV transfer bandwidth: raw loopback socket vs the tcp, nixl, torchdist and ray connectors.
 
 Every configuration sends the same bytes three ways, interleaved so machine load hits
 all of them alike, and prints GB/s with ``ratio vs raw`` and ``send N us``: the mean time
 the caller spends inside one ``KVSender.send`` (the prefill thread's share of sending;
 framing, scheduling and writing happen on the link thread). The receiving side always runs
-in another process (a spawned child for raw/tcp/torchdist, a Ray actor for ray), as a decode worker
-would. Payloads are exported once (untimed) from a paged cache with the given block size,
+in another process (a spawned child for raw/tcp/nixl/torchdist, a Ray actor for ray), as a
+decode worker would. For nixl the run first prints which UCX transports carried its writes
+and notifications (UCX's protocol tables of the sending process, ``--no-ucx-info`` skips). Payloads are exported once (untimed) from a paged cache with the given block size,
 so rows that differ only in block size repeat a measurement (a view of the noise).
 
     python -m tools.kv_transfer_bw --quick
     python -m tools.kv_transfer_bw --connectors raw,tcp --chunk-tokens 256,2048
+    python -m tools.kv_transfer_bw --connectors raw,tcp,nixl --block-sizes 16 \
+        --chunk-tokens 64,256,1024,2048,2688      # 1.5 .. 63 MiB chunks
 
 Model shape defaults to qwen2-0.5b (24 layers, 2 KV heads, head_dim 64, fp32): 24576 bytes
 of KV per token. Numbers on a shared 2-core machine are noisy; read the ratios.
@@ -123,6 +126,38 @@ def _run_tcp(tx, endpoint, pipe, pool, n, chunk, tag) -> tuple[float, float]:
     return time.perf_counter() - t0, in_send
 
 
+def _ucx_transports(run) -> list[str]:
+    """Run ``run()`` with this process's stdout (fd 1, where UCX prints) captured, and
+    return UCX's protocol choices from it: one "operation: transports" line per table of
+    a peer endpoint (intra- or inter-node; the agent's loopback "self" tables skipped)."""
+    import tempfile
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+") as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            run()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read()
+    found: dict[str, set[str]] = {}
+    title, op = "", None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 1:  # a table's title lines: "<worker> intra-node cfg#1", then the op
+            if "-node cfg#" in cells[0] or " self cfg#" in cells[0]:
+                title, op = cells[0], None
+            elif title and op is None:
+                op = cells[0]
+        elif len(cells) == 3 and op and " self cfg#" not in title and cells[0] != "Range":
+            found.setdefault(op, set()).add(cells[2])
+    return [f"{op}: {', '.join(sorted(t))}" for op, t in found.items()]
+
+
 def _ray_setup(cfg: TransferConfig):
     import ray
 
@@ -172,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="short run: blocks 16,128; chunks 64,256,2048; 128 MiB per measurement; 1 repeat")
-    p.add_argument("--connectors", default="raw,tcp,torchdist,ray",
-                   help="comma list of raw (plain socket sendall/recv_into), tcp, torchdist, ray")
+    p.add_argument("--connectors", default="raw,tcp,nixl,torchdist,ray",
+                   help="comma list of raw (plain socket sendall/recv_into), tcp, nixl, torchdist, ray")
+    p.add_argument("--nixl-ucx-error-handling", default="none", choices=["none", "peer"],
+                   help="TransferConfig.nixl_ucx_error_handling (none: UCX shared-memory transports)")
+    p.add_argument("--no-ucx-info", action="store_true",
+                   help="skip the report of the UCX transports that carried nixl's transfers")
     p.add_argument("--block-sizes", default="16,32,64,128", help="paged-cache block sizes (tokens)")
     p.add_argument("--chunk-tokens", default="64,256,1024,2048", help="tokens per sent KVChunk")
     p.add_argument("--mib", type=int, default=512, help="MiB sent per measurement")
@@ -211,6 +250,25 @@ def main(argv: list[str] | None = None) -> int:
         proc, tcp_pipe, endpoint = _spawn("tcp", cfg)
         procs.append(proc)
         tcp_tx = make_sender(cfg)
+    if "nixl" in conns:
+        nixl_cfg = dataclasses.replace(cfg, connector="nixl",
+                                       nixl_ucx_error_handling=args.nixl_ucx_error_handling)
+        proc, nixl_pipe, nixl_endpoint = _spawn("nixl", nixl_cfg)
+        procs.append(proc)
+        if not args.no_ucx_info:  # the sender's agent starts on its first link: now
+            os.environ["UCX_PROTO_INFO"] = "y"
+        nixl_tx = make_sender(nixl_cfg)
+        warm = _pool(args, blocks[0], chunks[0])[:1]
+
+        def _warm() -> None:
+            _run_tcp(nixl_tx, nixl_endpoint, nixl_pipe, warm, 3, chunks[0], "warm")
+
+        if args.no_ucx_info:
+            _warm()
+        else:
+            print(f"# nixl (ucx_error_handling_mode={args.nixl_ucx_error_handling}) "
+                  "UCX transports: " + "; ".join(_ucx_transports(_warm)), flush=True)
+            os.environ.pop("UCX_PROTO_INFO", None)
     if "torchdist" in conns:
         dist_cfg = dataclasses.replace(cfg, connector="torchdist")
         proc, dist_pipe, dist_endpoint = _spawn("torchdist", dist_cfg)
@@ -235,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                     best["raw"] = max(best.get("raw", 0), n * pool[0].nbytes / _run_raw(raw_sock, raw_pipe, pool, n))
                 if "tcp" in conns:
                     keep("tcp", *_run_tcp(tcp_tx, endpoint, tcp_pipe, pool, n, chunk, tag))
+                if "nixl" in conns:
+                    keep("nixl", *_run_tcp(nixl_tx, nixl_endpoint, nixl_pipe, pool, n, chunk, tag))
                 if "torchdist" in conns:
                     keep("torchdist", *_run_tcp(dist_tx, dist_endpoint, dist_pipe, pool, n, chunk, tag))
                 if "ray" in conns:
@@ -256,10 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     for pipe in [x for x in (locals().get("raw_pipe"), locals().get("tcp_pipe"),
-                             locals().get("dist_pipe")) if x]:
+                             locals().get("nixl_pipe"), locals().get("dist_pipe")) if x]:
         pipe.send(("stop",))
     if "tcp" in conns:
         tcp_tx.close()
+    if "nixl" in conns:
+        nixl_tx.close()
     if "torchdist" in conns:
         dist_tx.close()
     if "ray" in conns:
