@@ -44,6 +44,10 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="service tag (pdserve-xxxxxx) when the Ray cluster runs several")
     p.add_argument("--model", default=None,
                    help="the service's model dir (or 'tiny'): compare greedy tokens with engine.LLM")
+    p.add_argument("--emulate", metavar="PROFILE|FILE", default=None,
+                   help="the service runs on an emulated accelerator (its --emulate): "
+                   "compare greedy tokens with engine.LLM on the same emulated device")
+    p.add_argument("--model-shape", default=None, help="with --emulate: the service's shape")
     p.add_argument("--metrics-url", default=None, help="e.g. http://HOST:9090/metrics")
     p.add_argument("--deadline", type=float, default=300.0,
                    help="seconds a request may take before it counts as a hang")
@@ -99,6 +103,7 @@ def config_from_args(args: argparse.Namespace):
         kill_roles=tuple(r.strip() for r in args.kill_roles.split(",") if r.strip()),
         max_restarts=args.max_restarts, ray_address=args.ray_address,
         actor_tag=args.actor_tag, model=args.model, metrics_url=args.metrics_url,
+        emulate=args.emulate, model_shape=args.model_shape,
         deadline_s=args.deadline, quiesce_timeout_s=args.quiesce_timeout, seed=args.seed,
         mix=mix, prompt_scale=args.prompt_scale, output_scale=args.output_scale,
         token=token, tls_ca=args.tls_ca,

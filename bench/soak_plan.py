@@ -41,6 +41,10 @@ class SoakConfig:
     ray_address: str | None = "auto"
     actor_tag: str | None = None  # which service when a Ray cluster runs several
     model: str | None = None  # model dir (or "tiny") for the exact-token check
+    # an emulated service (pdserve serve --emulate PROFILE --model-shape SHAPE): the
+    # exact-token check against engine.LLM on the same emulated device
+    emulate: str | None = None
+    model_shape: str | None = None
     metrics_url: str | None = None
     deadline_s: float = 300.0
     quiesce_timeout_s: float = 120.0

@@ -81,6 +81,11 @@ class SoakReport:
                  f"(seed {self.config['seed']}, target {self.config['rate']:g} req/s, "
                  f"cancel rate {self.config['cancel_rate']:g})", "",
                  f"{'outcome':<28}{'count':>7}"]
+        if self.config.get("emulate"):  # every output of an emulated service says so
+            from engine.config import EmulateConfig
+
+            label = EmulateConfig(self.config["emulate"], self.config["model_shape"]).label
+            lines.insert(1, f"service on the {label}")
         lines += [f"{k:<28}{v:>7}" for k, v in s["outcomes"].items()]
         lines += ["", f"{'cancel phase':<14}{'planned':>9}{'cancelled':>11}{'missed':>8}"]
         for ph, row in s["cancel_phases"].items():
@@ -172,15 +177,22 @@ def metrics_problems(url: str, timeout_s: float = 15.0) -> list[str]:
         time.sleep(1.0)
 
 
-def reference_tokens(model: str, reqs: list[SoakRequest]) -> dict[str, list[int]]:
-    """engine.LLM's greedy tokens for these requests (one batched offline run)."""
+def reference_tokens(model: str | None, reqs: list[SoakRequest],
+                     emulate: tuple[str, str] | None = None) -> dict[str, list[int]]:
+    """engine.LLM's greedy tokens for these requests (one batched offline run); with
+    ``emulate`` (profile, shape), on the emulated device (engine/emulate/offline.py)."""
     from engine import LLM, SamplingParams
 
-    if model == "tiny":
+    if emulate is not None:
+        from engine.emulate.offline import emulated_llm
+
+        llm = emulated_llm(*emulate)
+    elif model == "tiny":
         from engine.tiny_model import ensure_model
 
-        model = str(ensure_model("tiny", "llama"))
-    llm = LLM(model)
+        llm = LLM(str(ensure_model("tiny", "llama")))
+    else:
+        llm = LLM(model)
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
               for r in reqs]
     outs = llm.generate([list(r.prompt) for r in reqs], params)
@@ -211,10 +223,11 @@ async def finish_report(runner: SoakRun, plan: list[SoakRequest], stub, md,
         loop = asyncio.get_running_loop()
         report.leaks += await loop.run_in_executor(None, metrics_problems, cfg.metrics_url)
     checked, skipped = 0, "no --model given"
-    if cfg.model:
+    if cfg.model or cfg.emulate:
         greedy = [r for r in plan if r.greedy and records[r.key].tokens]
         loop = asyncio.get_running_loop()
-        ref = await loop.run_in_executor(None, reference_tokens, cfg.model, greedy)
+        emulate = (cfg.emulate, str(cfg.model_shape)) if cfg.emulate else None
+        ref = await loop.run_in_executor(None, reference_tokens, cfg.model, greedy, emulate)
         for r in greedy:
             rec, want = records[r.key], ref[r.key]
             complete = rec.outcome == "finished"
