@@ -19,9 +19,11 @@ nothing else. It is compiled with dynamic shapes, once for T == 1 and once for T
 - CPU: inductor's C++/OpenMP kernels; batches run unpadded (a padded row costs a GEMM row).
 - CUDA: decode steps run as CUDA graphs (`mode="reduce-overhead"`), one per batch-size
   bucket: a decode batch is padded to its bucket (`DECODE_BUCKETS`, as vLLM's capture
-  sizes) with rows that write nowhere (slot -1), and its block table to the longest
-  sequence the cache holds, so the step buffer's layout, which a graph reads at fixed
-  addresses, depends on the bucket only. Prefill (`all`) is compiled without graphs.
+  sizes) with rows that write nowhere (slot -1). The graphs read the step buffer and a
+  device-resident block table `[bucket, longest sequence the cache holds / block_size]`
+  at fixed addresses; the runner rewrites only the table entries that changed since the
+  last step, so a long-context step pays for its new blocks, not for padding every table
+  to the full width. Prefill (`all`) runs without graphs.
 
 Every graph is built during start-up (`warmup`), timed and logged; inductor caches its
 artefacts on disk (`$TORCHINDUCTOR_CACHE_DIR`, by default under the pdserve cache), so a
@@ -61,6 +63,24 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
     return AUTO_MODE.get(device.type, "none") if mode == "auto" else mode
+
+
+def runner_mode(mode: str, tensor_parallel_size: int) -> str:
+    """The mode a ModelRunner compiles: a TP forward runs eager unless compiling is asked
+    for by name (its all-reduces in a compiled / CUDA-graph step are not yet checked on a
+    multi-GPU machine)."""
+    return "none" if tensor_parallel_size > 1 and mode == "auto" else mode
+
+
+def graph_table_bytes(mode: str, device: torch.device, max_num_seqs: int,
+                      max_model_len: int, block_size: int) -> int:
+    """Device bytes of the block tables CUDA-graph decode steps read (ModelRunner's
+    `[largest bucket, max_model_len / block_size]` int32, allocated once), 0 where the
+    runner records no graphs: KV sizing keeps them inside its reserve."""
+    mode = resolve_mode(mode, device)
+    if device.type not in PADDED_DECODE or mode not in ("decode", "all"):
+        return 0
+    return decode_buckets(max_num_seqs)[-1] * -(-max_model_len // block_size) * 4
 
 
 def role_mode(mode: str, role: str) -> str:

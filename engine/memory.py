@@ -3,7 +3,8 @@
 On CPU: `cache.kv_cache_memory_bytes`. On a GPU, what the device has room for, as vLLM
 sizes it: this worker may hold `gpu_memory_utilization x total x gpu_share` bytes
 (`gpu_share` < 1 when workers share the GPU), minus what it holds already (the weights,
-measured once they are loaded) and a reserve for activations; never more than is free
+measured once they are loaded) and a reserve for activations and for what the runner
+allocates after the cache (CUDA-graph block tables); never more than is free
 on the device now. Both are capped by what `max_num_seqs` sequences of `max_model_len`
 tokens could ever use.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compile import graph_table_bytes, runner_mode
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig, Shard, torch_dtype
 from engine.kv_cache import KVCache
 
@@ -31,6 +33,15 @@ def activation_reserve_bytes(model: ModelConfig, sched: SchedulerConfig, dtype: 
     hidden = sched.max_num_batched_tokens * width * elem * 2
     logits = sched.max_num_seqs * model.vocab_size * 4 * 6
     return hidden + logits + MIN_RESERVE_BYTES
+
+
+def runner_reserve_bytes(cfg: EngineConfig) -> int:
+    """What the runner allocates on the device after the KV cache: the block tables of
+    its CUDA-graph decode steps (engine.compile.graph_table_bytes)."""
+    s = cfg.scheduler
+    return graph_table_bytes(runner_mode(cfg.compile, cfg.tensor_parallel_size),
+                             torch.device(cfg.device), s.max_num_seqs, s.max_model_len,
+                             cfg.cache.block_size)
 
 
 def gpu_kv_budget(*, free: int, total: int, held: int, pending: int, utilization: float,
@@ -91,7 +102,7 @@ def num_kv_blocks(cfg: EngineConfig, *, memory: tuple[int, int, int] | None = No
     if memory is None:
         raise ValueError(f"sizing the KV cache on {cfg.device} needs the device's memory")
     free, total, held = memory
-    reserve = activation_reserve_bytes(cfg.model, s, dtype)
+    reserve = activation_reserve_bytes(cfg.model, s, dtype) + runner_reserve_bytes(cfg)
     budget = gpu_kv_budget(free=free, total=total, held=held, pending=pending_bytes,
                            utilization=c.gpu_memory_utilization, share=c.gpu_share,
                            reserve=reserve)

@@ -21,7 +21,7 @@ import torch
 
 from engine.attention import get_backend
 from engine.attention.base import AttentionMetadata
-from engine.compile import CompiledStep
+from engine.compile import CompiledStep, runner_mode
 from engine.compile_ops import step_context
 from engine.config import EngineConfig, torch_dtype
 from engine.device import ThreadBinder, pinned_empty
@@ -114,6 +114,75 @@ class _StepBuffer:
         return self._dev
 
 
+class _GraphTables:
+    """The decode block tables that padded (CUDA-graph) steps read: one int32 tensor
+    `[largest bucket, width]` on the device, never moved (a bucket's graph reads its first
+    `bucket` rows in place). Each step writes only what changed since the previous one:
+
+    - rows: a request keeps its row from step to step (`place`); one that leaves frees
+      its row, and a request from a row past the batch's end moves into the hole (one
+      row rewritten, not every row after the leaver shifted up);
+    - entries: per row it remembers the table it holds; a row whose table grew gets its
+      new entries, one whose table changed otherwise its whole table. Comparing costs a
+      pointer per block in use; writing, the new blocks.
+
+    The changes, as (flat index, block id) pairs, reach the device in one copy and one
+    scatter. Entries past a row's length are stale block ids of this cache (the kernels
+    read a row only up to its sequence length), never out of range."""
+
+    def __init__(self, rows: int, width: int, device: torch.device):
+        self.width = width
+        self.table = torch.zeros((rows, width), dtype=torch.int32, device=device)  # [R, W]
+        self._flat = self.table.view(-1)
+        self._held: list[tuple[int, ...]] = [()] * rows
+        self._row: dict[str, int] = {}  # request id -> its row
+        self._buf = _StepBuffer(device)  # the changes' own upload (its size varies)
+        self.written = 0  # entries uploaded so far (what a test can count)
+
+    def place(self, decodes: list[SeqChunk]) -> list[SeqChunk]:
+        """`decodes` in the order of their rows: rows 0..n-1, each request in the row it
+        had at the last padded step where it could keep it."""
+        row, n = self._row, len(decodes)
+        here = {c.request_id for c in decodes}
+        for rid in [r for r in row if r not in here]:
+            del row[rid]
+        taken = set(row.values())
+        holes = iter([r for r in range(n) if r not in taken])
+        for rid, r in list(row.items()):
+            if r >= n:  # past the batch's end: into a hole
+                row[rid] = next(holes)
+        out: list[SeqChunk | None] = [None] * n
+        for c in decodes:
+            r = row.get(c.request_id)
+            if r is None:
+                r = row[c.request_id] = next(holes)
+            out[r] = c
+        return out  # type: ignore[return-value]
+
+    def update(self, tables: list[tuple[int, ...]], rows: int) -> torch.Tensor:
+        """Make the first `len(tables)` rows hold `tables`; returns the `[rows, W]` view a
+        bucket of `rows` reads (rows past `len(tables)`: padding, whatever they hold)."""
+        held, w = self._held, self.width
+        at: list[int] = []
+        ids: list[int] = []
+        for r, t in enumerate(tables):
+            prev = held[r]
+            if t == prev:  # the common step: no new block (same ints: pointer compares)
+                continue
+            n = len(prev)
+            first = n if n < len(t) and t[:n] == prev else 0  # grew: only the new blocks
+            at.extend(range(r * w + first, r * w + len(t)))
+            ids.extend(t[first:])
+            held[r] = t
+        if at:
+            self.written += len(at)
+            seg_at, seg_ids = self._buf.add(at), self._buf.add(ids)
+            dev = self._buf.upload()
+            self._flat.index_copy_(0, dev[seg_at[0]:seg_at[0] + seg_at[1]].long(),
+                                   dev[seg_ids[0]:seg_ids[0] + seg_ids[1]])
+        return self.table[:rows]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, num_blocks: int | None = None):
         """`num_blocks=None`: size the KV cache once the weights are loaded (on a GPU,
@@ -156,17 +225,17 @@ class ModelRunner:
         self._compiling = False
         if warms_kernels(self):
             self.warmup()
-        # a TP forward runs eager unless compiling is asked for by name: its all-reduces
-        # in a compiled / CUDA-graph step are not yet checked on a multi-GPU machine
-        mode = "none" if self.group is not None and config.compile == "auto" else config.compile
+        mode = runner_mode(config.compile, config.tensor_parallel_size)
         compiled = CompiledStep(self.model, self.device, mode, config.scheduler.max_num_seqs)
         max_len = min(config.scheduler.max_model_len, num_blocks * self.block_size)
         self._graph_width = -(-max_len // self.block_size)  # a CUDA graph's block tables
         if compiled.buckets:
             rows = compiled.buckets[-1]
-            # ids, pos, slots, dlens, tables, and up to 2 rows of logits per decode (sampled +
-            # all_logits), plus alignment
-            self._graph_buf = _StepBuffer(self.device, (6 + self._graph_width) * rows + 64)
+            # ids, pos, slots, dlens, and up to 2 rows of logits per decode (sampled +
+            # all_logits), plus alignment; the tables are the graph tables' (counted in the
+            # KV sizing's reserve: engine.memory)
+            self._graph_buf = _StepBuffer(self.device, 6 * rows + 64)
+            self._graph_tables = _GraphTables(rows, self._graph_width, self.device)
         self.compiled = compiled
         compiled.warmup(functools.partial(run_padding, self))
         # compile "none" (or a failed start-up): steps never consult engine.compile
@@ -175,11 +244,9 @@ class ModelRunner:
             drop_onednn(self.model)  # its row-block copies serve every row
 
     @staticmethod
-    def _table(buf: _StepBuffer, tables: list[tuple[int, ...]], width: int | None = None
-               ) -> tuple[int, int, int]:
-        """Block tables padded with block 0 to the longest (or to `width`):
-        (offset, rows, width)."""
-        width = max((len(t) for t in tables), default=0) if width is None else width
+    def _table(buf: _StepBuffer, tables: list[tuple[int, ...]]) -> tuple[int, int, int]:
+        """Block tables padded with block 0 to the longest: (offset, rows, width)."""
+        width = max((len(t) for t in tables), default=0)
         flat: list[int] = []
         for t in tables:
             flat.extend(t)
@@ -201,6 +268,17 @@ class ModelRunner:
         self.bind()
         decodes = [c for c in chunks if len(c.token_ids) == 1]
         prefills = [c for c in chunks if len(c.token_ids) > 1]
+        compiled = self.compiled
+        fn = compiled.forward_for(decode_only=not prefills) if self._compiling else None
+        graph_rows = 0  # a padded (CUDA-graph) step's bucket
+        if fn is not None and compiled.padded and not prefills:
+            rows = compiled.bucket(len(decodes))
+            if rows in compiled.buckets and all(len(c.block_ids) <= self._graph_width
+                                                for c in decodes):
+                graph_rows = rows
+                decodes = self._graph_tables.place(decodes)  # each request keeps its row
+            else:
+                fn = None  # no graph of that size: eager
         ordered = decodes + prefills  # decode kernel takes the leading single-token rows
         ids: list[int] = []
         pos: list[int] = []
@@ -220,27 +298,22 @@ class ModelRunner:
             if c.all_logits:
                 full_rows.extend(range(len(ids) - len(c.token_ids), len(ids)))
                 full_ids.append((c.request_id, len(c.token_ids)))
-        compiled = self.compiled
-        fn = compiled.forward_for(decode_only=not prefills) if self._compiling else None
-        buf, width = self._buf, None
+        buf, graph_tables = self._buf, None
         dtables = [c.block_ids for c in decodes]
-        if fn is not None and compiled.padded and not prefills:
-            rows = compiled.bucket(len(decodes))
-            if rows in compiled.buckets and all(len(t) <= self._graph_width for t in dtables):
-                pad = rows - len(decodes)  # rows that write nowhere and read block 0
-                ids += [0] * pad
-                pos += [0] * pad
-                slots += [-1] * pad
-                dtables += [(0,)] * pad
-                buf, width = self._graph_buf, self._graph_width
-            else:
-                fn = None  # no graph of that size: eager
+        if graph_rows:
+            pad = graph_rows - len(decodes)  # rows that write nowhere and read one key
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [-1] * pad
+            buf = self._graph_buf
+            graph_tables = self._graph_tables.update(dtables, graph_rows)
         # decode side: the GPU waits for KV still arriving into blocks this step reads
         self.kv.wait_imports(b for c in ordered for b in c.block_ids)
         logits = self._forward(fn, buf, ids, pos, slots, dtables, [c.end for c in decodes],
                                [c.block_ids for c in prefills],
                                [len(c.token_ids) for c in prefills],
-                               [c.end for c in prefills], sample_rows + full_rows, width)
+                               [c.end for c in prefills], sample_rows + full_rows,
+                               graph_tables)
         if not full_ids:
             return StepLogits(sample_ids, logits, {})
         full, at = {}, len(sample_rows)
@@ -250,19 +323,23 @@ class ModelRunner:
         return StepLogits(sample_ids, logits[:len(sample_rows)], full)
 
     def _forward(self, fn, buf: _StepBuffer, ids, pos, slots, dtables, dlens, ptables, qlens,
-                 plens, rows, width) -> torch.Tensor:
+                 plens, rows, graph_tables: torch.Tensor | None = None) -> torch.Tensor:
         """Pack, upload and run one step (compiled `fn`, or eager when None); returns the
         logits of `rows` (the sampled rows, then those of all_logits chunks; padding rows
         follow the real ones, so no row index moves). The segments the forward reads come
         first, in a fixed order: a padded decode batch of one bucket always has the same
-        layout (a CUDA graph reads it in place); `rows`, read outside the graph, comes last."""
-        dlens = dlens + [1] * (len(dtables) - len(dlens))  # padding rows see one key
+        layout (a CUDA graph reads it in place); `rows`, read outside the graph, comes last.
+        `graph_tables`: a padded step's decode tables `[bucket, W]` (_GraphTables), which
+        then replace `dtables`."""
+        n_dec = len(dtables) if graph_tables is None else graph_tables.shape[0]
+        dlens = dlens + [1] * (n_dec - len(dlens))  # padding rows see one key
         q_starts = [0]
         for n in qlens:
             q_starts.append(q_starts[-1] + n)
         seg = {"ids": buf.add(ids), "pos": buf.add(pos), "slots": buf.add(slots),
                "dlens": buf.add(dlens), "qsl": buf.add(q_starts), "plens": buf.add(plens)}
-        dtab, ptab = self._table(buf, dtables, width), self._table(buf, ptables)
+        dtab = None if graph_tables is not None else self._table(buf, dtables)
+        ptab = self._table(buf, ptables)
         seg["rows"] = buf.add(rows)
         dev = buf.upload()
 
@@ -277,8 +354,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             backend=self.backend,
             slot_mapping=view("slots"),
-            num_decode_tokens=len(dtables),
-            decode_block_tables=table(dtab),
+            num_decode_tokens=n_dec,
+            decode_block_tables=graph_tables if dtab is None else table(dtab),
             decode_seq_lens=view("dlens"),
             prefill_block_tables=table(ptab),
             prefill_query_start_loc=view("qsl"),

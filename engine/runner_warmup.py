@@ -46,13 +46,13 @@ def run_padding(runner: Any, decode_only: bool, rows: int) -> None:
     """One compiled step of `rows` padding tokens (slot -1: no KV is written; they read
     block 0), as `rows` decodes or one prefill chunk: compiles or records that shape."""
     fn = runner.compiled.forward_for(decode_only)
-    buf, width = runner._buf, None
-    if decode_only and runner.compiled.padded:
-        buf, width = runner._graph_buf, runner._graph_width
     zeros = [0] * rows
-    if decode_only:
-        runner._forward(fn, buf, zeros, zeros, [-1] * rows, [(0,)] * rows, [], [], [], [],
-                        [0], width)
+    if decode_only and runner.compiled.padded:  # the tables serving's graphs will read
+        runner._forward(fn, runner._graph_buf, zeros, zeros, [-1] * rows, [], [], [], [],
+                        [], [0], runner._graph_tables.table[:rows])
+    elif decode_only:
+        runner._forward(fn, runner._buf, zeros, zeros, [-1] * rows, [(0,)] * rows, [], [],
+                        [], [], [0])
     else:
-        runner._forward(fn, buf, zeros, list(range(rows)), [-1] * rows, [], [],
-                        [(0,) * rows], [rows], [rows], [rows - 1], width)
+        runner._forward(fn, runner._buf, zeros, list(range(rows)), [-1] * rows, [], [],
+                        [(0,) * rows], [rows], [rows], [rows - 1])

@@ -38,7 +38,10 @@ def test_runner_sizes_kv_from_mem_get_info_after_loading(tiny_model, share):
     held = torch.cuda.memory_reserved()
     assert held <= 0.3 * share * total + (1 << 20), (held, total)
     assert kv_bytes >= 0.3 * share * total - held - memory.activation_reserve_bytes(
-        cfg.model, cfg.scheduler, torch.bfloat16) - (256 << 20)
+        cfg.model, cfg.scheduler, torch.bfloat16) - memory.runner_reserve_bytes(cfg) - (
+        256 << 20)
+    # the CUDA-graph tables (64 rows x 1M blocks: 256 MiB) were inside the reserve
+    assert memory.runner_reserve_bytes(cfg) == 64 * (1 << 20) * 4
     assert kv_bytes < free0
     del runner
     torch.cuda.empty_cache()

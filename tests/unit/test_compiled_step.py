@@ -172,10 +172,12 @@ def test_a_broken_cpp_toolchain_falls_back_at_startup(tiny_model, monkeypatch, t
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-such-g++")))
+    # (inductor's own patch: a monkeypatch of the config module's attribute deletes the
+    # key on undo, and every later compile in the process then fails)
+    no_cxx = inductor_config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-g++"))})
     torch._dynamo.reset()  # forget the graphs other tests compiled in this process
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.compile"):
+        with no_cxx, caplog.at_level(logging.WARNING, logger="engine.compile"):
             llm = LLM(str(tiny_model), compile="decode")
         rep = llm.runner.compiled.report
         assert rep.mode == "none" and rep.fallback_reason

@@ -53,6 +53,7 @@ def test_workers_sharing_a_gpu_stay_within_the_utilization_together(tiny_model):
         used += weights + n * per_block
         free -= weights + n * per_block
     reserve = memory.activation_reserve_bytes(cfg.model, cfg.scheduler, torch.bfloat16)
+    reserve += memory.runner_reserve_bytes(big)  # its CUDA-graph tables
     assert used + 2 * reserve <= 0.8 * total
     assert used + 2 * reserve > 0.8 * total - 2 * per_block  # and use all of it
 
@@ -115,6 +116,7 @@ def test_a_worker_on_a_gpu_sizes_its_share_from_mem_get_info(tiny_model, monkeyp
     assert cfg.device == "cuda:0" and calls == ["mem_get_info"]  # Ray's GPU, seen as cuda:0
     weights = memory.weight_bytes(tiny_model, torch.bfloat16)
     reserve = memory.activation_reserve_bytes(cfg.model, cfg.scheduler, torch.bfloat16)
+    reserve += memory.runner_reserve_bytes(cfg)  # its CUDA-graph tables
     per_block = KVCache.bytes_per_block(cfg.model, 16, torch.bfloat16)
     assert n == (int(80 * GiB * 0.5 * 0.5) - weights - reserve) // per_block
     # an explicit num_blocks is kept, and no device is asked
