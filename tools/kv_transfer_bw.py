@@ -154,7 +154,9 @@ def _ucx_transports(run) -> list[str]:
             elif title and op is None:
                 op = cells[0]
         elif len(cells) == 3 and op and " self cfg#" not in title and cells[0] != "Range":
-            found.setdefault(op, set()).add(cells[2])
+            kind = ("writes (ucp_put)" if op.startswith("remote memory write") else
+                    "notifications (ucp_am)" if op.startswith("active message") else op)
+            found.setdefault(kind, set()).add(cells[2])
     return [f"{op}: {', '.join(sorted(t))}" for op, t in found.items()]
 
 
