@@ -274,7 +274,9 @@ class DecodeEngine:
                                          layer_start=chunk.layer_start,
                                          head_start=chunk.head_start)  # (0: every head)
             key = (chunk.token_start, chunk.token_end)
-            if chunk.layer_end == layers and key not in p.ranges:
+            # (an emulated device may be sent only its first layers: engine/emulate/)
+            if chunk.layer_end == getattr(self.runner, "layers_sent", layers) \
+                    and key not in p.ranges:
                 p.ranges.add(key)
                 p.received_tokens += chunk.num_tokens
         if chunk.is_final:

@@ -3,6 +3,7 @@ a config after creation (use `dataclasses.replace`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 # The one list of dtype names: weights, KV cache, the config's choices and the KV wire.
@@ -223,9 +224,15 @@ class EmulateConfig:
 
     costs: str
     shape: str
+    # the share of each chunk's KV layers a prefill worker sends (where this host cannot
+    # move bytes as fast as the emulated link: the link is charged the full size)
+    kv_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         from engine.costs.analytic import PROFILES, SHAPES  # (numpy: loaded only when asked)
+
+        if not 0 < self.kv_fraction <= 1:
+            raise ValueError(f"emulate: kv_fraction must be in (0, 1], got {self.kv_fraction}")
 
         if self.costs not in PROFILES and not self.costs.endswith(".json"):
             raise ValueError(f"emulate: {self.costs!r} is neither an analytic profile "
@@ -237,9 +244,16 @@ class EmulateConfig:
     @property
     def label(self) -> str:
         """What every output says about figures of this device."""
+        sent = "" if self.kv_fraction == 1 else \
+            f" (KV sent: {self.kv_fraction:g} of each chunk's bytes, the link charged in full)"
         if self.costs.endswith(".json"):
-            return f"emulated {self.costs.rsplit('/', 1)[-1]}, {self.shape}: calibration file"
-        return f"emulated {self.costs}, {self.shape}: analytic, not measured"
+            return (f"emulated {self.costs.rsplit('/', 1)[-1]}, {self.shape}: calibration "
+                    f"file{sent}")
+        return f"emulated {self.costs}, {self.shape}: analytic, not measured{sent}"
+
+    def layers_sent(self, num_layers: int) -> int:
+        """KV layers of a chunk a prefill worker sends: [0, this) (at least one)."""
+        return max(1, math.ceil(self.kv_fraction * num_layers - 1e-9))
 
 
 @dataclass(frozen=True)

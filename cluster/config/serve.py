@@ -169,6 +169,12 @@ class ModelSection(Section):
     model_shape: str | None = opt(None, "the model shape an emulated accelerator runs "
                                   "(engine/costs/analytic.py SHAPES: llama-3-8b, qwen2.5-7b, "
                                   "qwen2-0.5b, smollm2-135m, tiny); also the simulator's")
+    emulate_kv_fraction: float = opt(1.0, "with --emulate: the share of each chunk's KV "
+                                     "layers a prefill worker sends (where this host cannot "
+                                     "move bytes as fast as the emulated link): the link rate, "
+                                     "pacer rate and credit window scale with it, so the link "
+                                     "is charged the full size; labelled in every output",
+                                     gt=0, le=1)
 
     def _check(self) -> None:
         if not self.path:
@@ -189,7 +195,7 @@ class ModelSection(Section):
         """The emulated accelerator of ``emulate`` (None: a real device)."""
         if self.emulate is None:
             return None
-        return EmulateConfig(self.emulate, str(self.model_shape))
+        return EmulateConfig(self.emulate, str(self.model_shape), self.emulate_kv_fraction)
 
     @property
     def resolved_device(self) -> str:

@@ -105,13 +105,16 @@ def credit_window_bytes(cfg: ServeConfig, model: ModelConfig) -> int:
 
 def transfer_config(cfg: ServeConfig, model: ModelConfig, secret: bytes) -> TransferConfig:
     t = cfg.transfer
-    window = credit_window_bytes(cfg, model)
+    # an emulated device sent a fraction F of each chunk's bytes: rates and window times F
+    # charge the link the full size (engine/emulate/: --emulate-kv-fraction)
+    f = cfg.model.emulate_kv_fraction if cfg.model.emulate else 1.0
+    window = math.ceil(credit_window_bytes(cfg, model) * f)
     return TransferConfig(
         connector=t.connector,
         send_policy=t.send_policy,
-        rate_bytes_per_s=(t.rate_gbps or 0.0) * 1e9 / 8,
+        rate_bytes_per_s=(t.rate_gbps or 0.0) * 1e9 / 8 * f,
         # the emulated link is the transport's: every send policy runs unchanged above it
-        link_rate_bytes_per_s=(t.link_gbps or 0.0) * 1e9 / 8,
+        link_rate_bytes_per_s=(t.link_gbps or 0.0) * 1e9 / 8 * f,
         link_latency_s=t.link_latency_us * 1e-6,
         burst_bytes=int(t.burst_mb * (1 << 20)),
         credit_window_bytes=window,

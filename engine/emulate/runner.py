@@ -105,10 +105,11 @@ class EmulatedKV(KVCache):
         link's), or at the latest before the next step writes the cache."""
         r = self.runner
         idx = self._slot_index(block_ids, start, end)
-        payload = torch.empty((self.num_layers, 2, end - start, *self._slots.shape[3:]),
+        layers = r.layers_sent  # (all but with --emulate-kv-fraction)
+        payload = torch.empty((layers, 2, end - start, *self._slots.shape[3:]),
                               dtype=self.dtype)
-        done = r.accel.submit(r.costs.kv_export_s(max(1, end - start)))
-        ev = ExportEvent(r.accel, done, self._slots, idx, payload)
+        done = r.accel.submit(r.costs.kv_export_s(max(1, end - start)))  # the full size
+        ev = ExportEvent(r.accel, done, self._slots[:layers], idx, payload)
         self._exports.append(ev)
         return PendingExport(payload, ev)
 
@@ -169,6 +170,7 @@ class EmulatedRunner:
         self.pattern = KVPattern(model.num_layers, max(model.max_position_embeddings,
                                                         config.scheduler.max_model_len))
         self.vocab = model.vocab_size
+        self.layers_sent = em.layers_sent(model.num_layers)
         self._last: set[str] = set()  # request ids of the previous step
         self._keys: dict[str, int] = {}  # unseeded sampling: one random key per request
         self._rng = random.Random()

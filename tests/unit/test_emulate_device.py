@@ -195,3 +195,35 @@ def test_an_unknown_profile_or_shape_is_named():
         EmulateConfig("h200", "llama-9")
     assert EmulateConfig("h200", "llama-3-8b").label == \
         "emulated h200, llama-3-8b: analytic, not measured"
+
+
+def test_a_kv_fraction_sends_part_of_each_chunk_and_the_link_is_charged_in_full(emu_dir):
+    half = EmulateConfig("h200", "tiny", kv_fraction=0.5)
+    assert half.layers_sent(2) == 1 and half.layers_sent(32) == 16
+    assert "KV sent: 0.5 of each chunk's bytes" in half.label
+    colocated = [o.token_ids for o in _llm(emu_dir).generate(PROMPTS[:2], greedy(6))]
+    sent = {}
+    for em in (TINY, half):
+        pair = PDPair(emu_dir, chunk=16, budget=32, emulate=em)
+        try:
+            for i, p in enumerate(PROMPTS[:2]):
+                assert pair.submit(f"r{i}", p, greedy(6))
+            pair.run()
+            assert [pair.outputs[f"r{i}"] for i in range(2)] == colocated
+            sent[em.kv_fraction] = pair.prefill.stats().kv_bytes_sent
+            pair.leak_check()
+        finally:
+            pair.close()
+    assert sent[0.5] < sent[1.0] and sent[0.5] > 0  # one layer of two (and frame headers)
+    from cluster.config.serve import ServeConfig
+    from cluster.launch.worker_specs import transfer_config
+
+    def link(fraction: float):
+        cfg = ServeConfig.from_dict({"model": {"emulate": "h200", "model_shape": "tiny",
+                                               "emulate_kv_fraction": fraction},
+                                     "transfer": {"link_gbps": 8.0}})
+        return transfer_config(cfg, load_model_config(emu_dir), b"s" * 32)
+
+    full, part = link(1.0), link(0.5)
+    assert part.link_rate_bytes_per_s == pytest.approx(full.link_rate_bytes_per_s / 2)
+    assert part.credit_window_bytes == pytest.approx(full.credit_window_bytes / 2, abs=1)
