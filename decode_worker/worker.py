@@ -20,15 +20,20 @@ class DecodeWorker(WorkerBase):
     def __init__(self, spec: WorkerSpec[DecodeSchedulerConfig]):
         super().__init__(spec)
         self.receiver = make_receiver(spec.transfer, **spec.connector_kwargs())
-        engine = DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
-                              self.num_blocks, self.tracer, faults=self.faults,
-                              early=spec.scheduler.early_kv,
-                              stream_interval=spec.stream_interval)
-        if self.ranks:  # a TP group: every rank receives its own heads (runtime/tp_links)
-            m = self.cfg.model
-            self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1, 0))
-            engine.receiver = GroupReceiver(self.receiver, engine.runner)
-        self.start(engine)
+
+        def build() -> DecodeEngine:  # on the loop thread (runtime.worker.WorkerBase.start)
+            engine = DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
+                                  self.num_blocks, self.tracer, faults=self.faults,
+                                  early=spec.scheduler.early_kv,
+                                  stream_interval=spec.stream_interval)
+            if self.ranks:  # a TP group: every rank receives its own heads (runtime/tp_links)
+                m = self.cfg.model
+                self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1,
+                                                        0))
+                engine.receiver = GroupReceiver(self.receiver, engine.runner)
+            return engine
+
+        self.start(build)
         # a leg waiting on its KV starts on arrival, not at the nap's end: the link's
         # thread wakes the loop itself (no doorbell thread between them)
         self.receiver.set_arrival_hook(self.loop.wake)

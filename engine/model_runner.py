@@ -14,6 +14,8 @@ says so (a CUDA-graph decode step reads the buffer at offsets fixed by its bucke
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from array import array
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ from engine.parallel.state import rank_shard
 from engine.runner_warmup import run_padding, warm_kernels, warms_kernels
 
 __all__ = ["ModelRunner", "SeqChunk", "StepLogits", "torch_dtype"]
+log = logging.getLogger(__name__)
 _ALIGN = 4  # int32s: every segment starts 16-byte aligned (Triton specialises on that)
 
 
@@ -240,6 +243,10 @@ class ModelRunner:
         compiled.warmup(functools.partial(run_padding, self))
         # compile "none" (or a failed start-up): steps never consult engine.compile
         self._compiling = compiled.mode != "none"
+        # the thread that recorded the CUDA graphs: cudagraph trees belong to it (another
+        # thread's step asserts, on torch before 2.12, or records them all again)
+        self.thread = threading.get_ident()
+        self._warned_thread = False
         if not self._compiling and self.model.cpu_stack is not None:
             drop_onednn(self.model)  # its row-block copies serve every row
 
@@ -301,6 +308,8 @@ class ModelRunner:
         buf, graph_tables = self._buf, None
         dtables = [c.block_ids for c in decodes]
         if graph_rows:
+            if compiled.graphs and threading.get_ident() != self.thread:
+                self._other_thread()
             pad = graph_rows - len(decodes)  # rows that write nowhere and read one key
             ids += [0] * pad
             pos += [0] * pad
@@ -372,6 +381,14 @@ class ModelRunner:
         if hidden is None:  # eager (re-running a failed step rewrites the same KV slots)
             hidden = model(view("ids"), view("pos"), self.kv.k, self.kv.v, meta)
         return model.compute_logits(hidden.index_select(0, view("rows")))
+
+    def _other_thread(self) -> None:
+        if not self._warned_thread:
+            self._warned_thread = True
+            log.warning("a CUDA-graph step runs on thread %s, not on thread %s that built the "
+                        "runner and recorded its graphs: build the engine on the thread that "
+                        "steps it (runtime.loop.WorkerLoop(build=...))",
+                        threading.get_ident(), self.thread)
 
     def warmup(self) -> None:  # every attention kernel variant serving launches, compiled
         warm_kernels(self, SeqChunk)

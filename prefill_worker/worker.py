@@ -21,13 +21,17 @@ class PrefillWorker(WorkerBase):
             self.sender.wrap_transports(self.faults.wrap_transport)
         # its KV heads to a decode worker of any TP size (runtime/tp_links.py)
         heads = HeadSender(self.sender, self.cfg.model.num_kv_heads, self.cfg.tensor_parallel_size)
-        engine = PrefillEngine(spec.worker_id, self.cfg, spec.scheduler, self.sender,
-                               self.num_blocks, self.tracer)
-        if self.ranks:  # a TP group: every rank sends its own heads, rank 0 coordinates
-            engine.sender = GroupSender(heads, engine.runner)
-        else:  # one rank: only a multi-rank decode worker's chunks are cut by heads
-            engine.rank_sender = heads
-        self.start(engine)
+
+        def build() -> PrefillEngine:  # on the loop thread (runtime.worker.WorkerBase.start)
+            engine = PrefillEngine(spec.worker_id, self.cfg, spec.scheduler, self.sender,
+                                   self.num_blocks, self.tracer)
+            if self.ranks:  # a TP group: every rank sends its own heads, rank 0 coordinates
+                engine.sender = GroupSender(heads, engine.runner)
+            else:  # one rank: only a multi-rank decode worker's chunks are cut by heads
+                engine.rank_sender = heads
+            return engine
+
+        self.start(build)
 
     def channel_commands(self) -> dict:
         e = self.engine

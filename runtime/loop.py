@@ -44,13 +44,26 @@ class SteppableEngine(Protocol):
 
 
 class WorkerLoop:
-    def __init__(self, engine: SteppableEngine, idle_wait_s: float = 0.002,
+    def __init__(self, engine: SteppableEngine | None = None, idle_wait_s: float = 0.002,
                  thread_init: Callable[[], None] | None = None,
                  on_events: Callable[[list[WorkerEvent]], None] | None = None,
-                 max_step_failures: int = MAX_STEP_FAILURES, every_step: bool = False):
+                 max_step_failures: int = MAX_STEP_FAILURES, every_step: bool = False,
+                 build: Callable[[], SteppableEngine] | None = None):
         """`thread_init` runs first on the loop thread (e.g. binding its CUDA device; the
-        engine's ModelRunner also binds every thread that calls it)."""
-        self.engine = engine
+        engine's ModelRunner also binds every thread that calls it).
+
+        `build` instead of `engine`: the loop thread builds the engine (after
+        `thread_init`), and the constructor returns once it is built (raising what the
+        build raised). What a GPU engine sets up at start-up belongs to the thread that
+        does it: CUDA-graph trees assert on (older torch) or re-record for (newer) a thread
+        that did not record them, so a runner built and warmed up on one thread and
+        stepped on another lost its graphs."""
+        if (engine is None) == (build is None):
+            raise ValueError("WorkerLoop needs an engine or a build function (one of them)")
+        self.engine = engine  # type: ignore[assignment] - set by `build` on the loop thread
+        self._build = build
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self._thread_init = thread_init
         self._on_events = on_events if on_events is not None else self._to_outbox
         self.idle_wait_s = idle_wait_s
@@ -68,6 +81,12 @@ class WorkerLoop:
         name = f"worker-loop:{getattr(engine, 'worker_id', '')}"
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        if build is not None:
+            self._built.wait()
+            if self._build_error is not None:
+                self._stop.set()
+                self._thread.join(timeout=10)
+                raise self._build_error
 
     @property
     def stopped(self) -> bool:
@@ -162,6 +181,15 @@ class WorkerLoop:
             except Exception as e:  # reported like a failed step; the loop still serves
                 log.exception("worker loop thread init failed")
                 self.error = f"{type(e).__name__}: {e}"
+        if self._build is not None:
+            try:
+                self.engine = self._build()
+            except BaseException as e:  # noqa: BLE001 - raised by the constructor
+                self._build_error = e
+                return
+            finally:
+                self._built.set()
+            self._thread.name = f"worker-loop:{getattr(self.engine, 'worker_id', '')}"
         while not self._stop.is_set() and self.fatal is None:
             events, failures = self._step(failures)
             ran = self.engine.last_step_ran

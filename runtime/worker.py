@@ -112,24 +112,37 @@ class WorkerBase:
         logging.shutdown()
         os._exit(70)
 
-    def start(self, engine: SteppableEngine, thread_init=None) -> None:
-        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
-            settle()  # the process is this actor's own: keep its startup off the collector
-        self.engine = engine
-        runner = getattr(engine, "runner", None)
-        if isinstance(runner, DriverRunner):
-            runner.describe_failure = self._describe_dead_ranks
-            runner.on_failure = self._group_down
+    def start(self, build: Callable[[], SteppableEngine], thread_init=None) -> None:
+        """Start the worker loop with the engine `build()` makes. The loop thread builds it
+        (its runner loads, warms up and records its CUDA graphs on the thread that will
+        step it: runtime.loop.WorkerLoop); this returns once it is built."""
+        def built() -> SteppableEngine:
+            engine = self.engine = build()
+            runner = getattr(engine, "runner", None)
+            if isinstance(runner, DriverRunner):
+                runner.describe_failure = self._describe_dead_ranks
+                runner.on_failure = self._group_down
+            if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+                settle()  # the process is this actor's own: its startup off the collector
+            return engine
+
         secret = self.spec.transfer.secret if self.spec.transfer is not None else b""
         if len(secret) < 16:  # no cluster secret (colocated pool): the router polls
-            self.loop = WorkerLoop(engine, thread_init=thread_init)
+            self.loop = WorkerLoop(build=built, thread_init=thread_init)
             return
+        self.loop = WorkerLoop(build=built, thread_init=thread_init, on_events=self._publish,
+                               every_step=True)
+        # the channel once the engine is built (its commands are the engine's); until it
+        # is up the engine holds no leg, so it has no event to publish
         host = self.spec.transfer.bind_host
         self.channel = ChannelServer(
             self.spec.worker_id, self.spec.role, secret, self.channel_commands(), host=host,
-            load=self.load, idle=lambda: not engine.last_step_ran, unrouted=self._unrouted)
-        self.loop = WorkerLoop(engine, thread_init=thread_init, on_events=self.channel.publish,
-                               every_step=True)
+            load=self.load, idle=lambda: not self.engine.last_step_ran,
+            unrouted=self._unrouted)
+
+    def _publish(self, events: list[WorkerEvent]) -> None:
+        if self.channel is not None:
+            self.channel.publish(events)
 
     def channel_commands(self) -> dict[str, Callable[..., Any]]:
         """Commands the channel runs: each queues its call on the loop (a Future)."""

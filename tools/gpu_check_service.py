@@ -82,12 +82,15 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
                       "max_prefill_chunk": 512}})
     share = {w.role: w.gpu_share for w in plan.workers}
     pcfg, pblocks = resolve_engine(engine_config(cfg, model_dir, "prefill", share["prefill"]))
-    prefill = PrefillEngine("prefill-0", pcfg, prefill_config(cfg), sender, pblocks)
     dcfg, dblocks = resolve_engine(engine_config(cfg, model_dir, "decode", share["decode"]))
-    decode = DecodeEngine("decode-0", dcfg, decode_config(cfg, dcfg.scheduler.max_model_len),
-                          receiver, dblocks)
-    loops = [WorkerLoop(prefill, thread_init=prefill.runner.bind),
-             WorkerLoop(decode, thread_init=decode.runner.bind)]
+    # each engine built (loaded, warmed up, its graphs recorded) on the loop thread that
+    # steps it, as a worker actor does (runtime.worker.WorkerBase.start)
+    loops = [WorkerLoop(build=lambda: PrefillEngine("prefill-0", pcfg, prefill_config(cfg),
+                                                    sender, pblocks)),
+             WorkerLoop(build=lambda: DecodeEngine(
+                 "decode-0", dcfg, decode_config(cfg, dcfg.scheduler.max_model_len),
+                 receiver, dblocks))]
+    prefill, decode = loops[0].engine, loops[1].engine
     eos = pcfg.model.eos_token_ids
     flights: dict[str, _Flight] = {}
     queue = [(f"r{i}", p) for i, p in enumerate(wl.prompts)]

@@ -25,9 +25,9 @@ class ColocatedWorker(WorkerBase):
 
     def __init__(self, spec: WorkerSpec[None]):
         super().__init__(spec)
-        llm = LLM.from_config(replace(self.cfg, cache=replace(self.cfg.cache,
-                                                              num_blocks=self.num_blocks)))
-        self.start(ColocatedEngine(spec.worker_id, llm), thread_init=llm.runner.bind)
+        cfg = replace(self.cfg, cache=replace(self.cfg.cache, num_blocks=self.num_blocks))
+        # built on the loop thread, which steps it (runtime.worker.WorkerBase.start)
+        self.start(lambda: ColocatedEngine(spec.worker_id, LLM.from_config(cfg)))
 
     def reserve(self, task: DecodeTask) -> bool:
         return True  # the colocated engine admits and preempts on its own

@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -59,25 +59,29 @@ class _Stream:
 class LocalBackend:
     """RouterAPI over one engine.LLM (see module docstring); thread-safe submit/abort."""
 
-    def __init__(self, llm: LLM, *, max_queue_len: int = 256, worker_id: str = "colocated-0",
-                 idle_wait_s: float = 0.002):
+    def __init__(self, llm: LLM | Callable[[], LLM], *, max_queue_len: int = 256,
+                 worker_id: str = "colocated-0", idle_wait_s: float = 0.002):
+        """`llm`: the engine, or a function that builds it on the loop thread (as
+        `from_config` does: a GPU engine's CUDA graphs belong to the thread that records
+        them, runtime.loop.WorkerLoop)."""
         if max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1, got {max_queue_len}")
-        self.llm = llm
-        self.tokenizer = llm.tokenizer  # the front doors' chat templates
-        self.vocab_size: int = llm.config.model.vocab_size
-        self.max_model_len: int = llm.config.scheduler.max_model_len
         self.max_queue_len = max_queue_len
         self.worker_id = worker_id
-        self.engine = ColocatedEngine(worker_id, llm)
         self._lock = threading.Lock()  # guards _active, _legs, _accepting
         self._active: dict[str, _Stream] = {}  # by request id
         self._legs: dict[str, _Stream] = {}  # by leg id, until its last item was sent
         self._leg_no = itertools.count(1)
         self._accepting = True
-        self._last_stats: EngineStats = self.engine.stats()
-        self._loop = WorkerLoop(self.engine, idle_wait_s=idle_wait_s,
-                                thread_init=llm.runner.bind, on_events=self._publish)
+        make = llm if not isinstance(llm, LLM) else (lambda: llm)
+        self._loop = WorkerLoop(build=lambda: ColocatedEngine(worker_id, make()),
+                                idle_wait_s=idle_wait_s, on_events=self._publish)
+        self.engine: ColocatedEngine = self._loop.engine  # type: ignore[assignment]
+        self.llm = llm = self.engine.llm
+        self.tokenizer = llm.tokenizer  # the front doors' chat templates
+        self.vocab_size: int = llm.config.model.vocab_size
+        self.max_model_len: int = llm.config.scheduler.max_model_len
+        self._last_stats: EngineStats = self._loop.call(self.engine.stats)
 
     @classmethod
     def from_config(cls, cfg) -> LocalBackend:
@@ -85,8 +89,8 @@ class LocalBackend:
         from cluster.launch.worker_specs import engine_config
 
         ecfg = engine_config(cfg, str(cfg.model.resolve_path()), "colocated")
-        llm = LLM.from_config(replace(ecfg, device=str(local_device(ecfg.device))))
-        return cls(llm, max_queue_len=cfg.limits.max_queue_len)
+        ecfg = replace(ecfg, device=str(local_device(ecfg.device)))
+        return cls(lambda: LLM.from_config(ecfg), max_queue_len=cfg.limits.max_queue_len)
 
     # ---- RouterAPI: asyncio side ------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
