@@ -88,7 +88,7 @@ register_connector(
 register_connector(
     "nixl", "kv_transfer.nixl_connector:make_nixl_sender",
     "kv_transfer.nixl_connector:make_nixl_receiver",
-    help="NIXL one-sided writes (UCX) into registered staging; tcp+HMAC control",
+    help="NIXL one-sided writes (UCX)",
     requires_secret=True,
     worker_kwargs=lambda role, wid, actor: {"name": wid} if role == "prefill" else {})
 register_connector(

@@ -54,8 +54,8 @@ def test_secret_never_appears_in_repr_and_config_is_immutable():
 
 
 def test_unknown_connector_is_rejected_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown connector 'carrier-pigeon'; known: \['tcp', 'ray', "
-                       r"'torchdist', 'inproc'\]"):
+    with pytest.raises(ValueError, match=r"unknown connector 'carrier-pigeon'; known: \['tcp', 'nixl', "
+                       r"'ray', 'torchdist', 'inproc'\]"):
         TransferConfig(connector="carrier-pigeon")
     register_connector("gone", "kv_transfer.inproc:make_inproc_sender",
                        "kv_transfer.inproc:make_inproc_receiver")

@@ -99,7 +99,8 @@ def test_a_connector_registered_here_is_a_serve_flag_and_carries_kv(capsys):
     try:
         cfg = serve_config("--connector", "relay")
         assert cfg.transfer.connector == "relay"
-        assert "relay (in-process relay (test))" in serve_help(capsys)
+        # wherever argparse wraps the connectors' list
+        assert "relay (in-process relay (test))" in " ".join(serve_help(capsys).split())
         tcfg = TransferConfig(connector=cfg.transfer.connector)
         shape = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4,
                  "num_blocks": 16}
