@@ -141,7 +141,11 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
     src.add_argument("--calibration", help="a calibration file from `pdserve calibrate`")
     src.add_argument("--analytic", help="an analytic profile (h200, h100, a100): labelled "
                      "'analytic, not measured'")
-    g.add_argument("--model-shape", default="llama-3-8b", help="with --analytic")
+    g.add_argument("--model-shape", default="llama-3-8b", help="with --analytic or --emulate")
+    p.add_argument("--emulate", metavar="PROFILE|FILE", help="run the configurations' real "
+                   "services on an emulated accelerator (as `pdserve serve --emulate`) of "
+                   "--model-shape: results labelled 'emulated <profile>, <shape>: analytic, "
+                   "not measured'")
     g.add_argument("--analytic-dtype", default="bfloat16", help="with --analytic")
     g.add_argument("--prefill-workers", type=int, default=8, help="simulated prefill pool")
     g.add_argument("--decode-workers", type=int, default=24, help="simulated decode pool")
@@ -157,8 +161,15 @@ def study_options(args: argparse.Namespace):
     from bench.metrics import parse_slo
     from bench.studies.context import DEFAULT_SLOS, StudyOptions
 
+    emulate = getattr(args, "emulate", None)
+    label = None
+    if emulate:
+        from engine.config import EmulateConfig
+
+        label = EmulateConfig(emulate, args.model_shape).label
     return StudyOptions(
-        out=args.out, quick=args.quick, model=args.model, link_gbps=args.link_gbps,
+        out=args.out, quick=args.quick, model=label or args.model, link_gbps=args.link_gbps,
+        emulate=emulate, model_shape=args.model_shape if emulate else None,
         transfer_compute_ratio=args.transfer_compute_ratio, transport=args.transport,
         seed=args.seed, trace=not args.no_trace, progress=not args.no_progress,
         slos=parse_slo(args.slo) if args.slo else dict(DEFAULT_SLOS),

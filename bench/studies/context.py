@@ -43,6 +43,11 @@ class StudyOptions:
     slos: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     configs: tuple[str, ...] = ()  # run only these configuration names (empty: all)
     num_requests: int | None = None  # override the study's request count
+    # real services on an emulated accelerator (pdserve serve --emulate PROFILE
+    # --model-shape SHAPE): step times from the cost model, so the link is emulated at
+    # the device's transfer/compute ratio; ``model`` is then the label titles carry
+    emulate: str | None = None
+    model_shape: str | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("inproc", "grpc"):
@@ -51,6 +56,19 @@ class StudyOptions:
             raise ValueError(f"link_gbps must be > 0, got {self.link_gbps}")
         if not self.transfer_compute_ratio > 0:
             raise ValueError(f"transfer_compute_ratio must be > 0, got {self.transfer_compute_ratio}")
+        if self.emulate is not None:
+            self.emulate_config  # noqa: B018 - ValueError naming a bad profile or shape
+
+    @property
+    def emulate_config(self):
+        """engine.config.EmulateConfig of ``emulate`` (None: the model on this CPU)."""
+        if self.emulate is None:
+            return None
+        from engine.config import EmulateConfig
+
+        if not self.model_shape:
+            raise ValueError("--emulate needs --model-shape")
+        return EmulateConfig(self.emulate, self.model_shape)
 
     def summary(self) -> str:
         """One line for the console and the index."""
@@ -84,7 +102,13 @@ class StudyContext:
         self.opts = opts
         self.out = Path(opts.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.model_dir = resolve_model_dir(opts.model)
+        em = opts.emulate_config
+        if em is None:
+            self.model_dir = resolve_model_dir(opts.model)
+        else:
+            from engine.emulate.model_dir import emulated_model_dir
+
+            self.model_dir = emulated_model_dir(em.shape)
         self._start_pool()
 
     def _start_pool(self) -> None:
@@ -97,7 +121,9 @@ class StudyContext:
 
     def describe(self) -> str:
         """Where the configurations run (one line for the console and the index)."""
-        return "real services on this machine (Ray workers, router, KV connector)"
+        em = self.opts.emulate_config
+        where = "this machine" if em is None else f"this machine, on the {em.label}"
+        return f"real services on {where} (Ray workers, router, KV connector)"
 
     def credit_window_mb(self, cfg: ServeConfig) -> float:
         """The credit window the workers of ``cfg`` run with."""
@@ -113,11 +139,32 @@ class StudyContext:
 
     @cached_property
     def reference(self) -> Reference:
-        """Measured once per process (seconds: the engine loads the model first)."""
+        """Measured once per process (seconds: the engine loads the model first); on an
+        emulated device, what its cost model gives (the steps the services will take)."""
+        if self.opts.emulate_config is not None:
+            return self._emulated_reference(min(512, self.max_model_len // 2))
         ref = measure_reference(self.model_dir, prompt_tokens=min(512, self.max_model_len // 2))
         log.info("reference: prefill %.1f ms, decode step %.2f ms", ref.prefill_s * 1e3,
                  ref.decode_step_s * 1e3)
         return ref
+
+    def _emulated_reference(self, prompt_tokens: int) -> Reference:
+        """The cost model's prefill of a ``prompt_tokens`` prompt (with its first token)
+        and one decode step after it: what the emulated workers' steps take."""
+        from engine.config import torch_dtype
+        from engine.emulate.offline import emulated_engine_config
+        from engine.emulate.runner import emulated_costs
+        from engine.kv_cache import KVCache
+
+        em = self.opts.emulate_config
+        cfg = emulated_engine_config(em.costs, em.shape)
+        costs = emulated_costs(cfg)
+        prefill = costs.prefill_s([(prompt_tokens, 0)]) + costs.sample_s(1)
+        decode = costs.decode_s(1, prompt_tokens + 1) + costs.sample_s(1)
+        per_token = KVCache.bytes_per_token(cfg.model, torch_dtype(cfg.dtype))
+        log.info("reference (%s): prefill %.2f ms, decode step %.3f ms", em.label,
+                 prefill * 1e3, decode * 1e3)
+        return Reference(prompt_tokens, prefill, decode, per_token)
 
     @cached_property
     def link(self) -> LinkEmulation:
@@ -138,7 +185,9 @@ class StudyContext:
         """The default configuration every study starts from (and shares)."""
         data = {
             "model": {"path": str(self.model_dir), "device": "cpu",
-                      "max_model_len": self.max_model_len},
+                      "max_model_len": self.max_model_len,
+                      **({"emulate": self.opts.emulate, "model_shape": self.opts.model_shape,
+                          "dtype": "bfloat16"} if self.opts.emulate else {})},
             "pools": {"cpus_per_worker": 1.0, "max_restarts": 0},
             "cache": {"kv_cache_memory_gb": 0.25, "enable_prefix_caching": False},
             "scheduler": {"max_prefill_chunk": 256, "max_num_batched_tokens": 256,

@@ -201,6 +201,7 @@ class Service:
 
 
 COUNTED = ("kv_bytes_sent", "gc_collections", "gc_full_collections", "gc_pause_s")
+DEVICE_COUNTED = ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps")
 
 
 def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -215,6 +216,10 @@ def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
         out[wid] = {"role": a.get("role", ""), "steps": steps,
                     "mean_step_s": busy / steps if steps > 0 else None,
                     **{k: a.get(k, 0.0) - b.get(k, 0.0) for k in COUNTED}}
+        # an emulated device's accounting over the run (engine/emulate/device.py)
+        dev = {k: a[k] - b.get(k, 0.0) for k in DEVICE_COUNTED if k in a}
+        if dev.get("device_wall_s"):
+            out[wid].update(dev, device_busy_ratio=dev["device_busy_s"] / dev["device_wall_s"])
     return out
 
 

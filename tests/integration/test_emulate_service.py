@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 
@@ -81,3 +82,28 @@ def test_a_200_request_soak_with_cancels_on_the_emulated_service_ends_clean(serv
     assert decode.extra["device_busy_ratio"] > 0 and decode.num_running == 0
     assert all(w.kv_blocks_used == 0 for w in stats.workers if w.role == "decode")
     assert dataclasses.asdict(report)["leaks"] == []
+
+
+def test_a_quick_study_runs_on_the_emulated_device_and_says_so(ray_session, tmp_path):
+    from bench.studies.common import StudyContext, StudyOptions
+    from bench.study import run_study
+
+    ctx = StudyContext(StudyOptions(out=tmp_path, quick=True, model=LABEL, progress=False,
+                                    num_requests=6, emulate="h200", model_shape="tiny",
+                                    configs=("chunk-64",)))  # one service: quick
+    try:
+        # the link is emulated at the emulated device's transfer/compute ratio: its
+        # reference is the cost model's, far faster than this CPU's tiny model
+        assert ctx.reference.prefill_s < 1e-3
+        assert ctx.describe().endswith(f"on the {LABEL} (Ray workers, router, KV connector)")
+        run_study("chunk-size", ctx, echo=lambda _: None)
+    finally:
+        ctx.close()
+    data = json.loads((tmp_path / "chunk-size.json").read_text())
+    assert data["options"]["model"] == LABEL
+    assert LABEL in (tmp_path / "chunk-size.md").read_text()
+    assert [r["config"] for r in data["rows"]] == ["chunk-64"]
+    for row in data["rows"]:
+        assert row["completed"] == 6 and row["failed"] == 0
+    stats = [w for d in data["configs"].values() for w in d["worker_stats"].values()]
+    assert stats and all(w.get("device_busy_s", 0) > 0 for w in stats if w["role"] == "decode")
