@@ -134,7 +134,9 @@ async def _demo(cfg: ServeConfig, max_tokens: int | None) -> int:
     from engine.chat import has_chat_template
 
     mode = "colocated" if cfg.pools.colocated else "disaggregated (prefill/decode pools)"
-    print(f"demo: starting the {mode} backend on {cfg.model.path} ...", flush=True)
+    em = cfg.model.emulate_config
+    on = cfg.model.path if em is None else f"{cfg.model.path} ({em.label})"
+    print(f"demo: starting the {mode} backend on {on} ...", flush=True)
     router = await build_router(cfg)
     server = GenerationServer(router, cfg)
     try:
