@@ -82,6 +82,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics_for
 
             metrics = ServiceMetrics()
+            em = cfg.model.emulate_config
+            metrics.emulated = em.label if em is not None else None
             if hasattr(router, "metrics"):
                 router.metrics = metrics  # latency histograms observed as tokens stream
             url = serve_metrics_for(cfg.server, metrics)  # TLS and token as gRPC's

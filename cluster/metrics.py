@@ -60,6 +60,7 @@ class ServiceMetrics:
         self._last_token: dict[str, float] = {}
         self._stats: list[Any] = []
         self._chunk_sizes: dict[str, dict[int, int]] = {}
+        self.emulated: str | None = None  # the emulated device's label (engine/emulate/)
         self.registry.register(_PoolCollector(self))
 
     # ---- router hooks ------------------------------------------------------------------
@@ -143,6 +144,11 @@ class _PoolCollector:
                 lag.add_metric([*lv, "0.5"], w.extra.get("host_lag_p50_s", 0.0))
                 lag.add_metric([*lv, "0.99"], w.extra.get("host_lag_p99_s", 0.0))
         yield from (running, waiting, usage, inflight, sent, xfer, queued, alive, busy, lag)
+        if self.metrics.emulated:  # every figure of this service is the emulated device's
+            info = GaugeMetricFamily("pdserve:emulated_device_info", "The service runs on "
+                                     "an emulated accelerator: its label", labels=["device"])
+            info.add_metric([self.metrics.emulated], 1.0)
+            yield info
         yield self._chunk_histogram()
 
     def _chunk_histogram(self) -> HistogramMetricFamily:

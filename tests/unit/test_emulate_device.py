@@ -130,7 +130,9 @@ def _stats_reach_metrics(pair: PDPair) -> None:
         workers.append(WorkerStats(eng.worker_id, s.role, True, extra=figures))
     metrics = ServiceMetrics()
     metrics.update_workers(workers)
+    metrics.emulated = TINY.label
     text = generate_latest(metrics.registry).decode()
+    assert f'pdserve:emulated_device_info{{device="{TINY.label}"}} 1.0' in text
     for w in ("prefill-0", "decode-0"):
         assert f'pdserve:device_busy_ratio{{role="{w[:-2]}",worker="{w}"}}' in text
         assert f'pdserve:host_lag_seconds{{quantile="0.99",role="{w[:-2]}",worker="{w}"}}' in text
