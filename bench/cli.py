@@ -100,7 +100,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     devices = device_report(devices_before, snapshot()) if devices_before else {}
     print(m.format() if label is None else f"{label}\n{m.format()}")
     if devices:
-        print(format_report(devices, label))
+        print(format_report(devices, label, m.total_output_tokens))
     errors = sorted({r.error for r in run.records if r.error})
     for e in errors[:5]:
         print(f"  error: {e}", file=sys.stderr)

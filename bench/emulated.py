@@ -56,9 +56,11 @@ def device_report(before: Mapping[str, tuple[str, Mapping[str, float]]],
     for wid, (role, a) in after.items():
         b = before.get(wid, (role, {}))[1]
         d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in
-             ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps")}
+             ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps",
+              "process_cpu_s")}
         r = out.setdefault(role, {"workers": 0, "device_busy_s": 0.0, "device_wall_s": 0.0,
                                   "host_lag_s": 0.0, "host_lag_steps": 0.0,
+                                  "process_cpu_s": 0.0,
                                   "host_lag_p50_s": 0.0, "host_lag_p99_s": 0.0})
         r["workers"] += 1
         for k, v in d.items():
@@ -71,7 +73,8 @@ def device_report(before: Mapping[str, tuple[str, Mapping[str, float]]],
     return out
 
 
-def format_report(report: Mapping[str, Any], label: str | None) -> str:
+def format_report(report: Mapping[str, Any], label: str | None,
+                  output_tokens: int = 0) -> str:
     lines = [f"Emulated device: {label or 'emulated (pass --emulate/--model-shape to label it)'}"]
     for role in sorted(report):
         r = report[role]
@@ -79,6 +82,10 @@ def format_report(report: Mapping[str, Any], label: str | None) -> str:
     lags = " | ".join(f"{role} {1e3 * report[role]['host_lag_p50_s']:.2f}/"
                       f"{1e3 * report[role]['host_lag_p99_s']:.2f} ms" for role in sorted(report))
     lines.append(f"Host lag p50/p99: {lags}")
+    if output_tokens:  # the worker processes' CPU (every thread) over the run
+        cpu = " | ".join(f"{role} {1e6 * report[role]['process_cpu_s'] / output_tokens:.0f}"
+                         for role in sorted(report))
+        lines.append(f"Host CPU per output token (us): {cpu}")
     paced = [role for role in sorted(report) if report[role]["host_set_pace"]]
     for role in paced:
         r = report[role]

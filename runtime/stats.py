@@ -6,6 +6,7 @@ Every numeric field is also a figure of the API's `WorkerStats.extra` under its 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -39,6 +40,7 @@ class EngineStats:
     host_lag_steps: int = 0
     host_lag_p50_s: float = 0.0  # of the latest steps (engine/emulate/device.py LAG_WINDOW)
     host_lag_p99_s: float = 0.0
+    process_cpu_s: float = 0.0  # the worker process's CPU seconds (every thread) so far
 
     @property
     def device_busy_ratio(self) -> float:
@@ -63,6 +65,7 @@ class EngineStats:
 
 DEVICE_FIELDS = ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps",
                  "host_lag_p50_s", "host_lag_p99_s")
+COUNTED_CPU = "process_cpu_s"
 
 
 def device_stats(runner: object) -> dict:
@@ -70,7 +73,7 @@ def device_stats(runner: object) -> dict:
     if not getattr(runner, "samples_itself", False):
         return {}
     s = runner.stats()  # type: ignore[attr-defined]
-    return {"emulated": runner.label, **{k: type(getattr(EngineStats, k))(s[k])  # type: ignore[attr-defined]
+    return {"emulated": runner.label, COUNTED_CPU: time.process_time(), **{k: type(getattr(EngineStats, k))(s[k])  # type: ignore[attr-defined]
                                          for k in DEVICE_FIELDS}}
 
 

@@ -201,7 +201,8 @@ class Service:
 
 
 COUNTED = ("kv_bytes_sent", "gc_collections", "gc_full_collections", "gc_pause_s")
-DEVICE_COUNTED = ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps")
+DEVICE_COUNTED = ("device_busy_s", "device_wall_s", "host_lag_s", "host_lag_steps",
+                  "process_cpu_s")
 
 
 def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, float]]:

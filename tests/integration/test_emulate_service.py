@@ -59,9 +59,11 @@ def test_emulated_tokens_equal_the_offline_emulated_engine_and_stats_carry_the_d
     for role in ("prefill", "decode"):
         r = report[role]
         assert r["workers"] == 1 and r["device_busy_s"] > 0 and 0 < r["busy_ratio"] <= 1
-    text = format_report(report, LABEL)
+    text = format_report(report, LABEL, output_tokens=12)
     assert text.splitlines()[0] == f"Emulated device: {LABEL}"
     assert "Device busy (decode): " in text and "Host lag p50/p99: decode " in text
+    assert "Host CPU per output token (us): decode " in text
+    assert report["decode"]["process_cpu_s"] > 0
 
 
 def test_a_200_request_soak_with_cancels_on_the_emulated_service_ends_clean(service):

@@ -125,6 +125,7 @@ def _stats_reach_metrics(pair: PDPair) -> None:
         assert s.emulated.startswith("emulated h200, tiny: analytic, not measured")
         assert s.device_busy_s > 0 and s.device_wall_s >= s.device_busy_s
         assert s.host_lag_steps > 0 and s.host_lag_p99_s >= s.host_lag_p50_s >= 0
+        assert s.process_cpu_s > 0
         figures = s.figures()
         assert figures["device_busy_ratio"] == pytest.approx(s.device_busy_s / s.device_wall_s)
         workers.append(WorkerStats(eng.worker_id, s.role, True, extra=figures))
