@@ -230,3 +230,46 @@ def test_a_kv_fraction_sends_part_of_each_chunk_and_the_link_is_charged_in_full(
     full, part = link(1.0), link(0.5)
     assert part.link_rate_bytes_per_s == pytest.approx(full.link_rate_bytes_per_s / 2)
     assert part.credit_window_bytes == pytest.approx(full.credit_window_bytes / 2, abs=1)
+
+
+def test_a_calibration_file_drives_the_device_and_a_step_costs_what_it_says(emu_dir, tmp_path):
+    from sim.synthetic import synthetic_calibration
+
+    cal = synthetic_calibration(prefill=lambda c, p: 1e-4 * c, decode=lambda b, L: 2e-3 + 1e-5 * b,
+                                sample_s=1e-5)
+    path = cal.save(tmp_path / "cal.json")
+    em = EmulateConfig(str(path), "tiny")
+    assert em.label == "emulated cal.json, tiny: calibration file"
+    model = load_model_config(emu_dir)
+    runner = EmulatedRunner(EngineConfig(str(emu_dir), model, CacheConfig(16, 64),
+                                         SchedulerConfig(max_model_len=1024), dtype="bfloat16",
+                                         emulate=em))
+    assert runner.label.startswith(em.label) and "synthetic, not measured" in runner.label
+    from engine.execute import ScheduledItem
+    from engine.request import Request
+
+    r = Request("r0", list(range(1, 33)), greedy(4))
+    r.block_ids = [0, 1]
+    out = runner.execute_and_sample([ScheduledItem(r, 0, 32, True)])
+    assert len(out) == 1 and 0 <= out[0].token_id < model.vocab_size
+    s = runner.stats()  # one prefill step of 32 tokens that samples one row
+    assert s["device_busy_s"] == pytest.approx(1e-4 * 32 + 1e-5)
+
+
+def test_serve_and_simulate_take_the_same_emulate_flags():
+    import argparse
+
+    from cluster.config.serve import ServeConfig
+    from sim.cli import add_simulate_args, load_cost_model
+
+    cfg = ServeConfig.from_dict({"model": {"emulate": "h100", "model_shape": "llama-3-8b"}})
+    assert cfg.model.emulate_config.label == "emulated h100, llama-3-8b: analytic, not measured"
+    assert cfg.model.resolve_path().name == "emulated-llama-3-8b"
+    with pytest.raises(ValueError, match="needs model.model_shape"):
+        ServeConfig.from_dict({"model": {"emulate": "h200"}})
+    with pytest.raises(ValueError, match="unknown model shape 'gpt-9'"):
+        ServeConfig.from_dict({"model": {"emulate": "h200", "model_shape": "gpt-9"}})
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    costs = load_cost_model(p.parse_args(["--emulate", "h100", "--model-shape", "qwen2.5-7b"]))
+    assert "H100" in costs.label and "qwen2.5-7b" in costs.label
