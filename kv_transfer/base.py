@@ -38,6 +38,19 @@ class PayloadReady(Protocol):
         """Block until the chunk's payload holds the KV; raise if the copy failed."""
 
 
+class LayersReady(Protocol):
+    """A chunk's KV still being computed and exported layer by layer (the final chunk of
+    a prompt, whose transfer would otherwise start only after its whole forward): the
+    sender's link sends each group of layers as soon as it is ready."""
+
+    boundaries: tuple[int, ...]  # ascending layer ends of the groups, relative to the
+    # payload's first layer; the last one is ``payload.shape[0]``
+
+    def wait_layers(self, n: int) -> object:
+        """Block until ``payload[:n]`` holds the KV (``n`` one of ``boundaries``); raise
+        if its computation or copy failed."""
+
+
 @dataclass(frozen=True, eq=False)
 class KVChunk:
     """KV of tokens ``[token_start, token_end)`` and layers ``[layer_start, layer_end)``.
@@ -57,6 +70,13 @@ class KVChunk:
     for the copy. The copy must already be ordered before any later write of the blocks
     it reads (they may be freed and reused at once); a failing ``wait`` fails the request.
     A sender never reads the payload of a chunk dropped (aborted, failed) before then.
+
+    ``layers_ready`` (instead of ``ready``): the payload fills layer group by layer group;
+    the link sends each group's frames once ``wait_layers`` returns for it, so the
+    receiver may get the chunk as several pieces split by layer (as above), the first
+    before the last layers are computed. Every connector gets this from the shared sender
+    core. A group's frames fit ``max_frame_bytes`` by layer; when one layer does not, the
+    link waits for all layers and splits as usual.
     """
 
     request_id: str
@@ -71,6 +91,7 @@ class KVChunk:
     head_start: int = 0
     num_kv_heads: int = 0  # the model's KV heads; 0 = all of them are in the payload
     ready: PayloadReady | None = field(default=None, repr=False)
+    layers_ready: LayersReady | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -98,6 +119,13 @@ class KVChunk:
             raise ValueError("KVChunk.first_token is only set on the final chunk")
         if not isinstance(self.tenant, str) or not self.tenant:
             raise ValueError("KVChunk.tenant must be a non-empty str")
+        if self.layers_ready is not None:
+            b = tuple(self.layers_ready.boundaries)
+            if self.ready is not None:
+                raise ValueError("KVChunk takes ready or layers_ready, not both")
+            if not b or b[-1] != p.shape[0] or any(x >= y for x, y in zip((0, *b[:-1]), b, strict=True)):
+                raise ValueError(f"KVChunk.layers_ready.boundaries {b} must rise strictly "
+                                 f"to the payload's {p.shape[0]} layers")
         if self.num_kv_heads or self.head_start:
             if not 0 <= self.head_start < self.head_end <= self.num_kv_heads:
                 raise ValueError(
@@ -105,7 +133,11 @@ class KVChunk:
                     f"payload) must lie within the model's {self.num_kv_heads} KV heads")
 
     def resolved(self) -> KVChunk:
-        """This chunk once its payload holds the KV (waits for ``ready``; then drops it)."""
+        """This chunk once its payload holds the KV (waits for ``ready`` or every layer of
+        ``layers_ready``; then drops it)."""
+        if self.layers_ready is not None:
+            self.layers_ready.wait_layers(self.payload.shape[0])
+            return replace(self, layers_ready=None)
         if self.ready is None:
             return self
         self.ready.wait()

@@ -40,7 +40,7 @@ from kv_transfer.pacing import Clock, monotonic_clock
 from kv_transfer.send_queue import QueuedFrame
 from kv_transfer.stats import LinkStats, RequestStats
 from kv_transfer.transport import LinkEvents, LinkTransport
-from kv_transfer.wire import Ack, AckStatus, Piece, split_chunk
+from kv_transfer.wire import Ack, AckStatus, Piece, split_chunk, split_layers
 
 _MAX_RECORDS = 100_000  # frame records kept between polls (oldest dropped first)
 _MAX_DEAD = 65_536  # failed/aborted request ids remembered to drop their late chunks
@@ -131,7 +131,8 @@ class ThreadedSender(KVSender):
             req.dests.append(dest)
         st[2].add(chunk.seq_no)
         link = self._links.get(dest) or self._open_link(dest)
-        link.inbox.append(Handover(chunk, now, st, chunk.ready is None))
+        link.inbox.append(Handover(chunk, now, st,
+                                   chunk.ready is None and chunk.layers_ready is None))
         req.bytes_queued += chunk.nbytes
         st[0] += 1  # one frame per chunk until the link splits it (SenderLink.admit_locked)
         st[1] = chunk.is_final
@@ -297,6 +298,11 @@ class Handover:
     resolved: bool  # its payload holds the KV (no ``ready``, or waited for)
     error: str | None = None
     dropped: bool = False  # aborted or failed before admission: never read
+    # a chunk sent layer group by layer group (``KVChunk.layers_ready``): its pieces with
+    # the layer end each needs, how many are admitted, and the layers ready so far
+    pieces: list[tuple[int, Piece]] | None = None
+    admitted: int = 0
+    ready_layers: int = 0
 
 
 class SenderLink:
@@ -338,37 +344,78 @@ class SenderLink:
         self.inbox = keep
 
     def resolve(self) -> None:
-        """Link thread, outside the lock: wait for the exports still in flight."""
+        """Link thread, outside the lock: wait for the exports still in flight; for a
+        chunk sent by layers, only for its next group (its frames go out meanwhile)."""
         with self.sender._lock:
             todo = [h for h in self.inbox if not h.resolved]
         for h in todo:
             if not h.dropped:
                 try:
+                    if self._next_layers(h):
+                        return  # admit and send this group before waiting for the next
                     h.chunk = h.chunk.resolved()
                 except Exception as e:  # a failed device copy fails its request alone
                     h.error = f"KV export failed: {type(e).__name__}: {e}"
             h.resolved = True
 
+    def _next_layers(self, h: Handover) -> bool:
+        """Wait for the next layer group of a chunk sent by layers; False when the chunk
+        is not (or no longer) sent that way: its whole payload is then waited for."""
+        c, lr = h.chunk, h.chunk.layers_ready
+        if lr is None or c.num_tokens == 0:
+            return False
+        if h.pieces is None:
+            h.pieces = split_layers(c, lr.boundaries, self.sender.cfg.max_payload_bytes)
+            if h.pieces is None:
+                return False
+        total = c.payload.shape[0]
+        need = next(b for b in lr.boundaries if b > h.ready_layers)
+        lr.wait_layers(need)
+        with self.sender._lock:
+            h.ready_layers = need
+            if need == total:
+                h.resolved = True
+        return need < total
+
     def admit_locked(self) -> bool:
         """Queue the handed-over chunks whose payload is ready, in send order, in the
         scheduler; returns whether one still waits for its export."""
         s = self.sender
-        while self.inbox and self.inbox[0].resolved:
-            h = self.inbox.popleft()
+        while self.inbox and (self.inbox[0].resolved or self.inbox[0].ready_layers):
+            h = self.inbox[0]
             c = h.chunk
             if s._streams.get((c.request_id, self.dest)) is not h.stream:
+                self.inbox.popleft()
                 continue  # its request ended meanwhile
             if h.error is not None:
+                self.inbox.popleft()
                 s._fail_request_locked(c.request_id, h.error)
                 continue
-            pieces = split_chunk(c, s.cfg.max_payload_bytes)
-            h.stream[0] += len(pieces) - 1  # send counted the chunk as one frame
-            for i, p in enumerate(pieces):
-                p = replace(p, tx=next(s._tx))
-                qf = QueuedFrame(c.request_id, c.tenant, p.nbytes, h.enqueue_t, item=p,
-                                 key=p.key)
-                self.sched.enqueue(qf, completes_request=c.is_final and i == len(pieces) - 1)
+            if h.pieces is None:
+                pieces = split_chunk(c, s.cfg.max_payload_bytes)
+                self._enqueue_locked(h, pieces, 0, len(pieces))
+                self.inbox.popleft()
+                continue
+            # by layers: the pieces whose layers are ready, the rest on a later call
+            ready = [p for end, p in h.pieces[h.admitted:] if end <= h.ready_layers]
+            self._enqueue_locked(h, [p for _, p in h.pieces], h.admitted,
+                                 h.admitted + len(ready))
+            h.admitted += len(ready)
+            if h.admitted < len(h.pieces):
+                break  # its next group is still being computed
+            self.inbox.popleft()
         return bool(self.inbox)
+
+    def _enqueue_locked(self, h: Handover, pieces: list[Piece], lo: int, hi: int) -> None:
+        """Queue ``pieces[lo:hi]`` of ``h``'s chunk (all ``len(pieces)`` count in its stream
+        from the first call on)."""
+        s, c = self.sender, h.chunk
+        if lo == 0 and hi > 0:
+            h.stream[0] += len(pieces) - 1  # send counted the chunk as one frame
+        for i in range(lo, hi):
+            p = replace(pieces[i], tx=next(s._tx))
+            qf = QueuedFrame(c.request_id, c.tenant, p.nbytes, h.enqueue_t, item=p, key=p.key)
+            self.sched.enqueue(qf, completes_request=c.is_final and i == len(pieces) - 1)
 
     # ---- the link thread ----
     def run(self) -> None:
@@ -422,7 +469,12 @@ class SenderLink:
             if self.failed is not None or s._closed:
                 return None
             if self.admit_locked():
-                return _EXPORT_PENDING
+                head = self.inbox[0] if self.inbox else None
+                if head is None or not head.admitted:
+                    return _EXPORT_PENDING
+                # a chunk sent by layers: its ready groups leave before its next is waited for
+                batch, _ = self.sched.next_batch(s._clock())
+                return batch or _EXPORT_PENDING
             now = s._clock()
             batch, wait = self.sched.next_batch(now)
             if batch:

@@ -284,6 +284,25 @@ def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> list[Piece]:
     ]
 
 
+def split_layers(chunk: KVChunk, boundaries: Sequence[int],
+                 max_payload_bytes: int) -> list[tuple[int, Piece]] | None:
+    """``(layer end, piece)`` of a chunk sent group by group of layers (``boundaries``:
+    ``KVChunk.layers_ready``), each group split as ``split_chunk`` would, parts numbered
+    across the whole chunk; None when one layer is bigger than a frame (token splits copy,
+    so they must wait for the whole payload)."""
+    p = chunk.payload  # [L, 2, T, H, D]
+    if p.shape[0] and chunk.nbytes // p.shape[0] > max_payload_bytes:
+        return None
+    groups: list[tuple[int, Piece]] = []
+    lo = 0
+    for hi in boundaries:
+        sub = _sub(chunk, p[lo:hi], lo, 0, hi == boundaries[-1])  # contiguous view
+        groups += [(hi, x) for x in split_chunk(sub, max_payload_bytes)]
+        lo = hi
+    n = len(groups)
+    return [(end, Piece(x.chunk, i, n)) for i, (end, x) in enumerate(groups)]
+
+
 def chunks_for_heads(chunk: KVChunk, sends: Sequence[HeadTransfer],
                      dests: Sequence[str]) -> list[tuple[KVChunk, str]]:
     """One prefill rank's ``chunk`` (payload: the rank's heads) cut into what each decode
@@ -341,7 +360,7 @@ def resolve_checksum(name: str) -> str:
 __all__ = [
     "Ack", "AckStatus", "ChecksumError", "FrameHeader", "FrameKey", "FrameReader", "Message",
     "Piece", "WireError", "chunks_for_heads", "decode", "encode", "encode_control",
-    "header_for", "payload_view", "resolve_checksum", "split_chunk", "verify",
+    "header_for", "payload_view", "resolve_checksum", "split_chunk", "split_layers", "verify",
 ]
 
 
