@@ -87,8 +87,9 @@ def _track_metadata(pid: int, worker: str, lanes: Iterable[int]) -> list[dict]:
     return out
 
 
-def to_chrome_trace(events: Sequence[TraceEvent]) -> dict:
-    """Chrome trace-event JSON (``{"traceEvents": [...]}``); times in µs from the first event."""
+def to_chrome_trace(events: Sequence[TraceEvent], device: str | None = None) -> dict:
+    """Chrome trace-event JSON (``{"traceEvents": [...]}``); times in µs from the first event.
+    ``device``: the emulated accelerator's label, if the service ran on one."""
     t0 = min((e.start for e in events), default=0.0)
     out: list[dict] = []
     groups = by_track(events)
@@ -105,7 +106,8 @@ def to_chrome_trace(events: Sequence[TraceEvent]) -> dict:
             else:
                 rec.update(ph="X", dur=e.duration * 1e6)
             out.append(rec)
-    other = {"clock": "wall (time.time())", "t0_unix_s": t0, "num_events": len(events)}
+    other = {"clock": "wall (time.time())", "t0_unix_s": t0, "num_events": len(events),
+             **({"device": device} if device else {})}
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
 
 
@@ -116,10 +118,11 @@ def out_path(path: str | Path) -> Path:
     return path
 
 
-def write_chrome_trace(events: Sequence[TraceEvent], path: str | Path) -> Path:
+def write_chrome_trace(events: Sequence[TraceEvent], path: str | Path,
+                       device: str | None = None) -> Path:
     """Write :func:`to_chrome_trace` to ``path`` (open in ui.perfetto.dev / chrome://tracing)."""
     path = out_path(path)
-    path.write_text(json.dumps(to_chrome_trace(events)), encoding="utf-8")
+    path.write_text(json.dumps(to_chrome_trace(events, device)), encoding="utf-8")
     return path
 
 

@@ -230,8 +230,9 @@ class StudyContext:
             bar.close()
         run = ConfigRun(name, cfg, layout, out, slos=dict(self.opts.slos), **metric_kw)
         if out.events:
+            em = self.opts.emulate_config
             run.files = write_trace_files(self.out, study, name, with_emulated_link(
-                out.events, cfg.transfer.link_gbps))
+                out.events, cfg.transfer.link_gbps), em.label if em is not None else None)
         log.info("%s %s: %d requests in %.1fs (service up in %.1fs)", study, name,
                  len(out.records), time.monotonic() - t0, svc.startup_s)
         return run

@@ -36,7 +36,7 @@ QUICK = ("fcfs+fcfs", "srpt+fcfs", "wfq+wfq")
 DEADLINES_MS = {"gold": 1000.0, "free": 4000.0}
 COLUMNS = [
     Column("config", "config"), Column("prefill_policy", "prefill policy"),
-    Column("send_queue", "send queue"),
+    Column("send_queue", "send queue"), Column("decode_admission", "decode admission"),
     Column("short_ttft_p99_ms", "short TTFT p99 (ms)"),
     Column("long_ttft_mean_ms", "long TTFT mean (ms)"),
     Column("long_ttft_p99_ms", "long TTFT p99 (ms)"),
@@ -46,6 +46,7 @@ COLUMNS = [
     Column("jain_contended", "Jain (contended share/weight)", "{:.3f}"),
     Column("gold_share", "gold share (contended)", "{:.2f}"),
     Column("free_share", "free share (contended)", "{:.2f}"),
+    Column("gold_decode_share", "gold share of contended decode admission", "{:.2f}"),
     Column("completed", "ok"), Column("failed", "failed"),
 ]
 
@@ -83,6 +84,14 @@ def contended_shares(run: ConfigRun) -> dict[str, float] | None:
     return {k: v / total for k, v in tokens.items()} if total and len(tokens) > 1 else None
 
 
+def admission_shares(run: ConfigRun) -> dict[str, float] | None:
+    """Each tenant's share of the prompt tokens admitted to decode while another tenant's
+    request waited for decode KV (the router's count, ClusterStats)."""
+    tokens = run.output.admission_tokens
+    total = sum(tokens.values())
+    return {k: v / total for k, v in tokens.items()} if total and len(tokens) > 1 else None
+
+
 def findings(result: StudyResult) -> list[str]:
     """The fairest configuration, and each one's contended split against the weights."""
     rows = [r for r in result.rows if r.get("jain_contended") is not None]
@@ -95,8 +104,10 @@ def findings(result: StudyResult) -> list[str]:
            f"shares over weights {best['jain_contended']:.3f}."]
     for r in rows:
         if r.get("gold_share") is not None:
-            out.append(f"{r['config']}: gold got {r['gold_share']:.2f} of the contended "
-                       f"prefill (its weight's share: {want:.2f}).")
+            line = f"{r['config']}: gold got {r['gold_share']:.2f} of the contended prefill"
+            if r.get("gold_decode_share") is not None:
+                line += f" and {r['gold_decode_share']:.2f} of the contended decode admission"
+            out.append(f"{line} (its weight's share: {want:.2f}).")
     return out
 
 def run(ctx: StudyContext) -> StudyResult:
@@ -118,14 +129,19 @@ def run(ctx: StudyContext) -> StudyResult:
     rows, details = [], {}
     for name in names:
         policy, queue = name.split("+")
+        # a wfq configuration shares decode admission by the same weights too (one
+        # scheduler.tenant_weights drives the three policies)
         cfg = base.with_values({"scheduler.fairness_policy": policy,
-                                "transfer.send_queue": queue})
+                                "transfer.send_queue": queue,
+                                "scheduler.decode_admission": "wfq" if policy == "wfq"
+                                else "fcfs"})
         r = ctx.run(NAME, name, cfg, requests, latency_alone=alone)
         m, recs = r.metrics, r.records
         longs = [x.ttft for x in recs if x.kind == "long" and x.success and x.ttft]
-        shares = contended_shares(r)
+        shares, admitted = contended_shares(r), admission_shares(r)
         rows.append({
             "config": name, "prefill_policy": policy, "send_queue": queue,
+            "decode_admission": cfg.scheduler.decode_admission,
             "short_ttft_p99_ms": ttft_p99(recs, kind="chat"),
             "long_ttft_mean_ms": sum(longs) / len(longs) * 1e3 if longs else None,
             "long_ttft_p99_ms": pct_ms(longs),
@@ -136,9 +152,11 @@ def run(ctx: StudyContext) -> StudyResult:
                 [v / TENANT_WEIGHTS.get(k, 1.0) for k, v in shares.items()]) if shares else None,
             "gold_share": shares.get("gold") if shares else None,
             "free_share": shares.get("free") if shares else None,
+            "gold_decode_share": admitted.get("gold") if admitted else None,
             "completed": m.completed, "failed": m.failed,
         })
-        details[name] = config_detail(r, base, contended_shares=shares)
+        details[name] = config_detail(r, base, contended_shares=shares,
+                                      decode_admission_shares=admitted)
     result = StudyResult(
         NAME, "Fairness study",
         "Prefill policy x KV send queue on a two-tenant mixed workload (gold: weight "

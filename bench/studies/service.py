@@ -101,6 +101,8 @@ class RunOutput:
     events: list[TraceEvent]
     worker_stats: dict[str, dict[str, float]] = field(default_factory=dict)  # per-run deltas
     wall_offset: float = 0.0  # time.time() - time.monotonic(): record times -> trace times
+    # tenant -> prompt tokens admitted to decode while another tenant waited, in this run
+    admission_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -144,6 +146,11 @@ class Service:
         stats = self.run(self.router.stats(), 60)
         return {w.worker_id: {"role": w.role, **w.extra} for w in stats.workers}
 
+    def admission_tokens(self) -> dict[str, int]:
+        """The router's contended decode admissions per tenant so far (ClusterStats)."""
+        stats = self.run(self.router.stats(), 60)
+        return dict(stats.admission_contended_tokens)
+
     def run_workload(self, work: Sequence[WorkloadRequest] | Drive, *,
                      transport: str = "inproc", max_concurrency: int | None = None,
                      on_done: OnDone | None = None, timeout: float = 1800.0) -> RunOutput:
@@ -153,11 +160,14 @@ class Service:
         (``heap_frozen``), as the served front door holds its startup's."""
         drive = work if isinstance(work, Drive) else Drive.of(work)
         self.drain_events()  # leftovers of an earlier run on this service
+        admitted = self.admission_tokens()
         with heap_frozen():
             records, before, after = self._run(drive, transport, max_concurrency, on_done,
                                                timeout)
+        tokens = {t: n - admitted.get(t, 0) for t, n in self.admission_tokens().items()
+                  if n > admitted.get(t, 0)}
         return RunOutput(records, self.drain_events(), stats_delta(before, after),
-                         wall_offset=time.time() - time.monotonic())
+                         wall_offset=time.time() - time.monotonic(), admission_tokens=tokens)
 
     def _run(self, drive: Drive, transport: str, max_concurrency: int | None,
              on_done: OnDone | None, timeout: float):
@@ -230,8 +240,10 @@ def merge_runs(runs: Sequence[RunOutput]) -> RunOutput:
     def tag(i: int, rid: str) -> str:
         return rid if rid == "*" else ",".join(f"{i}/{x}" for x in rid.split(","))
 
-    records, events, stats = [], [], {}
+    records, events, stats, admitted = [], [], {}, {}
     for i, run in enumerate(runs):
+        for tenant, n in run.admission_tokens.items():
+            admitted[tenant] = admitted.get(tenant, 0) + n
         records += [replace(r, request_id=tag(i, r.request_id)) for r in run.records]
         events += [replace(e, request_id=tag(i, e.request_id)) for e in run.events]
         for wid, d in run.worker_stats.items():
@@ -245,7 +257,7 @@ def merge_runs(runs: Sequence[RunOutput]) -> RunOutput:
     delta = {wid: {"role": s["role"], "steps": s["steps"],
                    "mean_step_s": s["busy"] / s["steps"] if s["steps"] else None,
                    **{k: s[k] for k in COUNTED}} for wid, s in stats.items()}
-    return RunOutput(records, events, delta, runs[0].wall_offset if runs else 0.0)
+    return RunOutput(records, events, delta, runs[0].wall_offset if runs else 0.0, admitted)
 
 
 def mean_step_s(delta: dict[str, dict], role: str) -> float | None:

@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from bench.studies.config_run import ConfigRun
 
 
-def write_trace_files(out: Path, study: str, config: str,
-                      events: Sequence[TraceEvent]) -> dict[str, str]:
-    """``STUDY-CONFIG.trace.json`` (Perfetto) and ``STUDY-CONFIG.timeline.png``."""
+def write_trace_files(out: Path, study: str, config: str, events: Sequence[TraceEvent],
+                      device: str | None = None) -> dict[str, str]:
+    """``STUDY-CONFIG.trace.json`` (Perfetto) and ``STUDY-CONFIG.timeline.png``;
+    ``device``: the emulated accelerator's label, in both."""
     from bench.plots import plot_timeline
     from bench.trace import write_chrome_trace
 
     stem = f"{study}-{slug(config)}"
-    trace = write_chrome_trace(events, out / f"{stem}.trace.json")
-    png = plot_timeline(events, out / f"{stem}.timeline.png", title=f"{study}: {config}")
+    trace = write_chrome_trace(events, out / f"{stem}.trace.json", device)
+    png = plot_timeline(events, out / f"{stem}.timeline.png",
+                        title=f"{study}: {config}" + (f" ({device})" if device else ""))
     return {"trace": trace.name, "timeline": png.name}
 
 

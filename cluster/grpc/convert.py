@@ -77,11 +77,13 @@ def stats_to_proto(s: ClusterStats, serving: bool) -> pb.GetStatsResponse:
                               extra={k: float(v) for k, v in w.extra.items()})
                for w in s.workers]
     return pb.GetStatsResponse(workers=workers, router_queue_depth=s.router_queue_depth,
-                               num_inflight=s.num_inflight, serving=serving)
+                               num_inflight=s.num_inflight, serving=serving,
+                               admission_contended_tokens=s.admission_contended_tokens)
 
 
 def stats_from_proto(s: pb.GetStatsResponse) -> ClusterStats:
     workers = tuple(WorkerStats(**{n: getattr(w, n) for n in _WORKER_FIELDS},
                                 extra=dict(w.extra)) for w in s.workers)
     return ClusterStats(workers=workers, router_queue_depth=s.router_queue_depth,
-                        num_inflight=s.num_inflight, serving=s.serving)
+                        num_inflight=s.num_inflight, serving=s.serving,
+                        admission_contended_tokens=dict(s.admission_contended_tokens))

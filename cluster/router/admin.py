@@ -62,6 +62,7 @@ class RouterAdmin:
         return ClusterStats(
             tuple(workers), router_queue_depth=len(self.admission),
             num_inflight=self.num_inflight, serving=self.healthy(),
+            admission_contended_tokens=dict(self.admission.core.contended_tokens),
         )
 
     async def drain_traces(self) -> list[dict]:

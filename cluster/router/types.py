@@ -101,6 +101,8 @@ class ClusterStats:
     router_queue_depth: int = 0
     num_inflight: int = 0
     serving: bool = True
+    # tenant -> prompt tokens admitted to decode while another tenant waited (cumulative)
+    admission_contended_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class CommonStream(Protocol):

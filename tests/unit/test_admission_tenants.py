@@ -86,12 +86,12 @@ def test_a_flooding_tenant_cannot_starve_another(weight, flood, sizes) -> None:
         core.enqueue(Leg(f"light-{i}"), 0.5, Task(f"light-{i}", "light", size))
     core.pump()
     admitted: list[str] = []
-    for k in range(flood):  # the heavy tenant keeps one more arriving per admission
+    bound = sum(sizes) / weight / 100 + 5 + len(sizes)  # heavy ones before the last light one
+    for k in range(int(bound) + flood):  # the heavy tenant: one more arriving per admission
         core.enqueue(Leg(f"heavy-x{k}"), 1.0 + k, Task(f"heavy-x{k}", "heavy", 100))
         if d.asks and d.asks[-1][0] not in admitted:
             admitted += admit_all(core, d, 1)
     light_done = [i for i, n in enumerate(admitted) if n.startswith("light")]
-    bound = sum(sizes) / weight / 100 + 5 + len(sizes)  # heavy ones before the last light one
     assert len(light_done) == len(sizes) and light_done[-1] <= bound
 
 
@@ -115,3 +115,24 @@ def test_the_fair_order_forgets_tenants_once_they_are_behind_or_the_queue_emptie
     admit_all(core, d, 1000)
     assert not core.waiters and not order._finish  # noqa: SLF001
     assert order.key(0.0, "late", 10)[0] == order.vtime  # a newcomer starts at the present
+
+
+def test_the_contended_admissions_reach_the_stats_and_the_fairness_study() -> None:
+    from types import SimpleNamespace
+
+    from bench.studies.fairness import admission_shares
+    from bench.studies.service import RunOutput, merge_runs
+    from cluster.grpc.convert import stats_from_proto, stats_to_proto
+    from cluster.router.types import ClusterStats
+
+    stats = ClusterStats((), admission_contended_tokens={"gold": 600, "free": 300})
+    back = stats_from_proto(stats_to_proto(stats, serving=True))  # GetStats' wire
+    assert back.admission_contended_tokens == {"gold": 600, "free": 300}
+    runs = [RunOutput([], [], admission_tokens={"gold": 400, "free": 100}),
+            RunOutput([], [], admission_tokens={"gold": 200, "free": 200})]
+    merged = merge_runs(runs)
+    assert merged.admission_tokens == {"gold": 600, "free": 300}
+    shares = admission_shares(SimpleNamespace(output=merged))
+    assert shares == pytest.approx({"gold": 2 / 3, "free": 1 / 3})
+    alone = RunOutput([], [], admission_tokens={"gold": 5})
+    assert admission_shares(SimpleNamespace(output=alone)) is None  # one tenant: no contention

@@ -171,16 +171,25 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., alive: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("workers", "router_queue_depth", "num_inflight", "serving")
+    __slots__ = ("workers", "router_queue_depth", "num_inflight", "serving", "admission_contended_tokens")
+    class AdmissionContendedTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_CONTENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     router_queue_depth: int
     num_inflight: int
     serving: bool
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., router_queue_depth: _Optional[int] = ..., num_inflight: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    admission_contended_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., router_queue_depth: _Optional[int] = ..., num_inflight: _Optional[int] = ..., serving: _Optional[bool] = ..., admission_contended_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
