@@ -107,5 +107,7 @@ def test_a_quick_study_runs_on_the_emulated_device_and_says_so(ray_session, tmp_
     assert [r["config"] for r in data["rows"]] == ["chunk-64"]
     for row in data["rows"]:
         assert row["completed"] == 6 and row["failed"] == 0
+    trace = json.loads((tmp_path / data["configs"]["chunk-64"]["files"]["trace"]).read_text())
+    assert trace["otherData"]["device"] == LABEL
     stats = [w for d in data["configs"].values() for w in d["worker_stats"].values()]
     assert stats and all(w.get("device_busy_s", 0) > 0 for w in stats if w["role"] == "decode")
