@@ -147,10 +147,14 @@ def _files(model_dir: str) -> dict[str, str]:
         actor = GatedActor(w, reserve_gate) if spec.role == "decode" else ThreadActor(w)
         h = WorkerHandle(spec.worker_id, spec.role, actor)
         h.endpoint, h.num_blocks, h.block_size = w.endpoint(), w.num_blocks, 16
+        h.channel = f"{w.channel.host}:{w.channel.port}"  # the per-step control channel
         handles.append(h)
     model = workers[0].cfg.model
+    # with the cluster secret, as every deployment: commands and events go over the
+    # workers' per-step channels, not over actor calls and polls
     router = Router([handles[0]], [handles[1]], RouterConfig(), load_tokenizer(model_dir),
-                    model.vocab_size, 1024, model.eos_token_ids)
+                    model.vocab_size, 1024, model.eos_token_ids,
+                    channel_secret=specs[0].transfer.secret)
     servicer = GenerationServicer(router, ServingState())
 
     async def first_token(rid: str, record: bool) -> None:
