@@ -75,6 +75,29 @@ def _table(data: dict[str, Any]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _phase_table(data: dict[str, Any]) -> str:
+    """The TTFT's phases (p50 / p99 ms) of each configuration and tenant, from the metrics
+    the configurations recorded (bench.metrics BenchmarkMetrics.ttft_phases)."""
+    rows = []
+    for name, detail in (data.get("configs") or {}).items():
+        runs = [(name, detail)] if "metrics" in detail else [
+            (f"{name} {k}", d) for k, d in detail.items() if isinstance(d, dict) and "metrics" in d]
+        for label, d in runs:
+            for tenant, phases in (d["metrics"].get("ttft_phases_ms") or {}).items():
+                rows.append((label, tenant, phases))
+    if not rows:
+        return ""
+    names = list(rows[0][2])
+    head = "<th>config</th><th>tenant</th>" + "".join(f"<th>{html.escape(n)}</th>"
+                                                         for n in names)
+    body = "".join(
+        f"<tr><td>{html.escape(label)}</td><td>{html.escape(tenant)}</td>" + "".join(
+            f"<td>{p[n]['median']:.1f} / {p[n].get('p99', p[n]['median']):.1f}</td>"
+            for n in names) + "</tr>" for label, tenant, p in rows)
+    return ("<h3>TTFT by phase, p50 / p99 (ms)</h3><table><thead><tr>" + head
+            + f"</tr></thead><tbody>{body}</tbody></table>")
+
+
 def _plot(out: Path, name: str) -> str:
     path = out / name
     if not path.is_file():
@@ -100,7 +123,8 @@ def _section(out: Path, data: dict[str, Any]) -> str:
         parts.append("<div class=answer><ul>" + "".join(
             f"<li>{html.escape(s)}</li>" for s in findings) + "</ul></div>")
     parts += [f"<p>{html.escape(data.get('description', ''))}</p>",
-              "<p class=facts>" + html.escape("; ".join(facts)) + "</p>", _table(data)]
+              "<p class=facts>" + html.escape("; ".join(facts)) + "</p>", _table(data),
+              _phase_table(data)]
     if data.get("notes"):
         parts.append("<ul class=notes>" + "".join(
             f"<li>{html.escape(str(n))}</li>" for n in data["notes"]) + "</ul>")

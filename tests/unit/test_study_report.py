@@ -98,6 +98,19 @@ def test_report_html_is_one_self_contained_page_of_every_study_in_the_directory(
     assert [d["study"] for d in study_results(tmp_path)] == ["chunk-size", "baseline"]
 
 
+def test_the_page_has_each_configurations_ttft_phases(tmp_path: Path) -> None:
+    phases = {"all": {"admission": {"median": 1.0, "p99": 2.0},
+                      "prefill_queue": {"median": 3.0, "p99": 4.5}}}
+    res = StudyResult("pacing", "Pacing", "d", [Column("config", "config")],
+                      [{"config": "eager"}],
+                      {"eager": {"metrics": {"ttft_phases_ms": phases}},
+                       "disagg": {"alone": {"metrics": {"ttft_phases_ms": phases}}}})
+    page = write_result(fake_ctx(tmp_path), res)["html"].read_text()
+    assert "TTFT by phase, p50 / p99 (ms)" in page and "<th>prefill_queue</th>" in page
+    assert "<td>eager</td><td>all</td><td>1.0 / 2.0</td><td>3.0 / 4.5</td>" in page
+    assert "<td>disagg alone</td>" in page
+
+
 def test_a_missing_plot_is_named_not_fatal(tmp_path: Path) -> None:
     res = StudyResult("pacing", "Pacing", "d", [Column("config", "config")],
                       [{"config": "eager"}], plots=["gone.png"])
