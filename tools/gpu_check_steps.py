@@ -1,15 +1,21 @@
-"""The steps of tools/gpu_check, one function each: `step(ctx) -> dict` (JSON-ready).
+"""The steps of tools/gpu_check, one function each: `step(ctx) -> dict` (JSON-ready), and
+PLAN, the order they run in with their time limits (see tools/gpu_check.py for the
+budget rules).
 
 `ctx` holds the model directory, the device ('cuda:0', or 'cpu' for the CPU-safe parts),
-the dtype and `quick`. Each step runs in its own process (tools/gpu_check.py), so a step
-that hangs or breaks the CUDA context costs only itself.
+the dtype, `quick`, the step's time limit and a work directory the steps of one run share.
+Each step runs in its own process group (tools/gpu_check.py), so a step that hangs or
+breaks the CUDA context costs only itself. A result with a non-empty `failed_checks`
+(a list of sentences) fails its step though the step ran to its end.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -17,28 +23,22 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tools.gpu_decode_step import gpu_check_step
+from tools.gpu_check import end_group
+from tools.gpu_check_plan import Ctx
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class Ctx:
-    model_dir: str
-    device: str
-    dtype: str
-    quick: bool
-    timeout_s: float
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.startswith("cuda")
+PYTEST_TEST_TIMEOUT_S = 60
+PYTEST_TARGET = "tests/gpu"
+PYTEST_WORKERS = 4  # xdist's, where it is installed: the suite is bound by Triton compiles
+# what the steps import beyond torch and the standard library
+NEEDED_MODULES = ("triton", "transformers", "safetensors", "tokenizers", "numpy", "msgpack",
+                  "xxhash", "yaml", "grpc", "google.protobuf", "prometheus_client", "pytest",
+                  "pytest_timeout", "psutil")
 
 
 def _sync(ctx: Ctx) -> None:
@@ -71,6 +71,8 @@ def step_env(ctx: Ctx) -> dict[str, Any]:
     for mod in ("triton", "transformers", "ray"):
         spec = importlib.util.find_spec(mod)
         out[mod] = __import__(mod).__version__ if spec else None
+    # what the steps import beyond torch (the GPU image has them; ray is not needed)
+    out["missing_modules"] = [m for m in NEEDED_MODULES if importlib.util.find_spec(m) is None]
     if ctx.cuda:
         p = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info()
@@ -80,23 +82,70 @@ def step_env(ctx: Ctx) -> dict[str, Any]:
     plan = plan_pools(1, 1, device="auto", gpus_per_worker=1.0, cpus_per_worker=1.0,
                       available={"GPU": 1.0})
     out["plan_1p1d_on_one_gpu"] = {"gpus": [w.num_gpus for w in plan.workers], "note": plan.note}
+    if out["missing_modules"]:
+        out["failed_checks"] = [f"modules missing: {', '.join(out['missing_modules'])}"]
     return out
 
 
-# ---------------------------------------------------------------------------- tests/gpu
-def step_pytest(ctx: Ctx) -> dict[str, Any]:
-    xml = Path(tempfile.mkdtemp()) / "gpu.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu",
-           f"--junitxml={xml}", "-rfE"]
-    if importlib.util.find_spec("xdist"):
-        cmd += ["-n", "4"]  # the suite is bound by Triton compiles: spread them over cores
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+# ---------------------------------------------------------------------------- model
+def step_model(ctx: Ctx) -> dict[str, Any]:
+    """Write the preset's model directory (random weights) where the other steps read it."""
+    from tools.gpu_check import write_model
+
     t0 = time.monotonic()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=max(30, ctx.timeout_s - 15))
-    out: dict[str, Any] = {"returncode": r.returncode, "wall_s": time.monotonic() - t0,
-                           "tail": r.stdout[-3000:] + r.stderr[-1000:]}
-    if xml.exists():
+    d = write_model(ctx.model_dir)
+    size = sum(f.stat().st_size for f in Path(d).iterdir() if f.is_file())
+    return {"model_dir": d, "bytes": size, "wall_s": time.monotonic() - t0}
+
+
+# ---------------------------------------------------------------------------- tests/gpu
+def _count_progress(text: str) -> dict[str, int]:
+    """Counts from pytest's summary line, or, in a run killed before it, from its progress
+    lines (`..F.s  [ 40%]`: one character a test)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines()[::-1]:
+        found = re.findall(r"(\d+) (passed|failed|errors?|skipped)", line)
+        if found and ("=" in line or " in " in line):
+            for n, what in found:
+                out[what.rstrip("s") if what.startswith("error") else what] = int(n)
+            return out
+    marks = "".join(m.group(1) for line in text.splitlines()
+                    if (m := re.match(r"^([.FEsxX]+)(\s+\[\s*\d+%\])?\s*$", line)))
+    for ch, what in ((".", "passed"), ("F", "failed"), ("E", "error"), ("s", "skipped")):
+        if marks.count(ch):
+            out[what] = marks.count(ch)
+    return out
+
+
+def step_pytest(ctx: Ctx) -> dict[str, Any]:
+    """tests/gpu, each test under pytest-timeout's limit, the whole under this step's own
+    deadline: on it pytest's process group is killed and its output kept."""
+    work = Path(ctx.work_dir or tempfile.mkdtemp())
+    xml, log = work / "pytest.xml", work / "pytest.out"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", PYTEST_TARGET,
+           f"--junitxml={xml}", "-rfE"]
+    if importlib.util.find_spec("pytest_timeout"):
+        cmd += [f"--timeout={PYTEST_TEST_TIMEOUT_S}"]
+    if PYTEST_WORKERS and importlib.util.find_spec("xdist"):
+        cmd += ["-n", str(PYTEST_WORKERS)]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    deadline = max(5.0, ctx.timeout_s - 15)  # before the step's own limit: keep the output
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        record_pgid(ctx, proc.pid)  # the check kills it too if this step is killed
+        try:
+            rc: int | None = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            rc = None
+        end_group(proc)  # (also xdist workers that outlived a finished run)
+    text = log.read_text(errors="replace")
+    out: dict[str, Any] = {"returncode": rc, "timed_out": rc is None,
+                           "wall_s": time.monotonic() - t0, "tail": text[-4000:]}
+    out.update(_count_progress(text))
+    if xml.exists() and rc is not None:
         suites = ET.parse(xml).getroot()
         suite = suites if suites.tag == "testsuite" else suites[0]
         for k in ("tests", "failures", "errors", "skipped"):
@@ -105,7 +154,25 @@ def step_pytest(ctx: Ctx) -> dict[str, Any]:
             {"test": f"{c.get('classname')}::{c.get('name')}",
              "message": (c[0].get("message") or c[0].text or "")[:600]}
             for c in suite.iter("testcase") if len(c) and c[0].tag in ("failure", "error")]
+    checks = []
+    if rc is None:
+        checks.append(f"pytest did not finish in {deadline:.0f} s (killed; output kept)")
+    elif rc == 5:
+        checks.append("pytest ran no test (exit code 5)")
+    elif rc != 0:
+        checks.append(f"pytest exit code {rc}: {out.get('failures', '?')} failed, "
+                      f"{out.get('errors', 0)} errors")
+    if checks:
+        out["failed_checks"] = checks
     return out
+
+
+def record_pgid(ctx: Ctx, pgid: int) -> None:
+    """Name a process group this step started in its own session, for the check to end
+    with the step (tools/gpu_check.py reads `<work_dir>/pgids`)."""
+    if ctx.work_dir:
+        with (Path(ctx.work_dir) / "pgids").open("a") as f:
+            f.write(f"{pgid}\n")
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -194,6 +261,16 @@ def step_kv_export(ctx: Ctx) -> dict[str, Any]:
                "import_ms": _median_ms(lambda b=blocks, h=host: kv.import_tokens(b, 0, h), ctx),
                "import_host_ms": _median_ms(lambda b=blocks, h=host: kv.import_tokens(b, 0, h),
                                             ctx, host_only=True)}
+        if ctx.cuda:  # a chunk received into the pool's pinned buffer: no staging copy
+            from kv_transfer.buffers import BufferPool
+
+            raw = BufferPool(1 << 30).get(nbytes)
+            pinned = raw.view(dtype).view(payload.shape).copy_(payload)
+            row["import_pinned_ms"] = _median_ms(
+                lambda b=blocks, p=pinned: kv.import_tokens(b, 0, p), ctx)
+            row["import_pinned_host_ms"] = _median_ms(
+                lambda b=blocks, p=pinned: kv.import_tokens(b, 0, p), ctx, host_only=True)
+            row["receive_buffer_pinned"] = raw.is_pinned()
         row["export_GBps"] = nbytes / row["export_ms"] / 1e6
         row["speedup_vs_old"] = row["old_export_ms"] / row["export_ms"]
         rows.append(row)
@@ -213,7 +290,6 @@ def _variants() -> dict[str, int]:
 def step_engine(ctx: Ctx) -> dict[str, Any]:
     """engine.LLM eager output tok/s, greedy and sampled (T=1, top-p 0.9, top-k 50)."""
     from engine import LLM, SamplingParams
-    from tools.gpu_check_service import workload
 
     t0 = time.monotonic()
     llm = LLM(ctx.model_dir, device=ctx.device, dtype=ctx.dtype, max_num_batched_tokens=2048,
@@ -222,12 +298,12 @@ def step_engine(ctx: Ctx) -> dict[str, Any]:
     out: dict[str, Any] = {"startup_s": time.monotonic() - t0, "kv_blocks": llm.runner.num_blocks,
                            "backend": llm.runner.backend.name}
     compiled = _variants()
-    n, hi, new = (8, 64, 8) if not ctx.cuda else ((32, 512, 64) if ctx.quick else (64, 1024, 128))
-    wl = workload(llm.config.model.vocab_size, n, 16, hi, new)
+    wl = _engine_workload(ctx, llm.config.model.vocab_size)
     llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     for name, sp in (("greedy", wl.params),
                      ("sampled", SamplingParams(temperature=1.0, top_p=0.9, top_k=50,
-                                                max_tokens=new, ignore_eos=True))):
+                                                max_tokens=wl.params.max_tokens,
+                                                ignore_eos=True))):
         steps0, t0 = llm.num_steps, time.monotonic()
         outs = llm.generate(wl.prompts, sp)
         wall = time.monotonic() - t0
@@ -235,6 +311,9 @@ def step_engine(ctx: Ctx) -> dict[str, Any]:
         out[name] = {"output_tokens": toks, "wall_s": wall, "output_tok_s": toks / wall,
                      "steps": llm.num_steps - steps0,
                      "mean_step_ms": 1e3 * wall / max(1, llm.num_steps - steps0)}
+        if name == "greedy" and ctx.work_dir:  # what the compiled engine is compared with
+            (Path(ctx.work_dir) / "engine_greedy.json").write_text(json.dumps(
+                {"tokens": [o.token_ids for o in outs], "output_tok_s": toks / wall}))
     out["sampled_over_greedy"] = out["sampled"]["output_tok_s"] / out["greedy"]["output_tok_s"]
     out["kernel_variants_after_warmup"] = compiled
     out["kernel_variants_compiled_while_serving"] = {
@@ -242,6 +321,76 @@ def step_engine(ctx: Ctx) -> dict[str, Any]:
     llm.block_manager.check_integrity()
     out["kv_blocks_used_at_end"] = llm.block_manager.num_used_blocks
     return out
+
+
+def _engine_workload(ctx: Ctx, vocab: int):
+    from tools.gpu_check_service import workload
+
+    n, hi, new = (8, 64, 8) if not ctx.cuda else ((32, 512, 64) if ctx.quick else (64, 1024, 128))
+    return workload(vocab, n, 16, hi, new)
+
+
+def step_engine_compiled(ctx: Ctx) -> dict[str, Any]:
+    """The engine with compile="decode" (CUDA graphs per decode bucket, recorded at
+    start-up): its start-up, greedy tok/s beside the eager engine's (the engine step's,
+    same workload), and that serving traced no graph again (dynamo's counters) and kept
+    the compiled step on."""
+    from torch._dynamo.utils import counters
+
+    from engine import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(ctx.model_dir, device=ctx.device, dtype=ctx.dtype, compile="decode",
+              max_num_batched_tokens=2048, max_num_seqs=64, max_prefill_chunk=512,
+              max_model_len=4096, num_blocks=None if ctx.cuda else 512)
+    rep = llm.runner.compiled.report
+    out: dict[str, Any] = {"startup_s": time.monotonic() - t0, "compile": rep.line(),
+                           "graphs": list(rep.graphs), "compile_s": rep.compile_s}
+    graphs0 = counters["stats"]["unique_graphs"]
+    wl = _engine_workload(ctx, llm.config.model.vocab_size)
+    llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4))
+    steps0, t1 = llm.num_steps, time.monotonic()
+    outs = llm.generate(wl.prompts, wl.params)
+    wall = time.monotonic() - t1
+    toks = sum(len(o.token_ids) for o in outs)
+    out["greedy"] = {"output_tokens": toks, "wall_s": wall, "output_tok_s": toks / wall,
+                     "steps": llm.num_steps - steps0}
+    out["graphs_traced_while_serving"] = counters["stats"]["unique_graphs"] - graphs0
+    out["mode_after_serving"] = llm.runner.compiled.mode
+    eager = Path(ctx.work_dir or "/nonexistent") / "engine_greedy.json"
+    if eager.exists():
+        ref = json.loads(eager.read_text())
+        same = sum(a == o.token_ids for a, o in zip(ref["tokens"], outs, strict=True))
+        out["greedy_equal_to_eager"] = f"{same}/{len(outs)}"
+        out["over_eager_tok_s"] = out["greedy"]["output_tok_s"] / ref["output_tok_s"]
+    checks = []
+    if rep.mode != "decode" or out["mode_after_serving"] != "decode":
+        checks.append(f"the compiled step is off: {rep.fallback_reason}")
+    if out["graphs_traced_while_serving"]:
+        checks.append(f"{out['graphs_traced_while_serving']} graphs traced again while "
+                      "serving (after the start-up warm-up)")
+    llm.block_manager.check_integrity()
+    if llm.block_manager.num_used_blocks:
+        checks.append(f"{llm.block_manager.num_used_blocks} KV blocks leaked")
+    if checks:
+        out["failed_checks"] = checks
+    return out
+
+
+def step_tp_one_gpu(ctx: Ctx) -> dict[str, Any]:
+    """TP = 2 with both ranks on the one GPU (gloo all-reduces): rank 0's start-up with
+    the kernel warm-up on CUDA, the sharded model's CUDA path and its greedy exactness
+    against TP = 1 and transformers (tools/tp_gpu_check.py --one-gpu; the tiny model)."""
+    from tools import tp_gpu_check
+
+    doc = tp_gpu_check.check(tp_gpu_check.parse_args(
+        ["--out", os.devnull, "--one-gpu", "--tp", "2", "--model", "tiny", "--prompts", "4",
+         "--max-tokens", "16"]))
+    bad = [r for r in doc.get("results", []) if not r.get("exact_vs_transformers", True)]
+    if bad or not doc.get("tp1", {}).get("exact_vs_transformers", True):
+        doc["failed_checks"] = [f"TP={r['tp']} greedy tokens differ from transformers'"
+                                for r in bad] or ["TP=1 differs from transformers"]
+    return doc
 
 
 def step_service(ctx: Ctx) -> dict[str, Any]:
@@ -258,16 +407,3 @@ def step_attention_bw(ctx: Ctx) -> dict[str, Any]:
 
     doc = attention_bw.run(["--quick", "--copy-gib", "2"])
     return doc if doc is not None else {"skipped": "attention_bw needs CUDA and Triton"}
-
-
-STEPS: dict[str, tuple[Callable[[Ctx], dict[str, Any]], float, bool]] = {
-    # name: (function, time limit in s, needs CUDA)
-    "env": (step_env, 60, False),
-    "pytest": (step_pytest, 240, True),
-    "kernels_bf16": (step_kernels_bf16, 60, True),
-    "kv_export": (step_kv_export, 60, False),
-    "engine": (step_engine, 120, False),
-    "compiled_decode": (gpu_check_step, 240, True),  # tools/gpu_decode_step.py
-    "service": (step_service, 180, False),
-    "attention_bw": (step_attention_bw, 120, True),
-}

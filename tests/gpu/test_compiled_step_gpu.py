@@ -49,3 +49,22 @@ def test_cuda_graph_decode_matches_transformers(tiny_model):
     for p, o in zip(ps, llm.generate(ps, GREEDY), strict=True):
         assert o.token_ids == hf_greedy(tiny_model, p, GREEDY.max_tokens)
     assert llm.runner.compiled.mode == "all"
+
+
+def test_graph_steps_retrace_nothing_and_write_only_new_table_entries(tiny_model):
+    """Issue 37 items 2-4 on CUDA: after the start-up warm-up, serving traces no graph
+    again (dynamo's counters), the graph steps run on the thread that recorded them, and
+    the device block tables get only their changed entries."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(str(tiny_model), device="cuda", dtype="float32", compile="decode",
+              max_num_seqs=8, max_prefill_chunk=16, block_size=4)
+    graphs = counters["stats"]["unique_graphs"]
+    tables = llm.runner._graph_tables
+    outs = llm.generate(prompts(5), GREEDY)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert llm.runner.compiled.mode == "decode" and not llm.runner._warned_thread
+    # 5 rows of 12 decode steps: their tables once, then one entry per new block
+    blocks = sum(-(-(len(o.prompt_token_ids) + len(o.token_ids)) // 4) for o in outs)
+    assert 0 < tables.written <= blocks
+    assert llm.block_manager.num_used_blocks == 0

@@ -267,13 +267,14 @@ def test_gpu_decode_step_skips_cleanly_without_cuda(tmp_path, capsys):
     import json
 
     from tools import gpu_decode_step
-    from tools.gpu_check_steps import STEPS
+    from tools.gpu_check_plan import PLAN
 
     out = tmp_path / "decode.json"
     assert gpu_decode_step.main(["--out", str(out)]) == 0
     assert json.loads(out.read_text()) == {"skipped": gpu_decode_step.NO_CUDA}
     assert "no CUDA device" in capsys.readouterr().err
-    assert STEPS["compiled_decode"][2] is True  # gpu_check skips it without CUDA
+    sweep = next(s for s in PLAN if s.fn == "tools.gpu_decode_step:gpu_check_step")
+    assert sweep.needs_cuda  # gpu_check skips it without CUDA
 
 
 @pytest.mark.slow
