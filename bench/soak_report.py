@@ -184,9 +184,9 @@ def reference_tokens(model: str | None, reqs: list[SoakRequest],
     from engine import LLM, SamplingParams
 
     if emulate is not None:
-        from engine.emulate.offline import emulated_llm
+        from engine.emulate.offline import emulated_engine_config
 
-        llm = emulated_llm(*emulate)
+        llm = LLM.from_config(emulated_engine_config(*emulate))
     elif model == "tiny":
         from engine.tiny_model import ensure_model
 

@@ -1,5 +1,8 @@
-"""An in-process engine (engine.LLM) on the emulated accelerator: the reference a soak
-or a test compares the emulated service's greedy tokens with, and the offline API."""
+"""The EngineConfig of an in-process engine on the emulated accelerator:
+``engine.LLM.from_config(emulated_engine_config("h200", "llama-3-8b"))`` is the reference a
+soak or a test compares the emulated service's greedy tokens with, and the offline API.
+(engine.llm is not imported here: it reaches engine.tp_driver, which picks this
+package's runner.)"""
 
 from __future__ import annotations
 
@@ -23,10 +26,3 @@ def emulated_engine_config(costs: str, shape: str, *, block_size: int = 16,
                         SchedulerConfig(max_num_batched_tokens, max_num_seqs, None, True,
                                         max_model_len or model.max_position_embeddings),
                         dtype=dtype, emulate=em)
-
-
-def emulated_llm(costs: str, shape: str, **kw):
-    """engine.LLM on the emulated device (keywords: emulated_engine_config's)."""
-    from engine.llm import LLM
-
-    return LLM.from_config(emulated_engine_config(costs, shape, **kw))

@@ -18,7 +18,8 @@ from cluster.config.serve import ServeConfig
 from cluster.grpc.client import PdserveClient
 from cluster.launch.launcher import build_disaggregated_router
 from cluster.serve.server import BackgroundServer
-from engine.emulate.offline import emulated_llm
+from engine.emulate.offline import emulated_engine_config
+from engine.llm import LLM
 from engine.request import SamplingParams
 
 LABEL = "emulated h200, tiny: analytic, not measured"
@@ -51,7 +52,7 @@ def test_emulated_tokens_equal_the_offline_emulated_engine_and_stats_carry_the_d
     prompt = list(range(5, 90))
     with PdserveClient(srv.address, timeout=120) as client:
         got = client.complete(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = emulated_llm("h200", "tiny", max_model_len=1024).generate(
+    want = LLM.from_config(emulated_engine_config("h200", "tiny", max_model_len=1024)).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     assert list(got.token_ids) == want.token_ids and got.finish_reason == "length"
     after = asyncio.run(device_snapshot(srv.address))
