@@ -266,12 +266,12 @@ class NixlTransport(TcpTransport):
                     bad = self.wire_tamper(p)
                     src = src if bad is None else bad.contiguous()
                 n = header.payload_nbytes
-                with self._slots_lock:
+                with self._slots_lock:  # one step: its ack must not free it in between
                     slot = self._slots.get(p.tx)
-                if slot is not None:  # a copy of a frame in flight: point at its bytes
-                    off = slot[0]
-                    with self._slots_lock:
+                    if slot is not None:  # a copy of a frame in flight: point at its bytes
                         slot[2] += 1
+                if slot is not None:
+                    off = slot[0]
                 elif n == 0:
                     off = 0
                 else:
