@@ -6,8 +6,11 @@ memory (UCX underneath); control over the tcp connector's authenticated connecti
     {"k": "nixl_hello", agent}                -------->  registers a staging region for
                                               <--------  this link; {"k": "nixl_grant",
     loads the receiver's agent metadata                  md, agent, addr, len, tok}
-    per batch: take free extents, NIXL WRITE  ========>  the payloads land in the region
-      payloads there, notification = msgpack             poller: notification -> strict
+    per batch (link thread): headers and
+      checksums, free extents; then (the link's
+      writer thread, overlapping the next batch's
+      checksums) one NIXL WRITE of the payloads ======>  the payloads land in the region
+      there, notification = msgpack                      poller: notification -> strict
       {tok, f: [[offset, frame header], ...]}            header check, bounds check,
                                                          checksum -> inbox
     extent free again                         <--------  owner copies, ``release`` -> ack
@@ -49,7 +52,7 @@ from kv_transfer.nixl_memory import ALIGN, Extents, SourceRegistrations, align_u
 from kv_transfer.receiver import RxLink
 from kv_transfer.sender import ThreadedSender
 from kv_transfer.tcp_connector import TcpTransport
-from kv_transfer.tcp_receiver import TcpReceiver, _TcpRxLink
+from kv_transfer.tcp_receiver import TcpReceiver, TcpRxLink
 from kv_transfer.transport import LinkEvents
 from kv_transfer.wire import Ack, FrameHeader, Piece, WireError, encode_control, header_for
 
@@ -358,7 +361,7 @@ class NixlSender(ThreadedSender):
         self._nixl.close()
 
 
-class _NixlRxLink(_TcpRxLink):
+class _NixlRxLink(TcpRxLink):
     def __init__(self, sock: socket.socket, name: str, heartbeat_s: float, region: torch.Tensor,
                  descs: Any, token: bytes, peer_agent: str) -> None:
         super().__init__(sock, name, heartbeat_s, start=False)

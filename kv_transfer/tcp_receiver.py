@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _READ_BUFFER_BYTES = 256 << 10  # an authenticated link's read buffer
 
 
-class _TcpRxLink(RxLink):
+class TcpRxLink(RxLink):
     def __init__(self, sock: socket.socket, name: str, heartbeat_s: float, *,
                  start: bool = True) -> None:
         self.name = name
@@ -58,7 +58,7 @@ class TcpReceiver(InboxReceiver):
         self._listener = socket.create_server((cfg.bind_host, cfg.tcp_port), backlog=64)
         self._listener.settimeout(0.5)  # accept() wakes up to notice close()
         self._host, self._port = self._listener.getsockname()[:2]
-        self._links: set[_TcpRxLink] = set()
+        self._links: set[TcpRxLink] = set()
         self._threads: list[threading.Thread] = []
         self._counters["auth_failures"] = 0
         self._pending = 0  # accepted connections still in their handshake
@@ -175,10 +175,10 @@ class TcpReceiver(InboxReceiver):
                 self._pending, self._pending_peak)
         return out
 
-    def _open_link(self, conn: socket.socket, name: str, reader) -> _TcpRxLink | None:
+    def _open_link(self, conn: socket.socket, name: str, reader) -> TcpRxLink | None:
         """The link of an authenticated connection (None: refused, the connection closes);
         a subclass may first exchange its own setup messages on ``conn``."""
-        return _TcpRxLink(conn, name, self.cfg.failure_timeout_s / 3)
+        return TcpRxLink(conn, name, self.cfg.failure_timeout_s / 3)
 
     def _silence_fails(self, link: RxLink) -> bool:
         """Whether ``failure_timeout_s`` of silence on ``link``'s connection fails it."""
