@@ -22,6 +22,8 @@ def add_emulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--emulate", metavar="PROFILE|FILE", help="the server's --emulate (h200, "
                    "h100, a100 or a calibration file): labels every figure")
     g.add_argument("--model-shape", help="the server's --model-shape")
+    g.add_argument("--emulate-kv-fraction", type=float, default=1.0,
+                   help="the server's --emulate-kv-fraction (default 1)")
 
 
 def emulate_label(args: argparse.Namespace) -> str | None:
@@ -33,7 +35,8 @@ def emulate_label(args: argparse.Namespace) -> str | None:
 
     if not args.model_shape:
         raise ValueError("--emulate needs --model-shape (the server's)")
-    return EmulateConfig(args.emulate, args.model_shape).label
+    return EmulateConfig(args.emulate, args.model_shape,
+                         getattr(args, "emulate_kv_fraction", 1.0)).label
 
 
 async def device_snapshot(addr: str, *, token: str | None = None, tls_ca: str | None = None
