@@ -23,7 +23,7 @@ pytest.importorskip("nixl_cu12")
 
 from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender  # noqa: E402
 from kv_transfer.nixl_memory import ALIGN, Extents  # noqa: E402
-from kv_transfer.testing import PagedKV, pump  # noqa: E402
+from kv_transfer.testing import PagedKV, make_chunks, pump  # noqa: E402
 from tests.kv_peer import REPO, check_hung_then_killed, wait_failed  # noqa: E402
 from tests.unit.test_kv_tp_transfer import run_tp_transfer  # noqa: E402
 
@@ -73,6 +73,28 @@ def _assert_no_leak(tx, rx) -> None:
 @pytest.mark.parametrize(("h", "p_tp", "d_tp"), [(2, 2, 1), (2, 1, 2)])
 def test_nixl_kv_across_tp_degrees_is_byte_exact(h, p_tp, d_tp):
     run_tp_transfer("nixl", h, p_tp, d_tp)
+
+
+def test_with_ucx_peer_error_handling_chunks_still_arrive_byte_exact():
+    """``nixl_ucx_error_handling="peer"``: UCX keeps to transports that report a dead
+    peer (loopback TCP for the notifications here); the bytes are the same."""
+    cfg = _cfg(nixl_ucx_error_handling="peer", max_frame_bytes=64 << 10,
+               credit_window_bytes=256 << 10)
+    rx, tx = make_receiver(cfg), make_sender(cfg)
+    src = PagedKV(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, num_blocks=64)
+    dst = PagedKV(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=128)
+    try:
+        src.allocate("r", 300)
+        src.fill_random("r", 300, seed=3)
+        dst.allocate("r", 300)
+        for c in make_chunks(src, "r", [0, 7, 150, 300]):
+            tx.send(c, dest=rx.endpoint)
+        assert pump(tx, rx, dst, ["r"]) == ({}, {})
+        assert torch.equal(dst.export("r", 0, 300), src.export("r", 0, 300))
+        _assert_no_leak(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
 
 
 class ExtentsMachine(RuleBasedStateMachine):
