@@ -54,7 +54,7 @@ def delivery_mechanism() -> tuple[str, float | None]:
     """The router's: workers push one message per step over their control channel and
     the router applies and detokenizes what queued as one batch (one path for the whole
     router), or it long-polls each worker (one path per worker, polls that time out)."""
-    from cluster.router.router import events as router_events
+    from cluster.router import events as router_events
 
     if hasattr(router_events.EventPump, "on_batch"):
         return "router", None
