@@ -54,7 +54,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     from bench.client import run_bench, server_model_info
     from bench.emulated import device_report, device_snapshot, emulate_label, format_report
     from bench.metrics import compute_metrics, parse_slo
-    from bench.workload import build_workload, summarize_workload
+    from bench.workload import build_workload, describe_workload, summarize_workload
     from cluster.grpc.auth import read_token
 
     try:
@@ -86,10 +86,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
     summary = summarize_workload(requests)
-    print(f"pdserve bench: {target} ({args.backend}): {summary['num_requests']} requests, "
-          f"mix {spec.mix}, "
-          f"rate {spec.request_rate:g}/s, prompt mean {summary['prompt_len']['mean']:.0f}, "
-          f"output mean {summary['max_tokens']['mean']:.0f}", flush=True)
+    print(f"pdserve bench: {target} ({args.backend}): {describe_workload(spec, summary)}",
+          flush=True)
     run = asyncio.run(run_bench(target, requests, max_concurrency=args.max_concurrency,
                                 token=token, tls_ca=args.tls_ca, timeout=args.timeout,
                                 progress=not args.no_progress, backend=args.backend))

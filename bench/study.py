@@ -53,6 +53,7 @@ def study_fn(name: str) -> Callable[[StudyContext], StudyResult]:
 def run_study(name: str, ctx: StudyContext, *, echo: Callable[[str], None] = print,
               ) -> StudyResult:
     """Run one study, write its files and echo its table; returns the result."""
+    from bench.studies.report import write_report
     from bench.studies.results import write_result
 
     module = importlib.import_module(STUDIES[name]) if name in STUDIES else None
@@ -65,6 +66,7 @@ def run_study(name: str, ctx: StudyContext, *, echo: Callable[[str], None] = pri
     if ctx.simulated:  # every output says what ran it (an analytic model says so)
         result.notes.insert(0, ctx.describe())
     paths = write_result(ctx, result)
+    write_report(ctx.out)  # the directory's one page, this study's section renewed
     echo(format_result(result, ctx, paths["md"]))
     return result
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -297,3 +298,12 @@ def summarize_workload(requests: Sequence[WorkloadRequest]) -> dict:
         "kinds": dict(Counter(r.kind for r in requests)),
         "tenants": dict(Counter(r.tenant for r in requests)),
     }
+
+
+def describe_workload(spec: WorkloadSpec, summary: Mapping[str, Any]) -> str:
+    """One line for the console: "N requests, mix M, rate R/s, prompt mean P, output mean O"."""
+    if not summary.get("num_requests"):
+        return "0 requests"
+    return (f"{summary['num_requests']} requests, mix {spec.mix}, rate {spec.request_rate:g}/s, "
+            f"prompt mean {summary['prompt_len']['mean']:.0f}, output mean "
+            f"{summary['max_tokens']['mean']:.0f}")

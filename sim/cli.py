@@ -157,7 +157,7 @@ def run_simulate_cmd(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from bench.metrics import parse_slo
-    from bench.workload import build_workload, summarize_workload
+    from bench.workload import build_workload, describe_workload, summarize_workload
     from cluster.config.flags import config_from_args
     from engine.costs.calibration import CalibrationError
     from sim.cluster import Simulation
@@ -180,9 +180,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"pdserve simulate: {costs.label}", flush=True)
     print(f"pdserve simulate: code: {compiled.running()}", flush=True)
     print(f"pdserve simulate: {cfg.pools.prefill_workers}P/{cfg.pools.decode_workers}D, "
-          f"{summary['num_requests']} requests, mix {spec.mix}, rate {spec.request_rate:g}/s, "
-          f"prompt mean {summary['prompt_len']['mean']:.0f}, output mean "
-          f"{summary['max_tokens']['mean']:.0f}", flush=True)
+          f"{describe_workload(spec, summary)}", flush=True)
     try:
         result = sim.run(requests)
     except ValueError as e:
@@ -219,7 +217,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def run_plan_cmd(args: argparse.Namespace) -> int:
     from bench.metrics import parse_slo
-    from bench.workload import build_workload, summarize_workload
+    from bench.workload import build_workload, describe_workload, summarize_workload
     from cluster.config.flags import config_from_args
     from sim.cluster import Simulation
     from sim.plan import format_plan, plan_splits, plan_yaml
@@ -238,9 +236,7 @@ def run_plan_cmd(args: argparse.Namespace) -> int:
         print(f"pdserve plan: error: {e}", file=sys.stderr)
         return 2
     summary = summarize_workload(requests)
-    print(f"pdserve plan: {summary['num_requests']} requests, mix {spec.mix}, rate "
-          f"{spec.request_rate:g}/s, prompt mean {summary['prompt_len']['mean']:.0f}, output "
-          f"mean {summary['max_tokens']['mean']:.0f}; {args.gpus} GPUs", flush=True)
+    print(f"pdserve plan: {describe_workload(spec, summary)}; {args.gpus} GPUs", flush=True)
     bar = _progress(args.gpus - 1, max(len(chunks), 1))
     try:
         plan = plan_splits(cfg, costs, opts, requests, args.gpus, slos, chunks,

@@ -19,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench.studies.results import Column
+
 REPORT = "report.html"
 ORDER = ("chunk-size", "teaching", "pacing", "fairness", "interference", "baseline")
 
@@ -53,24 +55,12 @@ def ratio_line(subject: str, parts: list[str | None]) -> str | None:
     return f"{subject} {body}."
 
 
-def _cell(col: dict[str, Any], value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int | str):
-        return str(value)
-    try:
-        return col.get("fmt", "{:.1f}").format(value)
-    except (ValueError, TypeError):
-        return str(value)
-
-
 def _table(data: dict[str, Any]) -> str:
     cols = data.get("columns", [])
     head = "".join(f"<th>{html.escape(c['header'])}</th>" for c in cols)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_cell(c, r.get(c['key'])))}</td>" for c in cols)
+        "<tr>" + "".join(f"<td>{html.escape(Column(**c).cell(r.get(c['key'])))}</td>"
+                         for c in cols)
         + "</tr>" for r in data.get("rows", []))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

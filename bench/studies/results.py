@@ -58,9 +58,8 @@ class StudyResult:
 
 
 def write_result(ctx: StudyContext, result: StudyResult) -> dict[str, Path]:
-    """Write ``NAME.json`` and ``NAME.md`` into the output directory and renew its
-    ``report.html`` (bench/studies/report.py); returns their paths."""
-    from bench.studies.report import write_report
+    """Write ``NAME.json`` and ``NAME.md`` into the output directory; returns their paths
+    (bench/studies/report.py renders the directory's report.html from them)."""
 
     out = ctx.out
     header = {
@@ -80,7 +79,7 @@ def write_result(ctx: StudyContext, result: StudyResult) -> dict[str, Path]:
     js.write_text(json.dumps(data, indent=2, default=_json_default), encoding="utf-8")
     md = out / f"{result.name}.md"
     md.write_text(render_markdown(ctx, result), encoding="utf-8")
-    return {"json": js, "md": md, "html": write_report(out)}
+    return {"json": js, "md": md}
 
 
 def _uses_link(result: StudyResult) -> bool:

@@ -9,12 +9,18 @@ from pathlib import Path
 
 from bench.studies import chunk_size, fairness, interference, pacing
 from bench.studies.common import Column, StudyResult, write_result
-from bench.studies.report import change, ratio_line, study_results
+from bench.studies.report import change, ratio_line, study_results, write_report
 from tests.unit.test_study_results import fake_ctx
 
 # a 1x1 PNG: the report must inline the bytes it finds, whatever they show
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQ"
                        "DwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+
+
+def report(ctx, res: StudyResult) -> str:
+    """What run_study writes: the study's files, then the directory's page."""
+    write_result(ctx, res)
+    return write_report(ctx.out).read_text()
 
 
 def chunk_rows() -> list[dict]:
@@ -77,7 +83,7 @@ def test_report_html_is_one_self_contained_page_of_every_study_in_the_directory(
                       chunk_size.COLUMNS, chunk_rows(), plots=["chunk-size.png"])
     res.findings = chunk_size.findings(res)
     ctx = fake_ctx(tmp_path)
-    page = write_result(ctx, res)["html"].read_text()
+    page = report(ctx, res)
     assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
     assert "data:image/png;base64," + base64.b64encode(PNG).decode() in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing fetched
@@ -92,7 +98,7 @@ def test_report_html_is_one_self_contained_page_of_every_study_in_the_directory(
     write_result(ctx, other)
     res.rows = res.rows[:2]
     res.findings = chunk_size.findings(res)
-    page = write_result(ctx, res)["html"].read_text()
+    page = report(ctx, res)
     assert page.count("<section id=") == 2 and page.count('<section id="chunk-size">') == 1
     assert "<td>chunk-128</td>" not in page and "Baseline" in page
     assert [d["study"] for d in study_results(tmp_path)] == ["chunk-size", "baseline"]
@@ -105,7 +111,7 @@ def test_the_page_has_each_configurations_ttft_phases(tmp_path: Path) -> None:
                       [{"config": "eager"}],
                       {"eager": {"metrics": {"ttft_phases_ms": phases}},
                        "disagg": {"alone": {"metrics": {"ttft_phases_ms": phases}}}})
-    page = write_result(fake_ctx(tmp_path), res)["html"].read_text()
+    page = report(fake_ctx(tmp_path), res)
     assert "TTFT by phase, p50 / p99 (ms)" in page and "<th>prefill_queue</th>" in page
     assert "<td>eager</td><td>all</td><td>1.0 / 2.0</td><td>3.0 / 4.5</td>" in page
     assert "<td>disagg alone</td>" in page
@@ -114,5 +120,5 @@ def test_the_page_has_each_configurations_ttft_phases(tmp_path: Path) -> None:
 def test_a_missing_plot_is_named_not_fatal(tmp_path: Path) -> None:
     res = StudyResult("pacing", "Pacing", "d", [Column("config", "config")],
                       [{"config": "eager"}], plots=["gone.png"])
-    page = write_result(fake_ctx(tmp_path), res)["html"].read_text()
+    page = report(fake_ctx(tmp_path), res)
     assert "plot gone.png is missing" in page
