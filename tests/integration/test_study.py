@@ -78,6 +78,11 @@ def test_chunk_size_sweep_over_grpc_writes_consistent_json_table_and_plots(ctx) 
     steps = {n: sum(w["steps"] for w in d["worker_stats"].values() if w["role"] == "prefill")
              for n, d in data["configs"].items()}
     assert steps["chunk-64"] > steps["chunk-256"]
+    # the study's one page: its derived sentences, its table and its phases, inlined plots
+    page = (ctx.out / "report.html").read_text()
+    assert data["findings"] and all(f.replace("'", "&#x27;") in page for f in data["findings"])
+    assert "<td>chunk-64</td>" in page and "TTFT by phase" in page
+    assert page.count("data:image/png;base64,") == len(data["plots"]) > 0
 
 
 def test_teaching_example_reproduces_from_real_traces(ctx) -> None:
