@@ -16,14 +16,21 @@ a preemption or failure report at once what the leg holds; an abort drops it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from decode_worker.early_kv import EarlyKV, EarlyKVConfig
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.execute import execute_and_sample
-from engine.request import RequestStatus
+from engine.execute import (
+    Sampled,
+    ScheduledItem,
+    StepLaunch,
+    execute_and_sample,
+    launch_and_sample,
+)
+from engine.request import Request, RequestStatus
 from engine.tombstones import Tombstones
 from engine.tp_driver import make_runner
 from engine.tracing import TraceRecorder
@@ -33,6 +40,16 @@ from runtime.stats import DecodeStats, device_stats
 
 if TYPE_CHECKING:
     from kv_transfer.faults import FaultInjector
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """The step on the device while the host works one step ahead."""
+
+    launch: StepLaunch
+    items: list[ScheduledItem]
+    t0: float
+    wall0: float
 
 
 class DecodeEngine:
@@ -69,6 +86,8 @@ class DecodeEngine:
         self.num_steps = 0
         self.last_step_ran = False
         self.step_seconds = 0.0
+        self.overlap = sched_config.overlap  # the host one step ahead (docs/design.md)
+        self._inflight: _InFlight | None = None  # (overlap) the step on the device
 
     # ---- commands -------------------------------------------------------------------
     def reserve(self, task: DecodeTask) -> bool:
@@ -105,6 +124,7 @@ class DecodeEngine:
 
     def fail_all(self, message: str) -> list[WorkerEvent]:
         """Fail every leg held here (a step failed): free its blocks, drop its frames."""
+        self._inflight = None  # (overlap) the step in flight is lost with its legs
         for leg_id in list(self.early.held):
             self.early.close(leg_id, "failed", self.receiver)
         held = list(self.scheduler.pending) + [r.request_id for r in self.scheduler.running]
@@ -144,32 +164,97 @@ class DecodeEngine:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[WorkerEvent]:
+        if self.overlap:
+            return self._step_ahead()
         events = self._take_kv()
         events += self._expire()
         items, preempted = self.scheduler.schedule()
-        for r in preempted:
-            self.started.pop(r.request_id, None)
-            self.aborted_early.ended(r.request_id)
-            events += self._flush(r.request_id)
-            events.append(WorkerEvent(EventKind.PREEMPTED, r.request_id, self.worker_id,
-                                      message="decode worker out of KV blocks"))
+        events += self._preempted(preempted)
         self.last_step_ran = bool(items)
         if not items:
             return events
         t0, wall0 = time.monotonic(), time.time()
         sampled = execute_and_sample(self.runner, items)
         now, wall = time.monotonic(), time.time()
-        # one event per request, all sent as one message per step; locals: this loop runs
-        # once per generated token
-        max_len, worker, running = self.max_len, self.worker_id, RequestStatus.RUNNING
-        tokens, interval, held_of = EventKind.TOKENS, self.stream_interval, self._held
-        for s in sampled:
-            r, tok = s.request, s.token_id
+        max_len, running = self.max_len, RequestStatus.RUNNING
+        for s in sampled:  # (locals: these loops run once per generated token)
+            r = s.request
             r.num_cached_tokens += 1
-            r.append_token(tok)
+            r.append_token(s.token_id)
             if r.status == running and len(r.prompt_token_ids) + len(r.output_token_ids) \
                     >= max_len:
                 r.status = RequestStatus.FINISHED_LENGTH
+        self._report(sampled, events, now, wall)
+        self._account(sampled, len(items), t0, wall0, now)
+        return events
+
+    def _step_ahead(self) -> list[WorkerEvent]:
+        """One step with the host one step ahead of the device (docs/design.md,
+        "Overlap"). Step N is on the device when this begins. While it runs: KV intake,
+        expiry, and N + 1 scheduled as if N's requests continue (those that N finishes
+        for certain -- max_tokens, the length cap -- are left out). Then N's ids come to
+        the host; a request N ended (a stop token) or that ended while N ran (an abort, a
+        failure, a preemption) is dropped from N + 1 and its token from N, if any, is
+        never reported; N + 1 is launched, and N's events are built while it runs."""
+        events = self._take_kv()
+        events += self._expire()
+        fly, self._inflight = self._inflight, None
+        skip: set[str] = set()
+        max_len, running = self.max_len, RequestStatus.RUNNING
+        if fly is not None:
+            for it in fly.items:
+                r = it.request
+                n = len(r.output_token_ids) + 1  # with the token on its way
+                if n >= r.sampling_params.max_tokens or len(r.prompt_token_ids) + n >= max_len:
+                    skip.add(r.request_id)
+        items, preempted = self.scheduler.schedule(skip)
+        events += self._preempted(preempted)
+        sampled: list[Sampled] = []
+        now = wall = 0.0
+        if fly is not None:
+            got = fly.launch.result()  # the step's one host sync
+            now, wall = time.monotonic(), time.time()
+            for s in got:
+                r = s.request
+                if r.status != running:
+                    continue  # it ended while N ran: N's token is never reported
+                r.append_token(s.token_id)
+                if r.status == running and len(r.prompt_token_ids) + \
+                        len(r.output_token_ids) >= max_len:
+                    r.status = RequestStatus.FINISHED_LENGTH
+                sampled.append(s)
+            if items:  # N's finishes leave N + 1 before it starts
+                items = [i for i in items if i.request.status == running]
+        self.last_step_ran = bool(items) or fly is not None
+        if items:
+            t0, wall0 = time.monotonic(), time.time()
+            launch = launch_and_sample(self.runner, items)
+            for it in items:  # the KV at each item's position is the step's to write
+                it.request.num_cached_tokens += 1
+            self._inflight = _InFlight(launch, items, t0, wall0)
+        if fly is not None:  # while N + 1 runs
+            self._report(sampled, events, now, wall)
+            self._account(sampled, len(fly.items), fly.t0, fly.wall0, now)
+        return events
+
+    def _preempted(self, preempted: list[Request]) -> list[WorkerEvent]:
+        events: list[WorkerEvent] = []
+        for r in preempted:
+            self.started.pop(r.request_id, None)
+            self.aborted_early.ended(r.request_id)
+            events += self._flush(r.request_id)
+            events.append(WorkerEvent(EventKind.PREEMPTED, r.request_id, self.worker_id,
+                                      message="decode worker out of KV blocks"))
+        return events
+
+    def _report(self, sampled: list[Sampled], events: list[WorkerEvent], now: float,
+                wall: float) -> None:
+        """One event per request whose token was appended (all sent as one message per
+        step); a finished request leaves the scheduler."""
+        worker, running = self.worker_id, RequestStatus.RUNNING
+        tokens, interval, held_of = EventKind.TOKENS, self.stream_interval, self._held
+        for s in sampled:
+            r, tok = s.request, s.token_id
             timing, finish = NO_TIMING, None
             if r.status != running:  # finished (append_token or the length cap)
                 finish = r.finish_reason
@@ -195,15 +280,17 @@ class DecodeEngine:
             events.append(WorkerEvent(tokens, r.request_id, worker, ids, finish, "", wall,
                                       timing, None if s.logprobs is None else (s.logprobs,),
                                       None, outs[0] if len(outs) == 2 else None))
+
+    def _account(self, sampled: list[Sampled], batch: int, t0: float, wall0: float,
+                 now: float) -> None:
         self.num_steps += 1
         self.step_seconds += now - t0
         if self.tracer.enabled:
             for r in (s.request for s in sampled):
                 self.tracer.record(r.request_id, "decode_step", wall0, wall0 + (now - t0),
                                    worker=self.worker_id, past_kv_tokens=r.num_cached_tokens - 1,
-                                   batch_num_seqs=len(items), batch_num_tokens=len(items),
+                                   batch_num_seqs=batch, batch_num_tokens=batch,
                                    tenant=r.tenant)
-        return events
 
     def _take_kv(self) -> list[WorkerEvent]:
         """Write every chunk of the poll (or drop it with its request) and release it; a
@@ -296,7 +383,8 @@ class DecodeEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.pending or self.scheduler.running)
+        return bool(self.scheduler.pending or self.scheduler.running
+                    or self._inflight is not None)
 
     def stats(self) -> DecodeStats:
         rx = self.receiver.stats()

@@ -37,6 +37,7 @@ class DecodeSchedulerConfig:
     max_model_len: int = 2048
     kv_wait_timeout_s: float = 60.0
     early_kv: EarlyKVConfig = field(default_factory=EarlyKVConfig)  # (the engine's EarlyKV)
+    overlap: bool = False  # the engine's host one step ahead of the device (its overlap)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.headroom_tokens < 0 or self.max_model_len < 2:
@@ -189,14 +190,17 @@ class DecodeScheduler:
         self._owed_total -= min(need, owed)
         return True
 
-    def schedule(self) -> tuple[list[ScheduledItem], list[Request]]:
-        """One decode token per running request; preempts the newest when out of blocks."""
+    def schedule(self, skip: frozenset[str] | set[str] = frozenset()
+                 ) -> tuple[list[ScheduledItem], list[Request]]:
+        """One decode token per running request; preempts the newest when out of blocks.
+        ``skip``: requests left out of this step (the overlapped engine's, which the step
+        in flight finishes for certain)."""
         items: list[ScheduledItem] = []
         preempted: list[Request] = []
         running_ids, bs = self._running_ids, self.bm.block_size
         for r in self.running[: self.config.max_num_seqs]:
-            if r.request_id not in running_ids:
-                continue  # preempted by an earlier request of this step
+            if r.request_id not in running_ids or (skip and r.request_id in skip):
+                continue  # preempted by an earlier request of this step (or skipped)
             start = r.num_cached_tokens
             if len(r.block_ids) * bs > start:  # the new token's slot is in r's blocks
                 items.append(ScheduledItem(r, start, 1, False))

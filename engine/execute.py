@@ -11,7 +11,7 @@ travels in one copy; a step where nobody asks copies the ids alone, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +20,7 @@ from engine.device import to_device
 from engine.logprobs import TokenLogprobs, unpack
 from engine.model_runner import ModelRunner, SeqChunk
 from engine.request import Request
-from engine.sampler import gather_logprobs, sample_on_device
+from engine.sampler import DeviceSample, gather_logprobs, sample_on_device
 
 
 @dataclass(slots=True)
@@ -76,12 +76,41 @@ def _prompt_span(item: ScheduledItem) -> _PromptSpan | None:
     return _PromptSpan(r, item.start + 1, n) if n > 0 else None
 
 
+class StepLaunch:
+    """A step on its way to the device: ``result()`` waits for its end (the step's one
+    host sync, where its ids come to the host) and returns its Sampled rows, once."""
+
+    __slots__ = ("_collect", "_out")
+
+    def __init__(self, collect: Callable[[], list[Sampled]]):
+        self._collect: Callable[[], list[Sampled]] | None = collect
+        self._out: list[Sampled] = []
+
+    def result(self) -> list[Sampled]:
+        if self._collect is not None:
+            self._out, self._collect = self._collect(), None
+        return self._out
+
+
+def _done(out: list[Sampled]) -> StepLaunch:
+    return StepLaunch(lambda: out)
+
+
 def execute_and_sample(runner: ModelRunner, items: Sequence[ScheduledItem]) -> list[Sampled]:
     """Run `items` as one batch; returns a Sampled for each row that samples (a decode,
     or a prefill's last chunk), in the runner's row order. Prompt log-probs computed by
     the step are stored on their requests (`Request.prompt_logprobs`)."""
+    return launch_and_sample(runner, items).result()
+
+
+def launch_and_sample(runner: ModelRunner, items: Sequence[ScheduledItem]) -> StepLaunch:
+    """`execute_and_sample` in two halves: the step is queued (forward and sampling on
+    the device; on a CPU runner it has run by the return) and the handle's ``result()``
+    brings the ids to the host. Between the two the host may do other work: the overlap
+    of decode_worker/engine.py (docs/design.md, "Overlap")."""
     if getattr(runner, "samples_itself", False):  # the emulated device: no logits at all
-        return runner.execute_and_sample(items)  # (engine/emulate/runner.py)
+        launch = getattr(runner, "launch", None)  # (engine/emulate/runner.py)
+        return launch(items) if launch is not None else _done(runner.execute_and_sample(items))
     chunks: list[SeqChunk] = []
     spans: list[_PromptSpan] = []
     for item in items:
@@ -92,19 +121,28 @@ def execute_and_sample(runner: ModelRunner, items: Sequence[ScheduledItem]) -> l
         chunks.append(chunk)
     step = runner.run(chunks)
     if not step.sample_ids and not spans:
-        return []
+        return _done([])
     by_id = {i.request.request_id: i.request for i in items}
     reqs = [by_id[rid] for rid in step.sample_ids]
     params = [r.sampling_params for r in reqs]
     drawn = sample_on_device(step.logits, params, [r.generator for r in reqs])
     if not drawn.rows and not spans:
-        return [Sampled(r, t) for r, t in zip(reqs, drawn.ids.tolist(), strict=True)]
+        ids = drawn.ids
+        return StepLaunch(lambda: [Sampled(r, t) for r, t in
+                                   zip(reqs, ids.tolist(), strict=True)])
     parts = drawn.host_parts()
     k = 0
     if spans:
         k = max(s.request.sampling_params.prompt_logprobs for s in spans)
         parts.append(_prompt_pack(step.all_logits, spans, k, step.logits.device))
-    flat = torch.cat(parts).tolist()  # the step's one host copy
+    packed = torch.cat(parts)
+    return StepLaunch(lambda: _collect(packed, drawn, spans, k, reqs, params))
+
+
+def _collect(packed: torch.Tensor, drawn: DeviceSample, spans: list[_PromptSpan], k: int,
+             reqs: list[Request], params: list) -> list[Sampled]:
+    """The host half of a step with log-probs: its one host copy, unpacked."""
+    flat = packed.tolist()  # the step's one host copy
     out, offset = drawn.finish(flat, 0, params)
     for s in spans:
         r = s.request

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import replace
 
 from decode_worker.engine import DecodeEngine
@@ -31,7 +32,12 @@ def engine_cfg(model_dir, block_size: int, prefix: bool = True,
 class PDPair:
     def __init__(self, model_dir, p_block=16, d_block=16, chunk=16, budget=64,
                  p_blocks=256, d_blocks=256, send_policy="eager", fairness="fcfs",
-                 headroom=64, stream_interval=1, emulate: EmulateConfig | None = None):
+                 headroom=64, stream_interval=1, emulate: EmulateConfig | None = None,
+                 overlap: bool | None = None):
+        """``overlap``: the decode engine's host one step ahead (None: on where the
+        environment sets PDSERVE_TEST_OVERLAP=1, so any test can run both ways)."""
+        if overlap is None:
+            overlap = os.environ.get("PDSERVE_TEST_OVERLAP") == "1"
         n = next(_ids)
         tcfg = TransferConfig(connector="inproc", send_policy=send_policy)
         self.receiver = make_receiver(tcfg, name=f"d{n}")
@@ -43,7 +49,8 @@ class PDPair:
             self.sender, p_blocks)
         self.decode = DecodeEngine(
             "decode-0", engine_cfg(model_dir, d_block, emulate=emulate),
-            DecodeSchedulerConfig(max_model_len=1024, headroom_tokens=headroom),
+            DecodeSchedulerConfig(max_model_len=1024, headroom_tokens=headroom,
+                                  overlap=overlap),
             self.receiver, d_blocks, stream_interval=stream_interval)
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}

@@ -80,7 +80,8 @@ def decode_config(cfg: ServeConfig, max_model_len: int) -> DecodeSchedulerConfig
     return DecodeSchedulerConfig(max_num_seqs=cfg.scheduler.max_num_seqs,
                                  max_model_len=max_model_len,
                                  kv_wait_timeout_s=cfg.limits.kv_wait_timeout_s,
-                                 early_kv=early_kv_config(cfg))
+                                 early_kv=early_kv_config(cfg),
+                                 overlap=cfg.scheduler.overlap)
 
 
 def early_kv_config(cfg: ServeConfig) -> EarlyKVConfig:

@@ -38,7 +38,7 @@ from engine.costs.loader import load_costs
 from engine.costs.model import CostModel
 from engine.emulate.device import DeviceEvent, EmulatedDevice
 from engine.emulate.kv_pattern import ROOT, KVPattern, chain, mix, step
-from engine.execute import Sampled
+from engine.execute import Sampled, StepLaunch
 from engine.kv_cache import KVCache, PendingExport, slots_for
 from engine.logprobs import TokenLogprobs
 from engine.memory import num_kv_blocks
@@ -201,6 +201,12 @@ class EmulatedRunner:
     def execute_and_sample(self, items) -> list:
         """engine.execute.execute_and_sample on the emulated device: the step queued at
         once, the KV written while it runs, the host back when it ends."""
+        return self.launch(items).result()
+
+    def launch(self, items) -> StepLaunch:
+        """engine.execute.launch_and_sample: the step queued and its KV written; the
+        handle's ``result()`` waits for the step's end on the device's timeline (the ids
+        are the host's at once here, but an engine reads them only from the handle)."""
         chunks = [it.to_chunk() for it in items]
         ids = {ch.request_id for ch in chunks}
         done = self.accel.submit(self.step_cost_s(items, chunks),
@@ -236,10 +242,14 @@ class EmulatedRunner:
         kv.finish_exports()
         pattern.write(kv.words, slots, states, positions)
         pattern.write(kv.words, dslots, dstates, dpositions, sparse=True)
-        self.accel.wait(done)
         if len(self._keys) > 4096:  # keys of requests that ended: forget them now and then
             self._keys = {k: v for k, v in self._keys.items() if k in ids}
-        return out
+        accel = self.accel
+
+        def collect() -> list:
+            accel.wait(done)
+            return out
+        return StepLaunch(collect)
 
     def _key(self, r) -> int:
         p = r.sampling_params

@@ -32,11 +32,13 @@ def reference(tiny_model):
 
 
 @pytest.mark.parametrize(
-    "p_block,d_block,chunk",
-    [(16, 16, 16), (16, 32, 7), (8, 16, 33), (32, 4, 5)],
+    "p_block,d_block,chunk,overlap",  # overlap: the decode host one step ahead
+    [(16, 16, 16, False), (16, 32, 7, False), (8, 16, 33, False), (32, 4, 5, False),
+     (16, 32, 7, True), (32, 4, 5, True)],
 )
-def test_disaggregated_greedy_equals_colocated(tiny_model, reference, p_block, d_block, chunk):
-    pair = PDPair(tiny_model, p_block=p_block, d_block=d_block, chunk=chunk)
+def test_disaggregated_greedy_equals_colocated(tiny_model, reference, p_block, d_block, chunk,
+                                               overlap):
+    pair = PDPair(tiny_model, p_block=p_block, d_block=d_block, chunk=chunk, overlap=overlap)
     ps = prompts([1, 5, 16, 17, 40, 70])
     for i, p in enumerate(ps):
         assert pair.submit(f"r{i}", p, greedy())
@@ -75,8 +77,9 @@ def test_prefill_prefix_hit_still_ships_cached_kv(tiny_model, reference):
     pair.close()
 
 
-def test_abort_mid_prefill_and_mid_decode_leaks_nothing(tiny_model):
-    pair = PDPair(tiny_model, chunk=4)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_mid_prefill_and_mid_decode_leaks_nothing(tiny_model, overlap):
+    pair = PDPair(tiny_model, chunk=4, overlap=overlap)
     ps = prompts([40, 12])
     pair.submit("long", ps[0], greedy(30))
     pair.submit("short", ps[1], greedy(30))
@@ -111,8 +114,9 @@ def test_decode_admission_is_a_promise(tiny_model):
     pair.close()
 
 
-def test_decode_preemption_reports_recompute(tiny_model):
-    pair = PDPair(tiny_model, d_blocks=6, d_block=4, headroom=0)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_preemption_reports_recompute(tiny_model, overlap):
+    pair = PDPair(tiny_model, d_blocks=6, d_block=4, headroom=0, overlap=overlap)
     ps = prompts([8, 8])
     pair.submit("a", ps[0], greedy(40))
     pair.submit("b", ps[1], greedy(40))
