@@ -371,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         cuda = _cuda({})
         device = "cuda:0" if cuda else "cpu"
         model_dir = prepare_model(args.model, cuda)
-    if "model" not in names and model_dir in PRESETS:
+        doc.update(cuda=cuda, device=device, model_dir=model_dir)
+    # a subset without the model step whose steps need the model: written here (unlimited)
+    write_here = "model" not in names and any(s.needs_model for s in steps)
+    if write_here and "env" not in names:
         write_model(model_dir)
 
     def save() -> None:
@@ -403,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"gpu_check: {NO_CUDA}", file=sys.stderr)
                 model_dir = prepare_model(args.model, cuda)
                 doc["model_dir"] = model_dir
+                if write_here:
+                    write_model(model_dir)
             if step.name == "model":
                 model_ok = entry["status"] == "passed"
                 if model_ok:
