@@ -1,7 +1,7 @@
 """The disaggregated service on the emulated accelerator (engine/emulate/), on local Ray:
 real actors, gRPC and KV bytes on the small 'tiny' shape. A 200-request soak with
 cancels ends clean, its greedy tokens equal to engine.LLM on the same emulated device,
-every KV range checked; the workers' stats and the bench report the device's accounting
+every KV range checked, with the decode worker's host one step ahead (scheduler.overlap); the workers' stats and the bench report the device's accounting
 with its label; nothing is left in flight."""
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def service(ray_session):
                   "device": "cpu", "max_model_len": 1024},
         "pools": {"cpus_per_worker": 0.5},
         "cache": {"num_blocks": 256},
-        "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256},
+        # the decode host one step ahead (scheduler.overlap; off in test_pd_grpc's service)
+        "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256,
+                      "overlap": True},
         "transfer": {"connector": "tcp"},
         "limits": {"request_timeout_s": 120, "kv_wait_timeout_s": 40},
         "server": {"port": 0},
