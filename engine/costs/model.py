@@ -101,7 +101,7 @@ class CostModel(ABC):
     def handoff_extra_s(self, leg_id: str) -> float:
         """What a leg's KV handoff takes beyond the modelled export, link and intake. No
         calibration has such a term (0); a cost model fitted to a run under load draws the
-        unexplained part of that run's handoffs per leg (sim/scaled.py). Asked only where
+        unexplained part of that run's handoffs per leg (tools/sim_scaled.py). Asked only where
         ``handoff_spread``."""
         return 0.0
 
@@ -113,7 +113,7 @@ class CostModel(ABC):
         """What a request's dispatch (the router's add reaching its prefill worker) and its
         first token's delivery take beyond the modelled messages, as (dispatch, first
         token): no calibration has such a term; a cost model fitted to a run under load
-        draws one real request's pair of that run per request (sim/scaled.py). Asked only
+        draws one real request's pair of that run per request (tools/sim_scaled.py). Asked only
         where ``arrival_spread``."""
         return 0.0, 0.0
 
@@ -124,7 +124,7 @@ class CostModel(ABC):
     def prefill_extra_s(self, first: bool = False) -> float:
         """What the next prefill step (``first``: one with a request's first chunk) takes
         beyond its modelled compute: no calibration has such a term (0); a cost model
-        fitted to a run under load draws it from that run's steps (sim/scaled.py). Asked
+        fitted to a run under load draws it from that run's steps (tools/sim_scaled.py). Asked
         only where ``prefill_spread``."""
         return 0.0
 
