@@ -320,9 +320,9 @@ class SchedulerSection(Section):
                          "every other (the starvation guard of every fairness policy)", gt=0)
     enable_chunked_prefill: bool = opt(True, "chunked prefill (colocated backend only; the "
                                        "prefill pool always chunks)")
-    overlap: bool = opt(False, "decode workers run the host one step ahead of the device: "
+    overlap: bool = opt(True, "decode workers run the host one step ahead of the device: "
                         "step N+1 is scheduled while step N runs, N's events built while "
-                        "N+1 runs (docs/design.md, Overlap)")
+                        "N+1 runs (docs/design.md, Overlap); --no-overlap: the serial loop")
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -32,7 +32,8 @@ def service(ray_session):
                   "device": "cpu", "max_model_len": 1024},
         "pools": {"cpus_per_worker": 0.5},
         "cache": {"num_blocks": 256},
-        # the decode host one step ahead (scheduler.overlap; off in test_pd_grpc's service)
+        # the decode host one step ahead (scheduler.overlap, the default; test_pd_grpc's
+        # service runs the serial loop)
         "scheduler": {"max_prefill_chunk": 64, "max_num_batched_tokens": 256,
                       "overlap": True},
         "transfer": {"connector": "tcp"},

@@ -24,7 +24,7 @@ def pd_server(ray_session, tiny_model):
         "model": {"path": str(tiny_model), "device": "cpu"},
         "pools": {"cpus_per_worker": 1.0},
         "cache": {"prefill_block_size": 16, "decode_block_size": 8},
-        "scheduler": {"max_prefill_chunk": 9},
+        "scheduler": {"max_prefill_chunk": 9, "overlap": False},  # the serial decode loop
         "transfer": {"connector": "tcp"},
         "server": {"port": 0},
     })
