@@ -295,6 +295,7 @@ class OverlapMachine(RuleBasedStateMachine):
 def test_random_lifecycles_with_the_host_one_step_ahead(tiny_model, overlap):
     machine = type("Machine", (OverlapMachine,), {"overlap": overlap,
                                                   "model_dir": tiny_model})
+    seen.clear()  # (this run's states only)
     run_state_machine_as_test(machine, settings=settings(
         max_examples=80 if overlap else 25, stateful_step_count=40, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
