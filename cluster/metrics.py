@@ -1,4 +1,4 @@
-"""Prometheus metrics of the service (docs/design.md names), served on `--metrics-port`.
+"""Prometheus metrics of the service (docs/design.md §8 names), served on `--metrics-port`.
 
 Latency histograms are observed by the router as tokens stream (monotonic time in the
 server process); pool gauges and KV-transfer counters are refreshed from every worker's

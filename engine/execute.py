@@ -107,7 +107,7 @@ def launch_and_sample(runner: ModelRunner, items: Sequence[ScheduledItem]) -> St
     """`execute_and_sample` in two halves: the step is queued (forward and sampling on
     the device; on a CPU runner it has run by the return) and the handle's ``result()``
     brings the ids to the host. Between the two the host may do other work: the overlap
-    of decode_worker/engine.py (docs/design.md, "Overlap")."""
+    of decode_worker/engine.py (docs/design.md §3, "Overlap")."""
     if getattr(runner, "samples_itself", False):  # the emulated device: no logits at all
         launch = getattr(runner, "launch", None)  # (engine/emulate/runner.py)
         return launch(items) if launch is not None else _done(runner.execute_and_sample(items))

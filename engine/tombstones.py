@@ -7,7 +7,7 @@ first; the late add must then be dropped, not started as an orphan nobody will e
 
 An abort can also arrive *after* its request ended here (finished, failed, preempted or
 aborted): the router ends every leg it opened. That abort is late, not early, and must
-not bury the id: an id is free again the moment its request ends (DESIGN §8), so a later
+not bury the id: an id is free again the moment its request ends (docs/design.md §5), so a later
 add/reserve of the same id is a new request. The engine therefore reports every end
 (`ended`), and `bury` leaves no tombstone for an id that ended here recently.
 

@@ -1,4 +1,4 @@
-"""Per-request trace events and a cheap, thread-safe recorder (DESIGN §5).
+"""Per-request trace events and a cheap, thread-safe recorder (docs/design.md §8).
 
 Every component that touches a request (router, prefill and decode workers, KV links)
 records :class:`TraceEvent` spans into its own :class:`TraceRecorder`; the bench drains

@@ -1,4 +1,4 @@
-"""KV transfer between prefill and decode workers (DESIGN §2.4, §4).
+"""KV transfer between prefill and decode workers (docs/design.md §4, §6).
 
     from kv_transfer import TransferConfig, make_sender, make_receiver, KVChunk
 

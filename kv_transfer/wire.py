@@ -1,4 +1,4 @@
-"""KV frame format (DESIGN §4): preamble + msgpack header + raw payload.
+"""KV frame format (docs/design.md §6): preamble + msgpack header + raw payload.
 
     offset 0   4s  magic b"PDKV"
            4   u16 version

@@ -3,7 +3,7 @@
 Wired exactly as `pdserve serve --metrics-port` wires it (cluster/cli.py): the router
 observes latencies into a ServiceMetrics, `refresh_loop` pulls the workers' stats, and
 `serve_metrics` exposes the registry. The text must parse with prometheus_client's own
-parser, carry DESIGN §5's names, and show the requests that just ran.
+parser, carry docs/design.md §8's names, and show the requests that just ran.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cluster.metrics import ServiceMetrics, refresh_loop, serve_metrics
 from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 
-# DESIGN.md §5 (counters appear with `_total` on the wire; the parser strips it from
+# docs/design.md §8 (counters appear with `_total` on the wire; the parser strips it from
 # the family name) plus the liveness gauge the dashboard plots.
 DESIGN_NAMES = {
     "pdserve:num_requests_running", "pdserve:num_requests_waiting",

@@ -1,5 +1,5 @@
 """The decode engine with the host one step ahead of the device (scheduler.overlap;
-docs/design.md, "Overlap"): step N + 1 is scheduled while N runs, N's events built
+docs/design.md §3, "Overlap"): step N + 1 is scheduled while N runs, N's events built
 while N + 1 runs.
 
 - A stateful property test drives the overlapped engine with a fake runner (no model)

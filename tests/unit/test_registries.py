@@ -1,4 +1,4 @@
-"""Registries are the one source of names (DESIGN §6, §8).
+"""Registries are the one source of names (docs/design.md §9).
 
 Each test adds a part from this module alone (a connector, a send policy, a fairness and
 a chunk policy, an attention backend, a model architecture), then selects it by name

@@ -1,6 +1,6 @@
 """Request state machine and colocated scheduling policy, driven step by step with fake
 runner outputs (no model): WAITING -> PREFILLING -> RUNNING -> FINISHED_*, the counters of
-DESIGN §3, chunked prefill on (decode-first budget) and off (whole prompt, prefill-first),
+docs/design.md §5, chunked prefill on (decode-first budget) and off (whole prompt, prefill-first),
 and max_num_seqs. Every test ends with a leak check."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request ids on one worker (DESIGN §8): once a leg ends here with any status its id is
+"""Request ids on one worker (docs/design.md §5): once a leg ends here with any status its id is
 free again at once. An abort that arrives after the end (the router ends every leg it
 opened) is late and leaves nothing behind; only an abort that overtakes its own
 add/reserve leaves a tombstone, which swallows exactly that add/reserve."""
