@@ -86,7 +86,7 @@ class DecodeEngine:
         self.num_steps = 0
         self.last_step_ran = False
         self.step_seconds = 0.0
-        self.overlap = sched_config.overlap  # the host one step ahead (docs/design.md)
+        self.overlap = sched_config.overlap  # the host one step ahead (docs/design.md §3)
         self._inflight: _InFlight | None = None  # (overlap) the step on the device
 
     # ---- commands -------------------------------------------------------------------
@@ -189,7 +189,7 @@ class DecodeEngine:
         return events
 
     def _step_ahead(self) -> list[WorkerEvent]:
-        """One step with the host one step ahead of the device (docs/design.md,
+        """One step with the host one step ahead of the device (docs/design.md §3,
         "Overlap"). Step N is on the device when this begins. While it runs: KV intake,
         expiry, and N + 1 scheduled as if N's requests continue (those that N finishes
         for certain -- max_tokens, the length cap -- are left out). Then N's ids come to
