@@ -70,6 +70,11 @@ class TransferConfig:
     # report a dead peer (pdserve's heartbeats and per-write leases do); "peer" keeps UCX
     # to transports that can (tcp, rdma). docs/design-nixl.md
     nixl_ucx_error_handling: str = "none"
+    # the producer (prefill_worker/engine.py): a prompt's final chunk is handed over as its
+    # step launches and leaves in ``layerwise_groups`` groups of layers, each once computed
+    # (KVChunk.layers_ready; docs/design.md §4); off: after the step, whole
+    layerwise: bool = False
+    layerwise_groups: int = 8
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -122,6 +127,11 @@ class TransferConfig:
         if self.nixl_ucx_error_handling not in ("none", "peer"):
             raise bad("nixl_ucx_error_handling",
                       f"must be 'none' or 'peer', got {self.nixl_ucx_error_handling!r}")
+        if not isinstance(self.layerwise, bool):
+            raise bad("layerwise", f"must be a bool, got {self.layerwise!r}")
+        if isinstance(self.layerwise_groups, bool) or not (
+                isinstance(self.layerwise_groups, int) and self.layerwise_groups >= 1):
+            raise bad("layerwise_groups", f"must be an int >= 1, got {self.layerwise_groups!r}")
         if self.socket_buffer_bytes < 0:
             raise bad("socket_buffer_bytes", f"must be >= 0, got {self.socket_buffer_bytes}")
         if not (math.isfinite(self.default_tenant_weight) and self.default_tenant_weight > 0):

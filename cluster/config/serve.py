@@ -113,6 +113,11 @@ class TransferSection(Section):
                                   "policy (studies; kv_transfer/emulated_link.py)", gt=0)
     link_latency_us: float = opt(0.0, "emulated link one-way latency in microseconds "
                                  "(frames and acks)", ge=0)
+    layerwise: bool = opt(False, "a prompt's final chunk leaves by groups of layers while its "
+                          "later layers still compute (KVChunk.layers_ready, every connector; "
+                          "docs/design.md §4); --no-layerwise: whole, after its step")
+    layerwise_groups: int = opt(8, "layer groups a layer-wise final chunk is sent in (at most "
+                                "the layers it carries)", ge=1)
     bind_host: str = opt("127.0.0.1", "interface the tcp connector listens on")
     failure_timeout_s: float = opt(10.0, "a silent peer fails its requests after this", gt=0)
     # KV that reaches a decode worker before the leg's reserve (pools.reserve_with_add) is

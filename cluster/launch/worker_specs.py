@@ -126,6 +126,7 @@ def transfer_config(cfg: ServeConfig, model: ModelConfig, secret: bytes) -> Tran
         failure_timeout_s=t.failure_timeout_s,
         bind_host=t.bind_host,
         secret=secret,
+        layerwise=t.layerwise, layerwise_groups=t.layerwise_groups,
     )
 
 
