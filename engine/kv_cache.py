@@ -15,7 +15,8 @@ into the blocks it reads. On CPU both are one plain tensor op.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,58 @@ class PendingExport:
         if self.event is not None:
             self.event.synchronize()
         return self.payload
+
+
+def layer_bounds(num_layers: int, groups: int) -> tuple[int, ...]:
+    """Ends of ``groups`` near-equal groups of ``num_layers`` layers (fewer when there are
+    fewer layers): the boundaries of a layer-wise export."""
+    n = max(1, min(groups, num_layers))
+    return tuple(sorted({round(num_layers * (i + 1) / n) for i in range(n)}))
+
+
+FIRST_TOKEN_TIMEOUT_S = 60.0  # the step that samples it has ended long before; a bug else
+
+
+class LayerwiseExport:
+    """The KV of a prompt's final chunk, exported group by group of layers while its step
+    still runs: ``kv_transfer.base.LayersReady`` (docs/design.md §4).
+
+    ``wait_layers(n)`` returns once ``payload[:n]`` holds the KV (``waits[i]`` blocks for
+    group ``i``'s copy); the last group also waits for the step's sampled first token
+    (``bind_first_token``, by the engine once the step's result is in; ``None``: no
+    token travels, e.g. the request ended at it), which the sender then puts on the
+    chunk's last piece (``first_token``). ``fail`` (before that) makes every later wait
+    raise."""
+
+    def __init__(self, payload: torch.Tensor, boundaries: Sequence[int],
+                 waits: Sequence[Callable[[], object]]):
+        self.payload = payload
+        self.boundaries = tuple(boundaries)
+        self._waits = dict(zip(self.boundaries, waits, strict=True))
+        self._bound = threading.Event()
+        self._error: BaseException | None = None
+        self.first_token: int | None = None
+
+    def wait_layers(self, n: int) -> torch.Tensor:
+        if self._error is not None:
+            raise RuntimeError(f"the step computing this chunk failed: {self._error}")
+        self._waits[n]()
+        if n == self.boundaries[-1]:
+            if not self._bound.wait(FIRST_TOKEN_TIMEOUT_S):
+                raise TimeoutError("the step's first token was never bound to its chunk")
+            if self._error is not None:
+                raise RuntimeError(f"the step computing this chunk failed: {self._error}")
+        return self.payload[:n]
+
+    def bind_first_token(self, token: int | None) -> None:
+        self.first_token = token
+        self._bound.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every later wait, unless the first token was bound already."""
+        if not self._bound.is_set():
+            self._error = error
+            self._bound.set()
 
 
 class KVCache:
@@ -127,6 +180,18 @@ class KVCache:
             event.record(side)
         torch.cuda.current_stream(self.device).wait_event(gathered)
         return PendingExport(host, event)
+
+    def export_layerwise(self, block_ids: Sequence[int], start: int, end: int,
+                         groups: int) -> LayerwiseExport:
+        """``export_async`` of tokens [start, end) of the step just launched, by groups of
+        layers. Here every group is ready when the whole copy is: a synchronous CPU forward
+        has written every layer by now, and on CUDA the copy follows the whole step (the
+        forward records no event per layer group: the layer loop runs inside the model's,
+        possibly compiled, forward). The emulated device's cache
+        (engine/emulate/runner.py) readies each group at its share of the step."""
+        pending = self.export_async(block_ids, start, end)
+        bounds = layer_bounds(pending.payload.shape[0], groups)
+        return LayerwiseExport(pending.payload, bounds, [pending.wait] * len(bounds))
 
     def export_tokens(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """KV of tokens [start, end) as one contiguous CPU tensor `[L, 2, T, KVH, D]`."""

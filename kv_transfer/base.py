@@ -50,6 +50,10 @@ class LayersReady(Protocol):
         """Block until ``payload[:n]`` holds the KV (``n`` one of ``boundaries``); raise
         if its computation or copy failed."""
 
+    # optional: ``first_token`` (int | None), read once ``wait_layers`` returned for the
+    # last boundary: the token of a final chunk handed over before its step sampled it
+    # (``KVChunk.first_token`` None); the sender puts it on the chunk's last piece
+
 
 @dataclass(frozen=True, eq=False)
 class KVChunk:
@@ -74,7 +78,9 @@ class KVChunk:
     ``layers_ready`` (instead of ``ready``): the payload fills layer group by layer group;
     the link sends each group's frames once ``wait_layers`` returns for it, so the
     receiver may get the chunk as several pieces split by layer (as above), the first
-    before the last layers are computed. Every connector gets this from the shared sender
+    before the last layers are computed. A final chunk so sent may be handed over before
+    its first token is sampled (``first_token`` None): its ``layers_ready.first_token``,
+    bound by the last ``wait_layers``, then travels on its last piece. Every connector gets this from the shared sender
     core. A group's frames fit ``max_frame_bytes`` by layer; when one layer does not, the
     link waits for all layers and splits as usual.
     """
@@ -134,14 +140,23 @@ class KVChunk:
 
     def resolved(self) -> KVChunk:
         """This chunk once its payload holds the KV (waits for ``ready`` or every layer of
-        ``layers_ready``; then drops it)."""
+        ``layers_ready``; then drops it, keeping a first token it bound late)."""
         if self.layers_ready is not None:
             self.layers_ready.wait_layers(self.payload.shape[0])
-            return replace(self, layers_ready=None)
+            return replace(self.with_late_first_token(), layers_ready=None)
         if self.ready is None:
             return self
         self.ready.wait()
         return replace(self, ready=None)
+
+    def with_late_first_token(self) -> KVChunk:
+        """This chunk with the first token its ``layers_ready`` bound after it was handed
+        over (a final chunk sent before its step sampled it); call after the last layers'
+        ``wait_layers``."""
+        tok = getattr(self.layers_ready, "first_token", None)
+        if tok is None or not self.is_final or self.first_token is not None:
+            return self
+        return replace(self, first_token=tok)
 
     @property
     def layer_end(self) -> int:

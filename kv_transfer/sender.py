@@ -372,9 +372,14 @@ class SenderLink:
         need = next(b for b in lr.boundaries if b > h.ready_layers)
         lr.wait_layers(need)
         with self.sender._lock:
-            h.ready_layers = need
             if need == total:
+                h.chunk = c = c.with_late_first_token()
+                if c.first_token is not None:  # it goes on the chunk's last piece
+                    end, last = h.pieces[-1]
+                    h.pieces[-1] = (end, replace(last, chunk=replace(
+                        last.chunk, first_token=c.first_token)))
                 h.resolved = True
+            h.ready_layers = need
         return need < total
 
     def admit_locked(self) -> bool:

@@ -9,6 +9,13 @@ connector at the start of the next step (which the loop runs at once after a ste
 ran), so the first token's message never waits on KV framing or on waking a link; the
 decode side gets the first token from the router or from the final chunk, whichever
 comes first. The connector is polled only while legs here have KV in flight.
+
+Layer-wise (``layerwise_groups`` > 0, ``transfer.layerwise``): a prompt's final chunk,
+the one whose transfer no later chunk's compute can hide, is exported by groups of
+layers (``KVCache.export_layerwise``) and handed to the connector as soon as its step is
+launched, before the step's end is waited for, so its first layers are on the wire
+while its later layers compute (``KVChunk.layers_ready``); its first token, sampled at
+the step's end, is bound to it then and travels on its last piece (docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.execute import Sampled, execute_and_sample
+from engine.execute import Sampled, launch_and_sample
+from engine.kv_cache import LayerwiseExport
 from engine.request import Request, RequestStatus
 from engine.tombstones import Tombstones
 from engine.tp_driver import make_runner
@@ -54,8 +62,12 @@ class PrefillEngine:
         sender: KVSender,
         num_blocks: int,
         tracer: TraceRecorder | None = None,
+        layerwise_groups: int = 0,
     ):
+        """``layerwise_groups``: send each prompt's final chunk in this many groups of
+        layers while its step runs (0: whole, after the step)."""
         self.worker_id = worker_id
+        self.layerwise_groups = layerwise_groups
         self.config = config
         self.runner = make_runner(config, num_blocks)  # rank 0's, under TP
         self.bm = BlockManager(num_blocks, config.cache.block_size,
@@ -142,18 +154,33 @@ class PrefillEngine:
             job = self.jobs[item.request.request_id]
             if job.first_scheduled is None:
                 job.first_scheduled = t0
-        # only a prompt's last chunk samples: its first token
-        firsts = {s.request.request_id: s for s in execute_and_sample(self.runner, items)}
-        self.scheduler.advance(items)
-        compute_s = time.monotonic() - t0  # the trace span: compute only, not KV export
-        for item in items:
-            events += self._ship(item, firsts.get(item.request.request_id))
+        launch = launch_and_sample(self.runner, items)
+        early: dict[str, LayerwiseExport] = {}  # final chunks sent by layers, by leg
+        try:
+            if self.layerwise_groups:
+                self._send_layerwise(items, early)
+            # only a prompt's last chunk samples: its first token
+            firsts = {s.request.request_id: s for s in launch.result()}
+            self.scheduler.advance(items)
+            compute_s = time.monotonic() - t0  # the trace span: compute only, not KV export
+            for item in items:
+                rid = item.request.request_id
+                events += self._ship(item, firsts.get(rid), early.get(rid))
+        finally:  # a step that failed fails the chunks it sent by layers (bound ones stay)
+            for lw in early.values():
+                lw.fail(RuntimeError("the prefill step failed"))
             self.chunk_sizes[item.num_tokens] = self.chunk_sizes.get(item.num_tokens, 0) + 1
         dt = time.monotonic() - t0
         self.num_steps += 1
         self.step_seconds += dt
         if self.tracer.enabled:
             batch_tokens = sum(i.num_tokens for i in items)
+            device = {}
+            window = getattr(self.runner, "step_window", None)  # the emulated device's
+            if window is not None:  # its step on the device timeline, in wall seconds
+                off = time.time() - time.monotonic()
+                device = {"device_start": window[0] + off,
+                          "device_end": window[0] + window[1] + off}
             for item in items:
                 job = self.jobs.get(item.request.request_id)
                 self.tracer.record(
@@ -163,15 +190,49 @@ class PrefillEngine:
                     scheduled_tokens=item.num_tokens, past_kv_tokens=item.start,
                     prefix_hit_tokens=item.request.prefix_hit_tokens,
                     batch_num_seqs=len(items), batch_num_tokens=batch_tokens,
-                    tenant=item.request.tenant)
+                    tenant=item.request.tenant, final=item.completes_prefill,
+                    layerwise=item.request.request_id in early, **device)
         return events
 
-    def _ship(self, item, first: Sampled | None) -> list[WorkerEvent]:
+    def _layerwise_dest(self, task: PrefillTask) -> bool:
+        """Whether a leg's final chunk may go by layers: to one receiver through this
+        worker's own sender (a chunk cut by KV heads for a multi-rank decode worker is
+        copied on the caller's thread, which would wait for the whole step; a TP prefill
+        group pairs each rank's exports with its sends)."""
+        return (self.config.tensor_parallel_size == 1
+                and not (self.rank_sender is not None and SEP in task.decode_endpoint))
+
+    def _send_layerwise(self, items, out: dict[str, LayerwiseExport]) -> None:
+        """Hand the final chunks of the step just launched to the connector, exported by
+        groups of layers (into ``out``, by leg, before each is sent); their first tokens
+        are bound once the step's result is in."""
+        for item in items:
+            job = self.jobs[item.request.request_id]
+            if not item.completes_prefill or not self._layerwise_dest(job.task):
+                continue
+            if job.seq_no == 0 and item.start > 0:  # its prefix-cache hit goes first
+                self._send(job, 0, item.start, final=False)
+            self._hand_off()
+            end = item.start + item.num_tokens
+            lw = self.runner.kv.export_layerwise(job.request.block_ids, item.start, end,
+                                                 self.layerwise_groups)
+            task = job.task
+            out[task.leg_id] = lw
+            self.sender.send(KVChunk(task.leg_id, job.seq_no, item.start, end, lw.payload,
+                                     is_final=True, tenant=task.tenant, layers_ready=lw),
+                             dest=task.decode_endpoint)
+            self._shipping.add(task.leg_id)
+            job.seq_no += 1
+
+    def _ship(self, item, first: Sampled | None,
+              layerwise: LayerwiseExport | None = None) -> list[WorkerEvent]:
         r = item.request
         job = self.jobs[r.request_id]
         if job.seq_no == 0 and item.start > 0:  # prefix-cache hit: its KV must travel too
             self._send(job, 0, item.start, final=False)
         final = first is not None
+        if layerwise is not None and not final:  # cannot be: only a final chunk samples
+            layerwise.fail(RuntimeError("the chunk sent by layers sampled no token"))
         if not final:
             self._send(job, item.start, item.start + item.num_tokens, final=False)
             return []
@@ -186,7 +247,11 @@ class PrefillEngine:
         if ended:
             self._hand_off()  # its prefix chunk, if any, goes (and is dropped) in order
             self.sender.abort(r.request_id)
+            if layerwise is not None:  # dropped by the abort: its link thread goes on
+                layerwise.bind_first_token(None)
             self._end(r.request_id)
+        elif layerwise is not None:  # sent already: its last piece carries the token
+            layerwise.bind_first_token(first_token)
         else:
             self._send(job, item.start, item.start + item.num_tokens, final=True,
                        first_token=first_token)
@@ -239,7 +304,7 @@ class PrefillEngine:
                                worker=f"link:{self.worker_id}->{rec.dest}",
                                start=time.time() - (time.monotonic() - rec.start_t),
                                end=time.time() - (time.monotonic() - rec.end_t),
-                               bytes=rec.nbytes)
+                               bytes=rec.nbytes, seq_no=rec.seq_no, part=rec.part)
         return out
 
     @property

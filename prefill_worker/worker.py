@@ -23,8 +23,10 @@ class PrefillWorker(WorkerBase):
         heads = HeadSender(self.sender, self.cfg.model.num_kv_heads, self.cfg.tensor_parallel_size)
 
         def build() -> PrefillEngine:  # on the loop thread (runtime.worker.WorkerBase.start)
+            t = spec.transfer
             engine = PrefillEngine(spec.worker_id, self.cfg, spec.scheduler, self.sender,
-                                   self.num_blocks, self.tracer)
+                                   self.num_blocks, self.tracer,
+                                   layerwise_groups=t.layerwise_groups if t.layerwise else 0)
             if self.ranks:  # a TP group: every rank sends its own heads, rank 0 coordinates
                 engine.sender = GroupSender(heads, engine.runner)
             else:  # one rank: only a multi-rank decode worker's chunks are cut by heads

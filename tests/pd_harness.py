@@ -33,11 +33,15 @@ class PDPair:
     def __init__(self, model_dir, p_block=16, d_block=16, chunk=16, budget=64,
                  p_blocks=256, d_blocks=256, send_policy="eager", fairness="fcfs",
                  headroom=64, stream_interval=1, emulate: EmulateConfig | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, layerwise: int | None = None):
         """``overlap``: the decode engine's host one step ahead (None: on where the
-        environment sets PDSERVE_TEST_OVERLAP=1, so any test can run both ways)."""
+        environment sets PDSERVE_TEST_OVERLAP=1, so any test can run both ways).
+        ``layerwise``: the final chunk sent in this many layer groups (0: off; None: the
+        environment's PDSERVE_TEST_LAYERWISE, else off)."""
         if overlap is None:
             overlap = os.environ.get("PDSERVE_TEST_OVERLAP") == "1"
+        if layerwise is None:
+            layerwise = int(os.environ.get("PDSERVE_TEST_LAYERWISE", "0"))
         n = next(_ids)
         tcfg = TransferConfig(connector="inproc", send_policy=send_policy)
         self.receiver = make_receiver(tcfg, name=f"d{n}")
@@ -46,7 +50,7 @@ class PDPair:
             "prefill-0", engine_cfg(model_dir, p_block, emulate=emulate),
             PrefillSchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk,
                                    fairness_policy=fairness),
-            self.sender, p_blocks)
+            self.sender, p_blocks, layerwise_groups=layerwise)
         self.decode = DecodeEngine(
             "decode-0", engine_cfg(model_dir, d_block, emulate=emulate),
             DecodeSchedulerConfig(max_model_len=1024, headroom_tokens=headroom,

@@ -3,7 +3,11 @@
 One queue, as a GPU stream: work submitted at ``now`` starts when the device is free
 (``start = max(now, free_at)``), holds it for its cost and ends at ``free_at``; the host
 waits for an end with ``time.sleep`` (the GIL is free: the worker's other threads, its
-KV links and channel, run meanwhile). A step submitted late starts late.
+KV links and channel, run meanwhile). A step submitted late starts late. Beside it runs one copy engine (``copy``), as a GPU's
+side-stream copies overlap its kernels: the copies of a layer-wise export (each layer
+group's KV to the host while the step's later layers compute) queue there, each after
+its group's compute; whole-chunk exports stay on the step queue (``submit``), as the
+simulator accounts them.
 
 Accounting, as a worker reports it (GetStats, /metrics, bench):
 
@@ -48,6 +52,15 @@ class EmulatedDevice:
         self.lags: deque[float] = deque(maxlen=LAG_WINDOW)
         self.lag_s = 0.0  # over every continuing step
         self.lag_steps = 0
+        self.copy_free_at = self.created
+        self.copy_s = 0.0
+
+    def copy(self, cost_s: float, after: float) -> float:
+        """Queue ``cost_s`` of copy-engine work that may start at ``after`` (its data's
+        compute end on the step queue); returns when it ends. Not counted as busy."""
+        self.copy_free_at = max(after, self.copy_free_at, self.clock()) + cost_s
+        self.copy_s += cost_s
+        return self.copy_free_at
 
     def submit(self, cost_s: float, continues: bool = False) -> float:
         """Queue ``cost_s`` of work now; returns when it ends. ``continues``: a step that
@@ -74,7 +87,7 @@ class EmulatedDevice:
         lag = percentiles(list(self.lags), (50, 99)) if self.lags else {}
         return {"device_busy_s": self.busy_s, "device_wall_s": wall,
                 "device_busy_ratio": min(1.0, self.busy_s / wall),
-                "device_steps": float(self.steps),
+                "device_steps": float(self.steps), "device_copy_s": self.copy_s,
                 "host_lag_s": self.lag_s, "host_lag_steps": float(self.lag_steps),
                 "host_lag_p50_s": float(lag.get(50, 0.0)),
                 "host_lag_p99_s": float(lag.get(99, 0.0))}
