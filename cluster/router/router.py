@@ -22,6 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from cluster.router.admin import RouterAdmin
 from cluster.router.admission import DecodeAdmission
@@ -134,24 +135,22 @@ class Router(RouterAdmin):
         leg_id, prompt, sampling = self._new_leg(flight)
         dtask = DecodeTask(leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant)
         decode = None if refused else self._decode_at_once(len(prompt))
-        if decode is not None:
-            round_ = self.admission.core.round
-            blocks = self._reserving.sent(id(decode), len(prompt), decode.block_size)
-            try:
-                reply = decode.actor.reserve.remote(dtask)
-            except Exception as e:  # (a dead actor may refuse the call itself)
-                reply = asyncio.get_running_loop().create_future()
-                reply.set_exception(e)
-            self.spawn(self._reserve_reply(flight, decode, leg_id, reply, round_, blocks))
-        else:
+        if decode is None:
             decode = await self.admission.admit(flight, dtask, refused)
             if decode is None:
                 return  # the request ended while it waited
+            reserve = None
+        else:  # sent right before the add, once that is built: nothing runs between them
+            reserve = (self.admission.core.round,
+                       self._reserving.sent(id(decode), len(prompt), decode.block_size))
         flight.decode = decode
         decode.legs.add(leg_id)
-        try:
+        try:  # (with `reserve`, _decode_at_once saw a live prefill worker, and no await since)
             prefill = self._pick_prefill(prompt)
         except RouterError:  # the prefill pool died while we reserved: a new leg waits
+            if reserve is not None:  # (never sent: nothing to undo on the decode worker)
+                self._reserving.answered(id(decode), reserve[1])
+                decode.legs.discard(leg_id)
             self.end_leg(flight)  # (grace) for its restart
             flight.failures += 1
             await self.dispatch(flight)
@@ -164,8 +163,14 @@ class Router(RouterAdmin):
                            spec.tenant, spec.priority, deadline_s)
         if flight.first_token_at is None:  # the TTFT's admission phase ends here
             flight.dispatched_at = time.monotonic()
+        # the reserve goes first (the decode worker can serve nothing before it), the add
+        # right behind it
+        reply = None if reserve is None else _remote(decode.actor.reserve, dtask)
+        added = _remote(prefill.actor.add, task)
+        if reserve is not None:
+            self.spawn(self._reserve_reply(flight, decode, leg_id, reply, *reserve))
         try:
-            await prefill.actor.add.remote(task)
+            await added
         except ValueError as e:
             raise RouterError(ErrorCode.INVALID_ARGUMENT, str(e)) from e
         except Exception as e:  # the prefill actor died under us: next leg
@@ -317,3 +322,14 @@ class Router(RouterAdmin):
         if not flight.done:  # client went away or an error escaped: abort everywhere
             self.release(flight)
             self.end_leg(flight)
+
+
+def _remote(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)``, or a failed Future where the call itself raised (a dead
+    actor may refuse it): awaiting either raises the same way."""
+    try:
+        return method.remote(*args)
+    except Exception as e:  # noqa: BLE001 - raised where it is awaited
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_exception(e)
+        return fut
