@@ -128,7 +128,8 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--configs", default="", help="comma-separated configuration names to run")
     p.add_argument("--num-requests", type=int, default=None, help="override request counts")
-    p.add_argument("--slo", default="", help="goodput SLOs in ms (default ttft:2000,tpot:200)")
+    p.add_argument("--slo", default="", help="goodput SLOs in ms (default ttft:2000,tpot:200; "
+                   "with --emulate ttft:250,tpot:25)")
     p.add_argument("--no-trace", action="store_true", help="do not record worker traces")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
@@ -144,6 +145,11 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
                    "services on an emulated accelerator (as `pdserve serve --emulate`) of "
                    "--model-shape: results labelled 'emulated <profile>, <shape>: analytic, "
                    "not measured'")
+    p.add_argument("--emulate-kv-fraction", type=float, default=1.0,
+                   help="with --emulate: the share of each chunk's KV bytes the prefill "
+                   "workers send, the link charged in full (as `pdserve serve "
+                   "--emulate-kv-fraction`; labelled), where this host's copies would set "
+                   "the pace (default 1)")
     g.add_argument("--analytic-dtype", default="bfloat16", help="with --analytic")
     g.add_argument("--prefill-workers", type=int, default=8, help="simulated prefill pool")
     g.add_argument("--decode-workers", type=int, default=24, help="simulated decode pool")
@@ -157,20 +163,24 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
 
 def study_options(args: argparse.Namespace):
     from bench.metrics import parse_slo
-    from bench.studies.context import DEFAULT_SLOS, StudyOptions
+    from bench.studies.context import DEFAULT_SLOS, EMULATED_SLOS, StudyOptions
 
     emulate = getattr(args, "emulate", None)
     label = None
     if emulate:
         from engine.config import EmulateConfig
 
-        label = EmulateConfig(emulate, args.model_shape).label
+        label = EmulateConfig(emulate, args.model_shape, args.emulate_kv_fraction).label
+    elif args.emulate_kv_fraction != 1.0:
+        raise ValueError("--emulate-kv-fraction needs --emulate")
     return StudyOptions(
         out=args.out, quick=args.quick, model=label or args.model, link_gbps=args.link_gbps,
         emulate=emulate, model_shape=args.model_shape if emulate else None,
+        emulate_kv_fraction=args.emulate_kv_fraction if emulate else 1.0,
         transfer_compute_ratio=args.transfer_compute_ratio, transport=args.transport,
         seed=args.seed, trace=not args.no_trace, progress=not args.no_progress,
-        slos=parse_slo(args.slo) if args.slo else dict(DEFAULT_SLOS),
+        slos=parse_slo(args.slo) if args.slo else dict(EMULATED_SLOS if emulate
+                                                       else DEFAULT_SLOS),
         configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
         num_requests=args.num_requests)
 

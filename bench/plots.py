@@ -29,6 +29,12 @@ CHUNK_PANELS: tuple[tuple[str, str, str], ...] = (
     ("goodput_rps", "SLO goodput", "goodput (req/s)"),
     ("prefill_step_ms", "Mean prefill step time", "step time (ms)"),
 )
+# the fourth panel on an emulated device: per step, the device's busy time (kernel) and
+# the host's lag before a continuing step (scheduling gap), of each role
+STEP_PARTS: tuple[tuple[str, str], ...] = (
+    ("prefill_kernel_ms", "prefill kernel"), ("prefill_gap_ms", "prefill gap"),
+    ("decode_kernel_ms", "decode kernel"), ("decode_gap_ms", "decode gap"),
+)
 
 
 def _figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (7.0, 4.5)) -> Any:
@@ -146,18 +152,25 @@ def plot_chunk_size_study(
     slo_itl_ms: float | None = None,
     logx: bool = True,
 ) -> Path:
-    """The 4-panel chunk-size figure: TTFT p99, ITL p99, SLO goodput, prefill step time.
+    """The 4-panel chunk-size figure: TTFT p99, ITL p99, SLO goodput, step time.
 
     ``results[series][chunk_size]`` is a row with the keys of :data:`CHUNK_PANELS`
     (``ttft_p99_ms``, ``itl_p99_ms`` — or ``tpot_p99_ms`` —, ``goodput_rps``,
-    ``prefill_step_ms``); missing keys leave gaps. Optional SLO lines are dashed.
+    ``prefill_step_ms``); missing keys leave gaps. Optional SLO lines are dashed. Rows
+    with the :data:`STEP_PARTS` keys (an emulated device's accounting) make the fourth
+    panel kernel time and scheduling gap per step, one line per part (gaps dashed).
     """
     if not results:
         raise ValueError("results must not be empty")
     fig, axes = _figure(2, 2, size=(12.0, 8.0))
     use_tpot = not any("itl_p99_ms" in row for s in results.values() for row in s.values())
     slo = {"ttft_p99_ms": slo_ttft_ms, "itl_p99_ms": slo_itl_ms}
+    parts = any(row.get(STEP_PARTS[0][0]) is not None for s in results.values()
+                for row in s.values())
     for ax, (key, panel, ylabel) in zip(axes.flat, CHUNK_PANELS, strict=True):
+        if key == "prefill_step_ms" and parts:
+            _draw_step_parts(ax, results, logx)
+            continue
         if key == "itl_p99_ms" and use_tpot:
             key, panel, ylabel = "tpot_p99_ms", "TPOT p99", "TPOT p99 (ms)"
             slo[key] = slo_itl_ms
@@ -173,6 +186,23 @@ def plot_chunk_size_study(
         ax.legend(fontsize=8)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def _draw_step_parts(ax: Any, results: Mapping[str, Mapping[int, Mapping[str, Any]]],
+                     logx: bool) -> None:
+    """The fourth chunk-size panel on an emulated device: kernel time and scheduling gap
+    per step of each role (a series' name prefixes its lines when there are several)."""
+    series = {part if len(results) == 1 else f"{name}: {part}":
+              {c: row.get(key) for c, row in rows.items()}
+              for name, rows in results.items() for key, part in STEP_PARTS}
+    _draw_lines(ax, series, logx)
+    for line in ax.get_lines():
+        if line.get_label().endswith(" gap"):
+            line.set_linestyle("--")
+    ax.set_title("Kernel time + scheduling gap per step vs chunk size")
+    ax.set_xlabel("max prefill chunk (tokens)")
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=8)
 
 
 _FAINT = {"request": 0.18, "queue": 0.35, "kv_queue": 0.35}  # waiting, not working: alpha

@@ -26,6 +26,9 @@ from cluster.config.serve import ServeConfig
 
 log = logging.getLogger(__name__)
 DEFAULT_SLOS = {"ttft": 2000.0, "tpot": 200.0}  # ms; CPU-sized, recorded in every result
+# ms; on an emulated accelerator (--emulate, without --slo): an interactive 8B service on
+# one GPU, first token within 250 ms and 40 tokens/s after it
+EMULATED_SLOS = {"ttft": 250.0, "tpot": 25.0}
 TENANT_WEIGHTS = {"gold": 2.0, "free": 1.0}
 
 
@@ -48,6 +51,10 @@ class StudyOptions:
     # the device's transfer/compute ratio; ``model`` is then the label titles carry
     emulate: str | None = None
     model_shape: str | None = None
+    # with ``emulate``: the share of each chunk's KV bytes the prefill workers send (the
+    # link charged in full; pdserve serve --emulate-kv-fraction), where this host's copies
+    # would otherwise set the pace; every label says so
+    emulate_kv_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.transport not in ("inproc", "grpc"):
@@ -68,7 +75,7 @@ class StudyOptions:
 
         if not self.model_shape:
             raise ValueError("--emulate needs --model-shape")
-        return EmulateConfig(self.emulate, self.model_shape)
+        return EmulateConfig(self.emulate, self.model_shape, self.emulate_kv_fraction)
 
     def summary(self) -> str:
         """One line for the console and the index."""
@@ -187,6 +194,7 @@ class StudyContext:
             "model": {"path": str(self.model_dir), "device": "cpu",
                       "max_model_len": self.max_model_len,
                       **({"emulate": self.opts.emulate, "model_shape": self.opts.model_shape,
+                          "emulate_kv_fraction": self.opts.emulate_kv_fraction,
                           "dtype": "bfloat16"} if self.opts.emulate else {})},
             "pools": {"cpus_per_worker": 1.0, "max_restarts": 0},
             "cache": {"kv_cache_memory_gb": 0.25, "enable_prefix_caching": False},

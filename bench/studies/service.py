@@ -268,6 +268,24 @@ def mean_step_s(delta: dict[str, dict], role: str) -> float | None:
     return busy / steps if steps else None
 
 
+def device_timing(delta: dict[str, dict], role: str) -> dict[str, float] | None:
+    """An emulated device's step accounting of the ``role`` workers over a run (summed over
+    them; None off an emulated device): ``kernel_s``, the device's busy time per engine
+    step (its KV copies included);
+    ``gap_s``, the host's lag per continuing step (how long the device sat idle between a
+    step and the one that needed its results: the scheduling gap); ``busy_ratio``, device
+    seconds over wall seconds; ``lag_share``, the lag over the busy time."""
+    ds = [d for d in delta.values() if d["role"] == role and d.get("device_wall_s")]
+    if not ds:
+        return None
+    tot = {k: sum(d.get(k, 0.0) for d in ds) for k in DEVICE_COUNTED}
+    steps = sum(d["steps"] for d in ds)
+    return {"kernel_s": tot["device_busy_s"] / steps if steps else 0.0,
+            "gap_s": tot["host_lag_s"] / tot["host_lag_steps"] if tot["host_lag_steps"] else 0.0,
+            "busy_ratio": tot["device_busy_s"] / tot["device_wall_s"],
+            "lag_share": tot["host_lag_s"] / tot["device_busy_s"] if tot["device_busy_s"] else 0.0}
+
+
 def config_key(cfg: ServeConfig, layout: Layout) -> str:
     return json.dumps([cfg.to_dict(), layout.__dict__], sort_keys=True, default=str)
 

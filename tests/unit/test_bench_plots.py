@@ -50,3 +50,24 @@ def test_chunk_size_study(tmp_path: Path) -> None:
     assert is_png(out)
     tpot_only = {"p/d": {256: {"tpot_p99_ms": 12.0}, 512: {"tpot_p99_ms": 20.0}}}
     assert is_png(plot_chunk_size_study(tpot_only, tmp_path / "tpot.png", slo_itl_ms=15.0))
+
+
+def test_chunk_size_study_draws_kernel_time_and_gap_on_an_emulated_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.plots as plots
+
+    rows = {c: {"ttft_p99_ms": 100.0, "itl_p99_ms": 20.0, "goodput_rps": 10.0,
+                "prefill_step_ms": c / 20, **{k: c / 100 + i for i, (k, _) in
+                                              enumerate(plots.STEP_PARTS)}} for c in (64, 256)}
+    drawn: list = []
+    real = plots._draw_step_parts
+
+    def spy(ax, results, logx):
+        drawn.append(results)
+        real(ax, results, logx)
+
+    monkeypatch.setattr(plots, "_draw_step_parts", spy)
+    assert is_png(plot_chunk_size_study({"p/d": rows}, tmp_path / "dev.png"))
+    assert is_png(plot_chunk_size_study({"p/d": {64: {"prefill_step_ms": 1.0}}},
+                                        tmp_path / "cpu.png"))
+    assert len(drawn) == 1 and drawn[0]["p/d"] is rows  # the emulated rows only

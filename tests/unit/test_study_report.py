@@ -122,3 +122,21 @@ def test_a_missing_plot_is_named_not_fatal(tmp_path: Path) -> None:
                       [{"config": "eager"}], plots=["gone.png"])
     page = report(fake_ctx(tmp_path), res)
     assert "plot gone.png is missing" in page
+
+
+def test_the_chunk_size_findings_read_the_kernel_time_and_the_scheduling_gap() -> None:
+    dev = {64: (4.0, 1.2, 0.30, 0.30, 4.0, 0.2, 0.05, 0.3),
+           512: (8.0, 0.4, 0.05, 0.50, 4.0, 0.2, 0.05, 0.4)}
+    rows = [{"config": f"chunk-{c}", "chunk": c, "prefill_kernel_ms": pk, "prefill_gap_ms": pg,
+             "prefill_lag_share": pl, "prefill_busy_ratio": pb, "decode_kernel_ms": dk,
+             "decode_gap_ms": dg, "decode_lag_share": dl, "decode_busy_ratio": db}
+            for c, (pk, pg, pl, pb, dk, dg, dl, db) in dev.items()]
+    out = chunk_size.findings(StudyResult("chunk-size", "C", "d", chunk_size.COLUMNS, rows))
+    assert out == [
+        "A prefill step's kernel took 4.00 ms at chunk 64 and 8.00 ms at chunk 512 (2.0x for "
+        "8x the tokens); the scheduling gap was 1.20 and 0.40 ms per step.",
+        "The host set the prefill pace at chunk 64: the device waited for it 30% of its busy "
+        "time at chunk 64.",
+        "The decode device, not the host, set the pace at every chunk (host lag at most 5% of "
+        "its busy time; busy 30-40% of the run).",
+    ]

@@ -64,6 +64,23 @@ def test_stats_delta_gives_this_runs_mean_step_time() -> None:
     assert mean_step_s(d, "colocated") is None
 
 
+def test_device_timing_is_busy_per_step_and_lag_per_continuing_step() -> None:
+    from bench.studies.service import device_timing
+
+    dev = {"device_busy_s": 1.0, "device_wall_s": 10.0, "host_lag_s": 0.0,
+           "host_lag_steps": 0.0, "process_cpu_s": 0.0}
+    before = {"p": {"role": "prefill", "num_steps": 10, "mean_step_s": 0.01, **dev},
+              "d": {"role": "decode", "num_steps": 10, "mean_step_s": 0.01}}
+    after = {"p": {"role": "prefill", "num_steps": 30, "mean_step_s": 0.01,
+                   **dev, "device_busy_s": 1.4, "device_wall_s": 12.0, "host_lag_s": 0.1,
+                   "host_lag_steps": 10.0},
+             "d": {"role": "decode", "num_steps": 20, "mean_step_s": 0.01}}
+    t = device_timing(stats_delta(before, after), "prefill")
+    assert t == pytest.approx({"kernel_s": 0.4 / 20, "gap_s": 0.01, "busy_ratio": 0.2,
+                               "lag_share": 0.25})
+    assert device_timing(stats_delta(before, after), "decode") is None  # not emulated
+
+
 def test_a_runs_garbage_collections_are_its_own_and_merged_runs_sum_them() -> None:
     from bench.studies.service import RunOutput, merge_runs
 
@@ -130,6 +147,17 @@ def test_cli_parsers_and_plugin_registration(capsys) -> None:
     args = parser.parse_args(["study", "chunk-size", "--out", "x", "--quick",
                               "--transfer-compute-ratio", "0.3"])
     assert args.name == "chunk-size" and args.transfer_compute_ratio == 0.3
+    from bench.cli import study_options
+    from bench.studies.context import DEFAULT_SLOS, EMULATED_SLOS
+
+    assert study_options(args).slos == DEFAULT_SLOS and study_options(args).emulate is None
+    em = study_options(parser.parse_args(["study", "chunk-size", "--out", "x", "--emulate",
+                                          "h200", "--emulate-kv-fraction", "0.25"]))
+    assert em.slos == EMULATED_SLOS and em.emulate_kv_fraction == 0.25
+    assert "KV sent: 0.25" in em.model and em.emulate_config.kv_fraction == 0.25
+    with pytest.raises(ValueError, match="needs --emulate"):
+        study_options(parser.parse_args(["study", "chunk-size", "--out", "x",
+                                         "--emulate-kv-fraction", "0.5"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["study", "chunk-size", "--out", "x", "--link-gbps", "1",
                            "--transfer-compute-ratio", "0.3"])
