@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from decode_worker.early_kv import EarlyKV, EarlyKVConfig
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
@@ -64,6 +64,7 @@ class DecodeEngine:
         faults: FaultInjector | None = None,
         early: EarlyKVConfig | None = None,
         stream_interval: int = 1,
+        runner: Any = None,
     ):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -72,7 +73,8 @@ class DecodeEngine:
         self._held: dict[str, list[int]] = {}  # leg -> tokens not reported yet
         self.faults = faults  # fault injection (tests only): may refuse admission
         self.config = config
-        self.runner = make_runner(config, num_blocks)  # rank 0's, under TP
+        # rank 0's, under TP; ``runner``: one that another engine ran (a role switch)
+        self.runner = make_runner(config, num_blocks) if runner is None else runner
         self.bm = BlockManager(num_blocks, config.cache.block_size, enable_prefix_caching=False)
         self.scheduler = DecodeScheduler(sched_config, self.bm)
         self.receiver = receiver
