@@ -24,6 +24,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -63,13 +64,15 @@ class PrefillEngine:
         num_blocks: int,
         tracer: TraceRecorder | None = None,
         layerwise_groups: int = 0,
+        runner: Any = None,
     ):
         """``layerwise_groups``: send each prompt's final chunk in this many groups of
         layers while its step runs (0: whole, after the step)."""
         self.worker_id = worker_id
         self.layerwise_groups = layerwise_groups
         self.config = config
-        self.runner = make_runner(config, num_blocks)  # rank 0's, under TP
+        # rank 0's, under TP; ``runner``: one that another engine ran (a role switch)
+        self.runner = make_runner(config, num_blocks) if runner is None else runner
         self.bm = BlockManager(num_blocks, config.cache.block_size,
                                config.cache.enable_prefix_caching)
         self.scheduler = PrefillScheduler(sched_config, self.bm)
