@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from cluster.ttft_phases import TTFT_PHASES, ttft_phases
+
 PHASES: tuple[str, ...] = ("queue", "prefill", "transfer", "decode")  # server-side, in order
-# the TTFT's phases, in order (RequestRecord.ttft_phases): each on the clock that saw it
-TTFT_PHASES: tuple[str, ...] = ("admission", "prefill_queue", "prefill_compute", "control",
-                                "delivery")
+# TTFT_PHASES: the TTFT's phases, in order (RequestRecord.ttft_phases), re-exported
+__all__ = ["PHASES", "TTFT_PHASES", "RequestRecord", "phase_times"]
 
 
 @dataclass(frozen=True)
@@ -82,23 +83,13 @@ class RequestRecord:
         return [b - a for a, b in pairwise(self.token_times)]
 
     def ttft_phases(self) -> dict[str, float] | None:
-        """The TTFT split into TTFT_PHASES, None without the server's phase times.
-
-        admission (router clock: the admission queue and the decode reservation),
-        prefill_queue and prefill_compute (the prefill worker's clock: waiting for its
-        first chunk, then the chunks up to the first token), control (the router's TTFT
-        less those: the add's trip to the worker and the first token's trip back, loops
-        included) and delivery (the client's TTFT less the router's: the front door and
-        the network both ways). pdserve streams the first token from the prefill worker,
-        so the KV transfer and decode admission fall on the second token (`transfer_s`).
-        The phases add up to the client's TTFT by construction."""
-        ttft = self.ttft
-        parts = (self.admission_s, self.queue_s, self.prefill_s, self.router_ttft_s)
-        if ttft is None or any(v is None for v in parts) or not self.router_ttft_s:
-            return None
-        adm, queue, prefill, router = parts  # type: ignore[misc]
-        return {"admission": adm, "prefill_queue": queue, "prefill_compute": prefill,
-                "control": router - adm - queue - prefill, "delivery": ttft - router}
+        """The TTFT split into TTFT_PHASES, None without the server's phase times: the
+        rule of cluster/ttft_phases.py (the router's histograms use it too). admission
+        (router clock), prefill_queue and prefill_compute (the prefill worker's),
+        control (the router's TTFT less those) and delivery (the client's TTFT less the
+        router's); they add up to the client's TTFT by construction."""
+        return ttft_phases(self.ttft, self.router_ttft_s, self.admission_s, self.queue_s,
+                           self.prefill_s)
 
 
 def phase_times(usage: Any) -> dict[str, float | None]:

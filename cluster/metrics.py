@@ -31,6 +31,7 @@ from prometheus_client.core import (
 )
 
 from cluster.grpc.auth import BearerToken
+from cluster.ttft_phases import server_phases
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +78,14 @@ class ServiceMetrics:
 
     def observe_finish(self, usage, tenant: str = "default") -> None:
         self.e2e.observe(usage.e2e_s)
-        if usage.ttft_s > 0 and usage.prefill_s > 0:  # the first token came from a prefill
+        phases = server_phases(usage.ttft_s, usage.admission_s, usage.queue_s,
+                               usage.prefill_s)  # (None: the first token was no prefill's)
+        if phases is not None:
             if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
                 tenant = "other"  # tenants are the clients' strings: bound the series
             self._tenants.add(tenant)
-            control = usage.ttft_s - usage.admission_s - usage.queue_s - usage.prefill_s
-            for phase, seconds in (("admission", usage.admission_s),
-                                   ("prefill_queue", usage.queue_s),
-                                   ("prefill_compute", usage.prefill_s),
-                                   ("control", max(control, 0.0))):
-                self.ttft_phase.labels(phase, tenant).observe(seconds)
+            for phase, seconds in phases.items():  # (clocks of two processes: >= 0)
+                self.ttft_phase.labels(phase, tenant).observe(max(seconds, 0.0))
 
     def forget(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)

@@ -76,3 +76,22 @@ def test_the_router_observes_the_server_side_phases_per_tenant() -> None:
                generate_latest(m.registry).decode().splitlines()
                if ln.startswith("pdserve:ttft_phase_seconds_count")}
     assert len(tenants) == MAX_TENANT_LABELS + 1 and "other" in tenants
+
+
+def test_the_router_and_the_bench_split_by_one_rule() -> None:
+    """cluster/ttft_phases.py is the one copy: the histograms hold what the records say,
+    and a first token that no prefill made is split by neither."""
+    r = record("a", "gold", 0.100, adm=0.010, queue=0.020, prefill=0.040, router=0.085)
+    m = ServiceMetrics()
+    m.observe_finish(Usage(ttft_s=0.085, admission_s=0.010, queue_s=0.020, prefill_s=0.040),
+                     "gold")
+    m.observe_finish(Usage(ttft_s=0.05, admission_s=0.01), "gold")  # no prefill: no split
+    text = generate_latest(m.registry).decode()
+    for phase, seconds in r.ttft_phases().items():
+        key = f'pdserve:ttft_phase_seconds_sum{{phase="{phase}",tenant="gold"}} '
+        if phase == "delivery":  # the client's part: the router never sees it
+            assert key not in text
+            continue
+        assert float(text.split(key)[1].split()[0]) == pytest.approx(seconds)
+    assert record("b", "x", 0.1, adm=0.01, queue=0.0, prefill=0.0, router=0.05).ttft_phases() \
+        is None
