@@ -8,6 +8,7 @@ import ray
 
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
+from kv_transfer.base import KVReceiver
 from kv_transfer.heads import rank_heads
 from kv_transfer.registry import make_receiver
 from runtime.messages import DecodeTask, WorkerLoad
@@ -16,37 +17,44 @@ from runtime.tp_links import GroupReceiver, join_endpoints
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase, advertised
 
 
+def build_engine(spec: WorkerSpec[DecodeSchedulerConfig], cfg, receiver: KVReceiver,
+                 num_blocks: int, tracer, faults, tp_size: int, runner=None) -> DecodeEngine:
+    """The worker's engine (on its loop thread); ``runner``: keep another engine's (a role
+    switch, cluster/launch/role_worker.py)."""
+    engine = DecodeEngine(spec.worker_id, cfg, spec.scheduler, receiver, num_blocks, tracer,
+                          faults=faults, early=spec.scheduler.early_kv,
+                          stream_interval=spec.stream_interval, runner=runner)
+    if tp_size > 1:  # a TP group: every rank receives its own heads (runtime/tp_links)
+        receiver.set_head_range(rank_heads(cfg.model.num_kv_heads, tp_size, 0))
+        engine.receiver = GroupReceiver(receiver, engine.runner)
+    return engine
+
+
+def channel_commands(engine: DecodeEngine, on_loop) -> dict:
+    """The decode role's channel commands (``on_loop`` queues a call on the loop)."""
+    return {"reserve": on_loop(engine.reserve), "keepalive": on_loop(engine.keepalive)}
+
+
+def load(engine: DecodeEngine) -> WorkerLoad:
+    return WorkerLoad(engine.bm.num_used_blocks, engine.scheduler.promised_free_blocks(),
+                      len(engine.scheduler.running), len(engine.scheduler.pending))
+
+
 class DecodeWorker(WorkerBase):
     def __init__(self, spec: WorkerSpec[DecodeSchedulerConfig]):
         super().__init__(spec)
         self.receiver = make_receiver(spec.transfer, **spec.connector_kwargs())
-
-        def build() -> DecodeEngine:  # on the loop thread (runtime.worker.WorkerBase.start)
-            engine = DecodeEngine(spec.worker_id, self.cfg, spec.scheduler, self.receiver,
-                                  self.num_blocks, self.tracer, faults=self.faults,
-                                  early=spec.scheduler.early_kv,
-                                  stream_interval=spec.stream_interval)
-            if self.ranks:  # a TP group: every rank receives its own heads (runtime/tp_links)
-                m = self.cfg.model
-                self.receiver.set_head_range(rank_heads(m.num_kv_heads, len(self.ranks) + 1,
-                                                        0))
-                engine.receiver = GroupReceiver(self.receiver, engine.runner)
-            return engine
-
-        self.start(build)
+        self.start(lambda: build_engine(spec, self.cfg, self.receiver, self.num_blocks,
+                                        self.tracer, self.faults, len(self.ranks) + 1))
         # a leg waiting on its KV starts on arrival, not at the nap's end: the link's
         # thread wakes the loop itself (no doorbell thread between them)
         self.receiver.set_arrival_hook(self.loop.wake)
 
     def channel_commands(self) -> dict:
-        e = self.engine
-        return {**super().channel_commands(), "reserve": self._on_loop(e.reserve),
-                "keepalive": self._on_loop(e.keepalive)}
+        return {**super().channel_commands(), **channel_commands(self.engine, self._on_loop)}
 
     def load(self) -> WorkerLoad:
-        e = self.engine
-        return WorkerLoad(e.bm.num_used_blocks, e.scheduler.promised_free_blocks(),
-                          len(e.scheduler.running), len(e.scheduler.pending))
+        return load(self.engine)
 
     def endpoint(self) -> str:
         """The receiver's address as peers on other nodes can reach it; a TP worker's is

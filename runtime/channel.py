@@ -221,6 +221,12 @@ class ChannelServer:
         self._listener = Listener(worker_id, secret, host, self._linked)
         self.host, self.port = self._listener.host, self._listener.port
 
+    def set_role(self, role: str, commands: Mapping[str, Command]) -> None:
+        """The worker changed role (cluster/launch/role_worker.py): its commands and the
+        events that end a leg here are the new role's. Called between steps, with no leg
+        held here."""
+        self.role, self._ends, self.commands = role, LEG_ENDS[role], dict(commands)
+
     @property
     def legs(self) -> int:
         """Legs whose events are routed to a link (0 once every leg ended: a leak check)."""

@@ -102,6 +102,14 @@ class FakeActor:
         self.tombstones.add(request_id)
         return False
 
+    async def _switch_role(self, role):
+        """A RoleWorker's switch: refused while it holds a leg, as the real one does."""
+        self.calls.append(("switch_role", role))
+        if self.held:
+            raise RuntimeError(f"{self.worker_id} still holds legs {sorted(self.held)}")
+        return WorkerInfo(self.worker_id, role, num_blocks=100, block_size=self.block_size,
+                          endpoint=f"fake://{self.worker_id}" if role == "decode" else "")
+
     async def _stats(self):
         return EngineStats(role="fake", num_running=len(self.held))
 

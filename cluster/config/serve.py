@@ -268,10 +268,17 @@ class PoolsSection(Section):
                                    "flight, has room (a burst is reserved in one go, not one "
                                    "reserve per decode step); off: one reserve in flight per "
                                    "decode worker")
+    role_switch: bool = opt(False, "workers that can change role live (the planner's move): "
+                            "each holds both ends of the KV link and keeps its weights and "
+                            "KV memory across a switch (cluster/launch/role_worker.py); "
+                            "needs one block size and TP 1 on both pools")
 
     def _check(self) -> None:
         if self.address is not None and not self.address.strip():
             raise self._bad("address", "must be 'auto', 'ray://...' or unset")
+        if self.role_switch and (self.prefill_tp > 1 or self.decode_tp > 1):
+            raise self._bad("role_switch", "needs prefill_tp = decode_tp = 1 (a TP group's "
+                            "ranks hold one role's links)")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ import ray
 
 from cluster.config.serve import ServeConfig
 from cluster.launch.placement import PoolPlan, actor_options, plan_colocated, plan_pools
+from cluster.launch.role_worker import RemoteRoleWorker
 from cluster.launch.tp_groups import TPGroups
-from cluster.launch.worker_specs import router_config, worker_specs
+from cluster.launch.worker_specs import role_specs, router_config, worker_specs
 from cluster.router.pool import WorkerHandle
 from cluster.router.router import Router, RouterConfig
 from decode_worker.worker import RemoteDecodeWorker
@@ -87,9 +88,12 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
     try:
         for spec, w in zip(specs, plan.workers, strict=True):
             cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
+            args: tuple = (spec,)
+            if p.role_switch:  # (its check: TP 1, so no placement group)
+                cls, args = RemoteRoleWorker, (role_specs(cfg, spec), w.role)
             pg = groups.start(spec, w, opts.max_restarts)  # None for a one-rank worker
             actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts,
-                                                pg, 0 if pg else None)).remote(spec)
+                                                pg, 0 if pg else None)).remote(*args)
             handles.append(WorkerHandle(w.worker_id, w.role, actor,
                                         actor_name=spec.actor_name))
         _wait_ready(handles, plan)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from cluster.config.serve import ServeConfig
@@ -151,3 +152,18 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, tag: str, *,
             num_threads=w.torch_threads, actor_name=f"{tag}-{w.worker_id}", trace=trace,
             faults=faults, stream_interval=cfg.server.stream_interval))
     return specs
+
+
+def role_specs(cfg: ServeConfig, spec: WorkerSpec) -> dict[str, WorkerSpec]:
+    """A role-switching worker's specs (pools.role_switch, cluster/launch/role_worker.py):
+    its own and the other role's, with the same id, engine and links; ValueError where the
+    two pools' block sizes differ (one KV memory serves both roles)."""
+    c = cfg.cache
+    if c.effective_prefill_block_size != c.effective_decode_block_size:
+        raise ValueError("pools.role_switch needs one block size on both pools, got "
+                         f"cache.prefill_block_size {c.effective_prefill_block_size} and "
+                         f"cache.decode_block_size {c.effective_decode_block_size}")
+    scheduler = {"prefill": prefill_config(cfg),
+                 "decode": decode_config(cfg, spec.engine.scheduler.max_model_len)}
+    return {role: replace(spec, role=role, scheduler=scheduler[role])
+            for role in ("prefill", "decode")}

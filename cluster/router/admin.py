@@ -24,7 +24,7 @@ class RouterAdmin:
     def workers(self) -> list[WorkerHandle]:
         """Every distinct worker (a colocated engine plays both roles)."""
         seen: dict[int, WorkerHandle] = {}
-        for w in self.prefill + self.decode:
+        for w in self.prefill + self.decode + self.switching:
             seen.setdefault(id(w), w)
         return list(seen.values())
 
@@ -47,6 +47,53 @@ class RouterAdmin:
     def mark_dead(self, w: WorkerHandle) -> None:
         """`w` stopped answering: re-dispatch its legs; the pump re-adopts it once back."""
         self.pump.mark_dead(w)
+
+    async def switch_role(self, worker_id: str, role: str, *, drain_timeout_s: float = 300.0,
+                          poll_s: float = 0.01) -> float:
+        """Move a live worker to the other pool without restarting it (a RoleWorker,
+        cluster/launch/role_worker.py): it leaves its pool at once (placement and
+        admission see it no more), its legs finish there, then it changes role and joins
+        the other pool. Returns the switch's duration in seconds. A worker that does not
+        drain within `drain_timeout_s`, or the last live one of its role, stays where it
+        was (RouterError)."""
+        if role not in ("prefill", "decode"):
+            raise RouterError(ErrorCode.INVALID_ARGUMENT,
+                              f"role must be 'prefill' or 'decode', got {role!r}")
+        w = next((w for w in self.prefill + self.decode if w.worker_id == worker_id), None)
+        if w is None:
+            raise RouterError(ErrorCode.INVALID_ARGUMENT, f"no worker {worker_id!r} in either pool"
+                              + (" (it is switching already)" if any(
+                                  s.worker_id == worker_id for s in self.switching) else ""))
+        if w.role == role:
+            return 0.0
+        old, new = (self.prefill, self.decode) if w.role == "prefill" else \
+            (self.decode, self.prefill)
+        if not any(o.alive for o in old if o is not w):
+            raise RouterError(ErrorCode.INVALID_ARGUMENT,
+                              f"{worker_id} is the last live {w.role} worker")
+        t0 = time.monotonic()
+        old.remove(w)
+        self.switching.append(w)
+        try:
+            while w.legs or id(w) in self.admission.core.busy or \
+                    self._reserving.of(id(w))[0]:
+                if time.monotonic() - t0 > drain_timeout_s:
+                    raise RouterError(ErrorCode.DEADLINE_EXCEEDED,
+                                      f"{worker_id} still holds {len(w.legs)} leg(s) after "
+                                      f"{drain_timeout_s:g}s: it stays a {w.role} worker")
+                await asyncio.sleep(poll_s)
+            info = await w.actor.switch_role.remote(role)  # (over Ray: not a hot command)
+        except BaseException:
+            self.switching.remove(w)
+            old.append(w)
+            raise
+        self.switching.remove(w)
+        w.role = info.role
+        w.refresh(info)
+        w.load = w.stats = None  # the other role's load comes with its next message
+        new.append(w)
+        self.admission.wake_head()
+        return time.monotonic() - t0
 
     def wake_admission(self) -> None:
         """Decode capacity may have freed: the head of the admission queue asks again."""

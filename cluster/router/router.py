@@ -46,6 +46,7 @@ class Router(RouterAdmin):
                  channel_secret: bytes = b""):
         """`channel_secret` opens the workers' control channels (runtime/channel.py)."""
         self.prefill, self.decode = prefill, decode
+        self.switching: list[WorkerHandle] = []  # changing role: in neither pool
         self.config, self.tokenizer, self.metrics = config, tokenizer, metrics
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
