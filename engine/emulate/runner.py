@@ -4,10 +4,10 @@ A step costs what the cost model (engine/costs/) gives for exactly that batch --
 prefill chunks' sizes and contexts, the decode batch and its contexts, the sampled rows
 -- on the device timeline (engine/emulate/device.py); KV exports and imports cost their
 copies there too. Meanwhile the host does the model's real memory work: each token's KV,
-of the shape's true size, is written into a real paged cache (engine/emulate/
-kv_pattern.py), exported and imported as the real runner's is, and every range imported
-is checked. Then the host waits for the step's end, without the GIL. A decode token's KV,
-which never leaves its worker (a preempted leg is recomputed by a prefill worker), is
+of the shape's true size (its layers sent, with --emulate-kv-fraction), is written into
+a real paged cache (engine/emulate/kv_pattern.py), exported and imported as the real
+runner's is, and every range imported is checked. Then the host waits for the step's
+end, without the GIL. A decode token's KV, which never leaves its worker (a preempted leg is recomputed by a prefill worker), is
 written one word per (layer, K/V) -- the word a later step reads back -- not tiled over
 its whole size: at batch 256 of llama-3-8b the full tiles cost this host ~100 ms a step.
 
@@ -56,6 +56,12 @@ def emulated_costs(config: EngineConfig) -> CostModel:
     return load_costs(analytic_calibration(em.costs, em.shape, config.dtype))
 
 
+def written_blocks(block_ids: Sequence[int], start: int, end: int,
+                   block_size: int) -> frozenset[int]:
+    """The blocks that hold tokens [start, end)."""
+    return frozenset(block_ids[start // block_size:(max(start, end - 1)) // block_size + 1])
+
+
 def _token(h: int, key: int, vocab: int) -> int:
     return mix(h ^ key) % vocab
 
@@ -65,10 +71,15 @@ class ExportEvent(DeviceEvent):
     gathered (once, by whichever thread comes first)."""
 
     def __init__(self, device: EmulatedDevice, at: float, slots: torch.Tensor,
-                 idx: torch.Tensor, out: torch.Tensor):
+                 idx: torch.Tensor, out: torch.Tensor, blocks: frozenset[int] = frozenset()):
         super().__init__(device, at)
+        self.blocks = blocks  # the cache blocks it reads
         self._src: tuple | None = (slots, idx, out)
         self._lock = threading.Lock()
+
+    @property
+    def gathered(self) -> bool:
+        return self._src is None
 
     def gather(self) -> None:
         with self._lock:
@@ -109,7 +120,8 @@ class EmulatedKV(KVCache):
         payload = torch.empty((layers, 2, end - start, *self._slots.shape[3:]),
                               dtype=self.dtype)
         done = r.accel.submit(r.costs.kv_export_s(max(1, end - start)))  # the full size
-        ev = ExportEvent(r.accel, done, self._slots[:layers], idx, payload)
+        ev = ExportEvent(r.accel, done, self._slots[:layers], idx, payload,
+                         written_blocks(block_ids, start, end, self.block_size))
         self._exports.append(ev)
         return PendingExport(payload, ev)
 
@@ -130,20 +142,28 @@ class EmulatedKV(KVCache):
         step_start, compute_s = r.step_window
         full = r.costs.kv_export_s(max(1, end - start))  # the full size, as export_async
         waits, lo = [], 0
+        blocks = written_blocks(block_ids, start, end, self.block_size)
         for b in bounds:
             done = r.accel.copy(full * (b - lo) / layers, after=step_start + compute_s * b / layers)
-            ev = ExportEvent(r.accel, done, self._slots[lo:b], idx, payload[lo:b])
+            ev = ExportEvent(r.accel, done, self._slots[lo:b], idx, payload[lo:b], blocks)
             self._exports.append(ev)
             waits.append(ev.synchronize)
             lo = b
         return LayerwiseExport(payload, bounds, waits)
 
-    def finish_exports(self) -> None:
-        """Gather every export still pending (a step is about to write the cache: blocks
-        freed since may be written; on a GPU the step's stream waits for the gathers)."""
+    def finish_exports(self, blocks: frozenset[int] | None = None) -> None:
+        """Gather the exports still pending that read any of ``blocks`` (None: every one),
+        the blocks a step is about to write (freed since an export, they may be written;
+        on a GPU the step's stream waits for the gathers). The others stay for the KV link
+        thread that waits for them, off this thread: a prefill chunk's write never touches
+        the blocks of the chunk before it."""
+        keep = []
         for ev in self._exports:
-            ev.gather()
-        self._exports.clear()
+            if blocks is None or ev.blocks & blocks:
+                ev.gather()
+            elif not ev.gathered:
+                keep.append(ev)
+        self._exports = keep
 
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                       layer_start: int = 0, head_start: int | None = None) -> None:
@@ -196,6 +216,12 @@ class EmulatedRunner:
                                                         config.scheduler.max_model_len))
         self.vocab = model.vocab_size
         self.layers_sent = em.layers_sent(model.num_layers)
+        # a prompt token's KV is written for the layers sent only: with
+        # --emulate-kv-fraction the others are never read (not sent, not checked; a
+        # state is read off layer 0), and writing them would make this host, not the
+        # emulated device, set a prefill step's pace (128 KiB a token of llama-3-8b)
+        self.prompt_pattern = self.pattern if self.layers_sent == model.num_layers else \
+            KVPattern(self.layers_sent, self.pattern.salt.shape[2])  # the same first layers
         self._last: set[str] = set()  # request ids of the previous step
         # the latest step's (start on the device timeline, seconds of its layers' compute:
         # all but the sampled rows'); a layer-wise export times its groups by it
@@ -269,8 +295,9 @@ class EmulatedRunner:
             if ch.sample:
                 tok, lps = self._draw(r, hs[-1])
                 out.append(Sampled(r, tok, lps))
-        kv.finish_exports()
-        pattern.write(kv.words, slots, states, positions)
+        kv.finish_exports(None if any(not it.is_prefill for it in items) else frozenset(
+            b for ch in chunks for b in written_blocks(ch.block_ids, ch.start, ch.end, bs)))
+        self.prompt_pattern.write(kv.words[:self.layers_sent], slots, states, positions)
         pattern.write(kv.words, dslots, dstates, dpositions, sparse=True)
         if len(self._keys) > 4096:  # keys of requests that ended: forget them now and then
             self._keys = {k: v for k, v in self._keys.items() if k in ids}
