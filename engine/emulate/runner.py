@@ -8,8 +8,9 @@ of the shape's true size (its layers sent, with --emulate-kv-fraction), is writt
 a real paged cache (engine/emulate/kv_pattern.py), exported and imported as the real
 runner's is, and every range imported is checked. Then the host waits for the step's
 end, without the GIL. A decode token's KV, which never leaves its worker (a preempted
-leg is recomputed by a prefill worker), is written one word per (layer, K/V) -- the word a later step reads back -- not tiled over
-its whole size: at batch 256 of llama-3-8b the full tiles cost this host ~100 ms a step.
+leg is recomputed by a prefill worker), is written one word per (layer, K/V) -- the word
+a later step reads back -- not tiled over its whole size: at batch 256 of llama-3-8b the
+full tiles cost this host ~100 ms a step.
 
 The emulated model's next token after position ``i`` is a hash of the KV state there
 (``h[i]``: the tokens up to ``i``) and of the request's draw key -- 0 for greedy rows,
