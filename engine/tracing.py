@@ -73,6 +73,10 @@ class TraceEvent:
     batch_num_tokens: int | None = None
     bytes: int | None = None
     tenant: str | None = None
+    # a prefill_chunk's step on an emulated device's timeline (wall seconds; the span
+    # itself is the host's, from launch to result): where a layer-wise send overlapped it
+    device_start: float | None = None
+    device_end: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("request_id", "phase", "worker"):

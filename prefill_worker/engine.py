@@ -193,8 +193,7 @@ class PrefillEngine:
                     scheduled_tokens=item.num_tokens, past_kv_tokens=item.start,
                     prefix_hit_tokens=item.request.prefix_hit_tokens,
                     batch_num_seqs=len(items), batch_num_tokens=batch_tokens,
-                    tenant=item.request.tenant, final=item.completes_prefill,
-                    layerwise=item.request.request_id in early, **device)
+                    tenant=item.request.tenant, **device)
         return events
 
     def _layerwise_dest(self, task: PrefillTask) -> bool:
@@ -307,7 +306,7 @@ class PrefillEngine:
                                worker=f"link:{self.worker_id}->{rec.dest}",
                                start=time.time() - (time.monotonic() - rec.start_t),
                                end=time.time() - (time.monotonic() - rec.end_t),
-                               bytes=rec.nbytes, seq_no=rec.seq_no, part=rec.part)
+                               bytes=rec.nbytes, chunk_id=rec.seq_no)
         return out
 
     @property
