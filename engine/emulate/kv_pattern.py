@@ -53,7 +53,8 @@ def chain(h: int, tokens) -> list[int]:
     return out
 
 
-def _mix_np(x: np.ndarray) -> np.ndarray:
+def mix_np(x: np.ndarray) -> np.ndarray:
+    """``mix`` over a uint64 array (its products wrap at 64 bits, as ``mix`` masks)."""
     x = x ^ (x >> np.uint64(30))
     x = x * np.uint64(0xBF58_476D_1CE4_E5B9)
     x = x ^ (x >> np.uint64(27))
@@ -61,12 +62,19 @@ def _mix_np(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def step_np(h: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """``step`` over uint64 arrays: the state after ``tokens[i]`` from state ``h[i]``,
+    for every ``i`` at once (a decode step's rows: one token each)."""
+    with np.errstate(over="ignore"):
+        return mix_np(h * np.uint64(_K) + tokens + np.uint64(1)) & np.uint64(MASK)
+
+
 def salts(num_layers: int, num_positions: int) -> torch.Tensor:
     """``salt(l, kv, i)`` for every layer, K/V and position: int64 ``[L, 2, P]``."""
     lk = np.arange(num_layers * 2, dtype=np.uint64).reshape(num_layers, 2, 1)
     pos = np.arange(num_positions, dtype=np.uint64).reshape(1, 1, num_positions)
     with np.errstate(over="ignore"):
-        x = _mix_np(lk * np.uint64(0xD6E8_FEB8_6659_FD93) + pos * np.uint64(_K)
+        x = mix_np(lk * np.uint64(0xD6E8_FEB8_6659_FD93) + pos * np.uint64(_K)
                     + np.uint64(0x5851_F42D_4C95_7F2D))
     return torch.from_numpy((x & np.uint64(MASK)).view(np.int64))
 
@@ -83,6 +91,22 @@ class KVPattern:
     def __init__(self, num_layers: int, max_positions: int):
         self.num_layers = num_layers
         self.salt = salts(num_layers, max_positions)  # [L, 2, P] int64
+        # numpy views for the per-row paths (no torch dispatch per op): uint64 [L, 2, P],
+        # and position-major [P, 2L] (a decode step's words: one gather of rows)
+        self._salt_np = self.salt.numpy().view(np.uint64)
+        self._salt_rows = np.ascontiguousarray(
+            self._salt_np.transpose(2, 0, 1).reshape(max_positions, -1))
+        self._base: np.ndarray | None = None  # write_sparse's slab offsets
+        self._words: tuple[int, np.ndarray] | None = None  # _flat's last cache
+
+    def _flat(self, slots64: torch.Tensor) -> np.ndarray:
+        """The cache's words as one flat uint64 numpy array sharing its memory (the last
+        cache's kept: the view costs a few torch calls, and it holds the cache alive, so
+        its address names it)."""
+        if self._words is None or self._words[0] != slots64.data_ptr() or \
+                self._words[1].size != slots64.numel():
+            self._words = (slots64.data_ptr(), slots64.view(-1).numpy().view(np.uint64))
+        return self._words[1]
 
     def words(self, states: torch.Tensor, positions: torch.Tensor,
               layers: slice = slice(None)) -> torch.Tensor:
@@ -90,39 +114,48 @@ class KVPattern:
         return states.view(1, 1, -1) ^ self.salt[layers][:, :, positions]
 
     def write(self, slots64: torch.Tensor, slots: list[int], states: list[int],
-              positions: list[int], sparse: bool = False) -> None:
+              positions: list[int]) -> None:
         """Write the words of ``states`` at ``positions`` into ``slots64`` (the cache as
         int64 ``[L, 2, S, KVH, Q]``) at ``slots``. A run of consecutive slots (a block's
-        tokens) is one broadcast copy into its slice: one pass over the bytes written.
-        ``sparse``: only each slab's first word (decode tokens, see the runner)."""
+        tokens) is one broadcast copy into its slice: one pass over the bytes written."""
         if not states:
             return
         w = self.words(torch.tensor(states, dtype=torch.int64),
                        torch.tensor(positions, dtype=torch.long))  # [L, 2, T]
         tiles = w[:, :, :, None, None]  # [L, 2, T, 1, 1], broadcast over [KVH, Q]
-        runs, i = [], 0
+        i = 0
         while i < len(slots):
             j = i + 1
             while j < len(slots) and slots[j] == slots[j - 1] + 1:
                 j += 1
-            runs.append((i, j))
-            i = j
-        if sparse:  # the first word of each slab: what a later step reads back
-            L, _, S, H, Q = slots64.shape
-            base = torch.arange(L * 2, dtype=torch.long).view(L, 2, 1) * (S * H * Q)
-            flat = base + torch.tensor(slots, dtype=torch.long).view(1, 1, -1) * (H * Q)
-            slots64.view(-1)[flat.view(-1)] = w.reshape(-1)  # (the cache is contiguous)
-            return
-        for i, j in runs:
             slots64[:, :, slots[i]:slots[j - 1] + 1] = tiles[:, :, i:j]
+            i = j
+
+    def write_sparse(self, slots64: torch.Tensor, slots: np.ndarray, states: np.ndarray,
+                     positions: np.ndarray) -> None:
+        """Only the first word of each slab of ``states`` (uint64 ``[T]``) at ``positions``
+        into ``slots`` (int64 ``[T]``): what a later step reads back (decode tokens, see
+        the runner). One scatter of ``T x L x 2`` words; the cache must be contiguous."""
+        L, _, S, H, Q = slots64.shape
+        if self._base is None or self._base.shape[0] != L * 2 or self._base[1] != S * H * Q:
+            self._base = np.arange(L * 2, dtype=np.int64) * (S * H * Q)  # (l, kv)'s slab 0
+        flat = (slots[:, None] * (H * Q) + self._base).ravel()  # [T x 2L]
+        self._flat(slots64)[flat] = (states[:, None] ^ self._salt_rows[positions]).ravel()
+
+    def states_at(self, slots64: torch.Tensor, slots: np.ndarray, positions: np.ndarray
+                  ) -> np.ndarray:
+        """uint64 ``[T]``: the states at ``positions`` read off the cache at ``slots``
+        (int64 ``[T]``; layer 0, K, each slab's first word: one gather of T words)."""
+        H, Q = slots64.shape[3:]
+        return self._flat(slots64)[slots * (H * Q)] ^ self._salt_np[0, 0, positions]
 
     def state_at(self, slots64: torch.Tensor, slots: list[int], positions: list[int]
                  ) -> list[int]:
-        """The states at ``positions`` read off the cache (layer 0, K, first word)."""
+        """``states_at`` on lists."""
         if not slots:
             return []
-        w = slots64[0, 0].index_select(0, torch.tensor(slots, dtype=torch.long))[:, 0, 0]
-        return (w ^ self.salt[0, 0, positions]).tolist()
+        return self.states_at(slots64, np.array(slots, dtype=np.int64),
+                              np.array(positions, dtype=np.int64)).tolist()
 
     def check(self, payload: torch.Tensor, start: int, layer_start: int = 0) -> None:
         """PatternError naming the first wrong position of ``payload`` ``[L', 2, T, H', D]``
