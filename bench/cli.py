@@ -131,6 +131,12 @@ def add_study_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", default="", help="goodput SLOs in ms (default ttft:2000,tpot:200; "
                    "with --emulate ttft:250,tpot:25)")
     p.add_argument("--no-trace", action="store_true", help="do not record worker traces")
+    from cluster.config.flags import _weights
+
+    p.add_argument("--tenant-weights", default=None, metavar="NAME=W,...", type=_weights,
+                   help="tenant weights of every configuration (scheduler.tenant_weights: "
+                   "the prefill policy, the KV send queue and decode admission); the "
+                   "fairness study's tenants (default gold=2,free=1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
     g = p.add_argument_group("simulate (sim/study.py): the sweeps at cluster scale")
@@ -182,7 +188,8 @@ def study_options(args: argparse.Namespace):
         slos=parse_slo(args.slo) if args.slo else dict(EMULATED_SLOS if emulate
                                                        else DEFAULT_SLOS),
         configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
-        num_requests=args.num_requests)
+        num_requests=args.num_requests,
+        **({"tenant_weights": args.tenant_weights} if args.tenant_weights else {}))
 
 
 def add_study_args(p: argparse.ArgumentParser) -> None:

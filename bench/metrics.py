@@ -134,6 +134,8 @@ class BenchmarkMetrics:
     short_ttft_with_long: Dist | None = None
     # tenant -> TTFT phase (bench.records.TTFT_PHASES) -> its distribution; "all" first
     ttft_phases: dict[str, dict[str, Dist]] = field(default_factory=dict)
+    # tenant -> (TTFT p50, phase -> seconds): the TTFT p50 split (median_split)
+    ttft_p50_split: dict[str, tuple[float, dict[str, float]]] = field(default_factory=dict)
 
     def _scalars(self) -> list[tuple[str, str, object]]:
         """(json key, printed label, value) of the headline and fairness numbers."""
@@ -185,6 +187,10 @@ class BenchmarkMetrics:
                          for ph, d in phases.items()}
                 for tenant, phases in self.ttft_phases.items()}
             out["ttft_phase_sum_over_ttft_p50"] = self.phase_sum_ratio()
+        if self.ttft_p50_split:
+            out["ttft_p50_phases_ms"] = {
+                tenant: {"ttft_p50": p50 * 1e3, **{ph: v * 1e3 for ph, v in parts.items()}}
+                for tenant, (p50, parts) in self.ttft_p50_split.items()}
         return out
 
     def phase_sum_ratio(self) -> float | None:
@@ -210,6 +216,14 @@ class BenchmarkMetrics:
             lines.append(tenant[:10].ljust(10) + cells + str(count).rjust(6))
         if (ratio := self.phase_sum_ratio()) is not None:
             lines.append(f"{'Phase p50s summed / TTFT p50:':<40} {ratio:<10.2f}")
+        if self.ttft_p50_split:  # the parts of the median TTFT itself: they add up to it
+            lines.append(f"{f'TTFT p50 by phase (ms; the {MEDIAN_SHARE:.0%} nearest it)':-^50}")
+            lines.append("tenant".ljust(10) + "".join(n.rjust(width) for n in names)
+                         + "sum".rjust(8) + "TTFT p50".rjust(10))
+            for tenant, (p50, parts) in self.ttft_p50_split.items():
+                lines.append(tenant[:10].ljust(10) + "".join(
+                    f"{parts[n] * 1e3:.1f}".rjust(width) for n in names)
+                    + f"{sum(parts.values()) * 1e3:.1f}".rjust(8) + f"{p50 * 1e3:.1f}".rjust(10))
         return lines
 
     def format(self, title: str = "Serving Benchmark Result") -> str:
@@ -237,6 +251,24 @@ class BenchmarkMetrics:
             row(label, "n/a" if v is None else float(v))  # type: ignore[arg-type]
         lines.append("=" * 50)
         return "\n".join(lines)
+
+
+MEDIAN_SHARE = 0.1  # the share of requests, nearest the TTFT p50, that split it
+
+
+def median_split(rows: Sequence[tuple[float, Mapping[str, float]]]
+                 ) -> tuple[float, dict[str, float]] | None:
+    """The TTFT p50 split into phases: (p50, each phase's mean over the MEDIAN_SHARE of
+    requests whose TTFT is nearest the p50, at least one). Per request the phases add up
+    to its TTFT (cluster/ttft_phases.py), so these add up to those requests' mean TTFT,
+    the p50 give or take their spread; the phases' own p50s need not add up to the
+    TTFT's (each may come from a different request)."""
+    if not rows:
+        return None
+    p50 = median([t for t, _ in rows])
+    k = max(1, round(MEDIAN_SHARE * len(rows)))
+    near = [p for _, p in sorted(rows, key=lambda r: abs(r[0] - p50))[:k]]
+    return p50, {ph: sum(p[ph] for p in near) / k for ph in near[0]}
 
 
 def _pname(p: float) -> str:
@@ -274,10 +306,12 @@ def compute_metrics(
     per_weight = [v / weights.get(t, 1.0) for t, v in served.items()]
     slow = slowdowns(ok, latency_alone)
     phases = {p: [v for r in ok if (v := getattr(r, f"{p}_s")) is not None] for p in PHASES}
-    split = [(r.tenant, parts) for r in ok if (parts := r.ttft_phases()) is not None]
-    by_tenant: dict[str, list[dict[str, float]]] = {"all": [p for _, p in split]} if split else {}
-    for tenant, parts in split:
-        by_tenant.setdefault(tenant, []).append(parts)
+    # tenant ("all" first) -> (TTFT, its phases) of each request the server split
+    by_tenant: dict[str, list[tuple[float, dict[str, float]]]] = {}
+    for r in ok:
+        if (parts := r.ttft_phases()) is not None:
+            by_tenant.setdefault("all", []).append((r.ttft, parts))
+            by_tenant.setdefault(r.tenant, []).append((r.ttft, parts))
     if len(by_tenant) == 2:  # one tenant: its row is the "all" row
         by_tenant = {"all": by_tenant["all"]}
     thr = long_prompt_threshold
@@ -300,7 +334,8 @@ def compute_metrics(
         tenant_throughput=served,
         max_queue_wait_s=max(phases["queue"], default=None),
         short_ttft_with_long=dist(short) if short else None,
-        ttft_phases={t: {ph: dist([p[ph] for p in rows]) for ph in TTFT_PHASES}
+        ttft_phases={t: {ph: dist([p[ph] for _, p in rows]) for ph in TTFT_PHASES}
                      for t, rows in by_tenant.items()},
+        ttft_p50_split={t: sp for t, rows in by_tenant.items() if (sp := median_split(rows))},
     )
     # fmt: on

@@ -55,6 +55,9 @@ class StudyOptions:
     # link charged in full; pdserve serve --emulate-kv-fraction), where this host's copies
     # would otherwise set the pace; every label says so
     emulate_kv_fraction: float = 1.0
+    # tenant -> weight: scheduler.tenant_weights of every configuration, so one mapping
+    # drives the prefill policy, the KV send queue and decode admission
+    tenant_weights: Mapping[str, float] = field(default_factory=lambda: dict(TENANT_WEIGHTS))
 
     def __post_init__(self) -> None:
         if self.transport not in ("inproc", "grpc"):
@@ -65,6 +68,8 @@ class StudyOptions:
             raise ValueError(f"transfer_compute_ratio must be > 0, got {self.transfer_compute_ratio}")
         if self.emulate is not None:
             self.emulate_config  # noqa: B018 - ValueError naming a bad profile or shape
+        if not self.tenant_weights or not all(w > 0 for w in self.tenant_weights.values()):
+            raise ValueError(f"tenant weights must be positive, got {dict(self.tenant_weights)}")
 
     @property
     def emulate_config(self):
@@ -199,7 +204,7 @@ class StudyContext:
             "pools": {"cpus_per_worker": 1.0, "max_restarts": 0},
             "cache": {"kv_cache_memory_gb": 0.25, "enable_prefix_caching": False},
             "scheduler": {"max_prefill_chunk": 256, "max_num_batched_tokens": 256,
-                          "tenant_weights": dict(TENANT_WEIGHTS)},
+                          "tenant_weights": dict(self.opts.tenant_weights)},
             "transfer": {"connector": "tcp"},
         }
         return ServeConfig.from_dict(data).with_values(self.link.config_values())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable, Mapping, Sequence
 
 from bench.metrics import jain_index
 from bench.records import RequestRecord
@@ -33,28 +34,49 @@ NAME = "fairness"
 POLICIES = ("fcfs", "srpt", "round-robin", "wfq", "edf")
 QUEUES = ("fcfs", "wfq")
 QUICK = ("fcfs+fcfs", "srpt+fcfs", "wfq+wfq")
-DEADLINES_MS = {"gold": 1000.0, "free": 4000.0}
+DEADLINES_MS = {"gold": 1000.0, "free": 4000.0}  # (another tenant: free's)
+RESOURCES = ("prefill", "link", "decode", "e2e")  # e2e: end to end
+RESOURCE_WORDS = {"prefill": "prefill compute", "link": "link bytes",
+                  "decode": "decode admission", "e2e": "end to end"}
+# the path configurations: the resource made to contend -> what makes it so
+SCENARIOS: dict[str, dict] = {
+    "prefill": {"workload": {"chat_prompt": (384, 512), "chat_output": (4, 8)},
+                "config": {"cache.kv_cache_memory_gb": 2.0}},
+    "link": {"workload": {"chat_prompt": (384, 512), "chat_output": (4, 8)},
+             "config": {"cache.kv_cache_memory_gb": 2.0, "transfer.link_gbps": 10.0}},
+    "decode": {"workload": {"chat_prompt": (128, 256), "chat_output": (64, 128)},
+               "config": {"cache.kv_cache_memory_gb": 0.25}},
+}
+MODES = {"fcfs": ("fcfs", "fcfs", "fcfs"), "wfq": ("wfq", "wfq", "wfq")}
+FAIR_WITHIN = 0.10  # the issue's bar: each tenant's share within 10% of its weight's
 COLUMNS = [
     Column("config", "config"), Column("prefill_policy", "prefill policy"),
     Column("send_queue", "send queue"), Column("decode_admission", "decode admission"),
     Column("short_ttft_p99_ms", "short TTFT p99 (ms)"),
     Column("long_ttft_mean_ms", "long TTFT mean (ms)"),
-    Column("long_ttft_p99_ms", "long TTFT p99 (ms)"),
     Column("gold_ttft_p99_ms", "gold TTFT p99 (ms)"),
     Column("free_ttft_p99_ms", "free TTFT p99 (ms)"),
     Column("jain_slowdown", "Jain (slowdown)", "{:.3f}"),
-    Column("jain_contended", "Jain (contended share/weight)", "{:.3f}"),
-    Column("gold_share", "gold share (contended)", "{:.2f}"),
-    Column("free_share", "free share (contended)", "{:.2f}"),
-    Column("gold_decode_share", "gold share of contended decode admission", "{:.2f}"),
+    *(Column(f"gold_{r}_share", f"gold share: {RESOURCE_WORDS[r]}", "{:.2f}")
+      for r in RESOURCES),
+    *(Column(f"jain_{r}", f"Jain: {RESOURCE_WORDS[r]}", "{:.3f}") for r in RESOURCES),
+    Column("worst_dev", "worst |share / weight share - 1| (judged)", "{:.0%}"),
     Column("completed", "ok"), Column("failed", "failed"),
 ]
 
 
-def config_names(quick: bool) -> list[str]:
+def path_names() -> list[str]:
+    """The path configurations: ``<resource>-bound/<mode>``."""
+    return [f"{r}-bound/{m}" for r in SCENARIOS for m in MODES]
+
+
+def config_names(quick: bool, emulated: bool = False) -> list[str]:
+    """The policy grid on the mixed workload (``fcfs+wfq``...), then the path
+    configurations; --quick: three of the grid on this CPU, the path ones on an emulated
+    device (whose steps take a GPU's time: there the resources contend in turn)."""
     if quick:
-        return list(QUICK)
-    return [f"{p}+{q}" for p, q in itertools.product(POLICIES, QUEUES)]
+        return path_names() if emulated else list(QUICK)
+    return [f"{p}+{q}" for p, q in itertools.product(POLICIES, QUEUES)] + path_names()
 
 
 def ttft_p99(records: list[RequestRecord], **match: str) -> float | None:
@@ -63,25 +85,117 @@ def ttft_p99(records: list[RequestRecord], **match: str) -> float | None:
     return pct_ms([r.ttft for r in ok])
 
 
+Span = tuple[float, float]
+
+
+def contended_split(spans: Mapping[str, Sequence[Span]],
+                    items: Iterable[tuple[str, float, float]]) -> dict[str, float] | None:
+    """Each tenant's share of ``items`` (tenant, time, amount) that fell while *every*
+    tenant of ``spans`` had one of its spans open (both ends included): the service a
+    policy could give one tenant or another. None without two tenants or any such item."""
+    if len(spans) < 2:
+        return None
+    got = dict.fromkeys(spans, 0.0)
+    for tenant, t, amount in items:
+        if tenant in got and amount and all(any(a <= t <= b for a, b in s)
+                                            for s in spans.values()):
+            got[tenant] += amount
+    total = sum(got.values())
+    return {k: v / total for k, v in got.items()} if total > 0 else None
+
+
 def contended_shares(run: ConfigRun) -> dict[str, float] | None:
     """Each tenant's share of the prefill tokens computed while *every* tenant had a
-    prompt waiting for its first token (the only time a policy can favour one; over a
-    whole run that completes, shares are fixed by the workload). From the trace."""
+    prompt dispatched to prefill and not yet answered (the only time a prefill policy
+    can favour one; over a whole run that completes, shares are fixed by the workload).
+    From the records (dispatch: arrival + the router's admission time) and the trace."""
     off = run.output.wall_offset
-    pending: dict[str, list[tuple[float, float]]] = {}
+    spans: dict[str, list[Span]] = {}
     for r in run.records:
         if r.success and r.ttft is not None:
-            pending.setdefault(r.tenant, []).append((r.send_time + off,
-                                                     r.send_time + r.ttft + off))
-    tokens = dict.fromkeys(pending, 0)
+            spans.setdefault(r.tenant, []).append((r.send_time + (r.admission_s or 0.0) + off,
+                                                   r.send_time + r.ttft + off))
+    return contended_split(spans, ((e.tenant, (e.start + e.end) / 2, e.scheduled_tokens or 0)
+                                   for e in run.events if e.phase == "prefill_chunk"))
+
+
+def link_shares(run: ConfigRun) -> dict[str, float] | None:
+    """Each tenant's share of the KV bytes sent while every tenant had KV computed and not
+    yet sent: a request's span runs from the end of its first prefill chunk to the end of
+    its last KV frame on the link (from the trace, whose spans name the request's legs,
+    ``<request id>#<dispatch>#<leg>``)."""
+    tenant_of = {r.request_id: r.tenant for r in run.records}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    sends = []
     for e in run.events:
-        if e.phase != "prefill_chunk" or e.tenant not in tokens or not e.scheduled_tokens:
+        rid = e.request_id.split("#")[0]
+        if rid not in tenant_of:
             continue
-        mid = (e.start + e.end) / 2
-        if all(any(a <= mid <= b for a, b in spans) for spans in pending.values()):
-            tokens[e.tenant] += e.scheduled_tokens
-    total = sum(tokens.values())
-    return {k: v / total for k, v in tokens.items()} if total and len(tokens) > 1 else None
+        if e.phase == "prefill_chunk":
+            first[rid] = min(first.get(rid, e.end), e.end)
+        elif e.phase == "kv_send" and e.bytes:
+            last[rid] = max(last.get(rid, e.end), e.end)
+            sends.append((tenant_of[rid], (e.start + e.end) / 2, e.bytes))
+    spans: dict[str, list[Span]] = {}
+    for rid, end in last.items():
+        if rid in first:
+            spans.setdefault(tenant_of[rid], []).append((first[rid], end))
+    return contended_split(spans, sends)
+
+
+def e2e_shares(run: ConfigRun) -> dict[str, float] | None:
+    """End to end, for two tenants whose backlogs start together (the path
+    configurations): the first tenant to finish its backlog got, until then, its work
+    (prompt + output tokens) over what the whole path served in that time, the path's
+    rate being all the work over the time the last tenant finished (work-conserving);
+    the other tenant got the rest. A fluid measure: it counts service as the resources
+    gave it, not as requests completed (a send queue that shares a tenant's bytes among
+    its requests completes them late, all together). None otherwise."""
+    work: dict[str, int] = {}
+    end: dict[str, float] = {}
+    t0 = min((r.send_time for r in run.records), default=0.0)
+    for r in run.records:
+        if r.success and r.e2el is not None:
+            work[r.tenant] = work.get(r.tenant, 0) + r.prompt_len + r.n_out
+            end[r.tenant] = max(end.get(r.tenant, 0.0), r.send_time + r.e2el - t0)
+    if len(work) != 2 or not all(v > 0 for v in end.values()):
+        return None
+    first = min(end, key=end.get)
+    other = next(t for t in work if t != first)
+    rate = sum(work.values()) / max(end.values())
+    share = min(1.0, work[first] / (rate * end[first]))
+    return {first: share, other: 1.0 - share}
+
+
+def path_shares(run: ConfigRun, backlogged: bool = False
+                ) -> dict[str, dict[str, float] | None]:
+    """resource (RESOURCES) -> each tenant's share of its contended service (None: not
+    contended in this run; end to end: only for ``backlogged`` runs, e2e_shares)."""
+    return {"prefill": contended_shares(run), "link": link_shares(run),
+            "decode": admission_shares(run), "e2e": e2e_shares(run) if backlogged else None}
+
+
+def share_columns(shares: Mapping[str, Mapping[str, float] | None],
+                  weights: Mapping[str, float], lead: str = "gold",
+                  judged: Sequence[str] = RESOURCES) -> dict[str, float | None]:
+    """A row's share columns: ``lead``'s share and Jain over share / weight at each
+    resource, and the worst relative gap between a tenant's share and its weight's
+    share over the ``judged`` resources that were contended (a path configuration
+    judges the resource it contends at, and end to end)."""
+    out: dict[str, float | None] = {}
+    worst = None
+    for res in RESOURCES:
+        s = shares.get(res)
+        out[f"gold_{res}_share"] = s.get(lead) if s else None
+        out[f"jain_{res}"] = jain_index([v / weights.get(k, 1.0) for k, v in s.items()]) \
+            if s else None
+        if s and res in judged:
+            total = sum(weights.get(k, 1.0) for k in s)
+            dev = max(abs(v / (weights.get(k, 1.0) / total) - 1) for k, v in s.items())
+            worst = dev if worst is None else max(worst, dev)
+    out["worst_dev"] = worst
+    return out
 
 
 def admission_shares(run: ConfigRun) -> dict[str, float] | None:
@@ -93,33 +207,82 @@ def admission_shares(run: ConfigRun) -> dict[str, float] | None:
 
 
 def findings(result: StudyResult) -> list[str]:
-    """The fairest configuration, and each one's contended split against the weights."""
-    rows = [r for r in result.rows if r.get("jain_contended") is not None]
+    """Per configuration: each contended resource's split against the weights, and
+    whether every share came within FAIR_WITHIN of its weight's (the path ones), or how
+    close the grid's configurations came."""
+    weights = result.extra.get("tenant_weights") or TENANT_WEIGHTS
+    lead = next(iter(weights))
+    want = weights[lead] / sum(weights.values())
+    ratio = ":".join(f"{w:g}" for w in weights.values())
+    rows = [r for r in result.rows
+            if any(r.get(f"jain_{res}") is not None for res in RESOURCES)]
     if not rows:
         return []
-    want = TENANT_WEIGHTS["gold"] / (TENANT_WEIGHTS["gold"] + TENANT_WEIGHTS["free"])
-    best = max(rows, key=lambda r: r["jain_contended"])
-    out = [f"{best['config']} came closest to the weights "
-           f"{TENANT_WEIGHTS['gold']:g}:{TENANT_WEIGHTS['free']:g}: Jain index of the contended "
-           f"shares over weights {best['jain_contended']:.3f}."]
+    out = []
+    grid = [r for r in rows if "-bound/" not in r["config"] and r.get("jain_prefill")]
+    if grid:
+        best = max(grid, key=lambda r: r["jain_prefill"])
+        out.append(f"{best['config']} came closest to the weights {ratio}: Jain index of "
+                   f"the contended prefill shares over weights {best['jain_prefill']:.3f}.")
     for r in rows:
-        if r.get("gold_share") is not None:
-            line = f"{r['config']}: gold got {r['gold_share']:.2f} of the contended prefill"
-            if r.get("gold_decode_share") is not None:
-                line += f" and {r['gold_decode_share']:.2f} of the contended decode admission"
-            out.append(f"{line} (its weight's share: {want:.2f}).")
+        said = [f"{r[f'gold_{res}_share']:.2f} of the {RESOURCE_WORDS[res]}"
+                if res != "e2e" else f"{r['gold_e2e_share']:.2f} end to end"
+                for res in RESOURCES if r.get(f"gold_{res}_share") is not None]
+        if not said:
+            continue
+        body = said[0] if len(said) == 1 else ", ".join(said[:-1]) + " and " + said[-1]
+        line = f"{r['config']}: {lead} got {body} (its weight's share: {want:.2f})"
+        if "-bound/" in r["config"] and r.get("worst_dev") is not None:
+            judged = judged_resources(r["config"])
+            jains = [r[f"jain_{res}"] for res in judged if r.get(f"jain_{res}") is not None]
+            ok = "within" if r["worst_dev"] <= FAIR_WITHIN else "not within"
+            line += (f"; at the {' and '.join(RESOURCE_WORDS[j] for j in judged)} every "
+                     f"share {ok} {FAIR_WITHIN:.0%} of its weight's (worst "
+                     f"{r['worst_dev']:.0%}), Jain {min(jains):.3f}-{max(jains):.3f}")
+        out.append(line + ".")
     return out
+
+
+def judged_resources(name: str) -> tuple[str, ...]:
+    """What a configuration's fairness verdict reads: a path configuration's resource
+    and end to end (the others are contended in passing there); the grid: all."""
+    if "-bound/" in name:
+        return (name.split("-bound/")[0], "e2e")
+    return RESOURCES
+
+
+def scenario_config(base, name: str):
+    """``<resource>-bound/<mode>``'s configuration."""
+    scenario, mode = name.split("-bound/")
+    policy, queue, admission = MODES[mode]
+    return base.with_values({"scheduler.fairness_policy": policy,
+                             "transfer.send_queue": queue,
+                             "scheduler.decode_admission": admission,
+                             **SCENARIOS[scenario]["config"]})
+
+
+def study_weights(ctx: StudyContext) -> dict[str, float]:
+    """The tenants' weights (``--tenant-weights``; every configuration runs with them)."""
+    weights = dict(ctx.opts.tenant_weights)
+    if set(weights) != set(TENANT_WEIGHTS):
+        raise ValueError(f"the fairness study's tenants are {', '.join(TENANT_WEIGHTS)}: "
+                         f"--tenant-weights named {', '.join(weights)}")
+    return {t: weights[t] for t in TENANT_WEIGHTS}
+
 
 def run(ctx: StudyContext) -> StudyResult:
     from bench.workload import TenantSpec
 
     t0 = time.monotonic()
-    names = ctx.selected(config_names(ctx.opts.quick) if not ctx.opts.configs
+    weights = study_weights(ctx)
+    emulated = ctx.opts.emulate is not None
+    names = ctx.selected(config_names(ctx.opts.quick, emulated) if not ctx.opts.configs
                          else config_names(False))
     tenants = [TenantSpec(t, share=0.5, weight=w, ttft_deadline_ms=DEADLINES_MS[t])
-               for t, w in TENANT_WEIGHTS.items()]
+               for t, w in weights.items()]
     requests, workload = mixed_workload(ctx, n=ctx.n_requests(16, 64), rate=5.0, tag="fr",
                                         long_fraction=0.3, tenants=tenants)
+    backlogs = {}  # scenario -> (requests, its workload): every request at t=0
     ref = ctx.reference
 
     def alone(r: RequestRecord) -> float:
@@ -128,43 +291,59 @@ def run(ctx: StudyContext) -> StudyResult:
     base = ctx.base_config()
     rows, details = [], {}
     for name in names:
-        policy, queue = name.split("+")
-        # a wfq configuration shares decode admission by the same weights too (one
-        # scheduler.tenant_weights drives the three policies)
-        cfg = base.with_values({"scheduler.fairness_policy": policy,
-                                "transfer.send_queue": queue,
-                                "scheduler.decode_admission": "wfq" if policy == "wfq"
-                                else "fcfs"})
-        r = ctx.run(NAME, name, cfg, requests, latency_alone=alone)
+        if "-bound/" in name:
+            scenario = name.split("-bound/")[0]
+            if scenario not in backlogs:
+                backlogs[scenario] = mixed_workload(
+                    ctx, n=ctx.n_requests(32, 64), rate=float("inf"), tag=f"fb{scenario[0]}",
+                    long_fraction=0.0, tenants=tenants, **SCENARIOS[scenario]["workload"])
+            work = backlogs[scenario][0]
+            cfg = scenario_config(base, name)
+        else:
+            policy, queue = name.split("+")
+            # a wfq configuration shares decode admission by the same weights too (one
+            # scheduler.tenant_weights drives the three policies)
+            cfg = base.with_values({"scheduler.fairness_policy": policy,
+                                    "transfer.send_queue": queue,
+                                    "scheduler.decode_admission": "wfq" if policy == "wfq"
+                                    else "fcfs"})
+            work = requests
+        r = ctx.run(NAME, name, cfg, work, latency_alone=alone)
         m, recs = r.metrics, r.records
         longs = [x.ttft for x in recs if x.kind == "long" and x.success and x.ttft]
-        shares, admitted = contended_shares(r), admission_shares(r)
+        shares = path_shares(r, backlogged="-bound/" in name)
         rows.append({
-            "config": name, "prefill_policy": policy, "send_queue": queue,
+            "config": name, "prefill_policy": cfg.scheduler.fairness_policy,
+            "send_queue": cfg.transfer.send_queue,
             "decode_admission": cfg.scheduler.decode_admission,
             "short_ttft_p99_ms": ttft_p99(recs, kind="chat"),
             "long_ttft_mean_ms": sum(longs) / len(longs) * 1e3 if longs else None,
             "long_ttft_p99_ms": pct_ms(longs),
             "gold_ttft_p99_ms": ttft_p99(recs, tenant="gold"),
             "free_ttft_p99_ms": ttft_p99(recs, tenant="free"),
-            "jain_slowdown": m.jain_slowdown,
-            "jain_contended": jain_index(
-                [v / TENANT_WEIGHTS.get(k, 1.0) for k, v in shares.items()]) if shares else None,
-            "gold_share": shares.get("gold") if shares else None,
-            "free_share": shares.get("free") if shares else None,
-            "gold_decode_share": admitted.get("gold") if admitted else None,
+            "jain_slowdown": m.jain_slowdown, **share_columns(
+                shares, weights, judged=judged_resources(name)),
             "completed": m.completed, "failed": m.failed,
         })
-        details[name] = config_detail(r, base, contended_shares=shares,
-                                      decode_admission_shares=admitted)
+        details[name] = config_detail(r, base, contended_shares=shares)
     result = StudyResult(
         NAME, "Fairness study",
         "Prefill policy x KV send queue on a two-tenant mixed workload (gold: weight "
-        f"{TENANT_WEIGHTS['gold']:g}, TTFT deadline {DEADLINES_MS['gold']:g} ms; free: "
-        f"weight {TENANT_WEIGHTS['free']:g}, deadline {DEADLINES_MS['free']:g} ms). "
-        "Shares: each tenant's part of the prefill tokens computed while both tenants had "
-        "prompts waiting (contended; from the trace).",
-        COLUMNS, rows, details, extra={"workload": workload})
+        f"{weights['gold']:g}, TTFT deadline {DEADLINES_MS['gold']:g} ms; free: "
+        f"weight {weights['free']:g}, deadline {DEADLINES_MS['free']:g} ms), and the "
+        "path configurations (`R-bound/fcfs|wfq`: both tenants' backlog at t=0 on a "
+        "service that contends at R; wfq at the three resources or fcfs at the three). "
+        "Shares: each tenant's part of the contended service at each resource (prefill "
+        "tokens while every tenant had a prompt at prefill; KV bytes on the link while "
+        "every tenant had KV waiting; prompt tokens admitted to decode while another "
+        "tenant waited for decode KV; end to end, on the backlogs, the share of the work "
+        "(prompt + output tokens) the path served until the first tenant was done, at "
+        "the path's mean rate), and Jain's index over share / weight (1.0: "
+        "weighted-fair).",
+        COLUMNS, rows, details,
+        extra={"workload": workload, "tenant_weights": weights,
+               "path_workloads": {k: v[1] for k, v in backlogs.items()},
+               "scenarios": {k: v["config"] for k, v in SCENARIOS.items()}})
     result.notes.append("Jain (slowdown) divides each E2EL by an estimated idle latency "
                         f"(reference prefill {ref.prefill_s * 1e3:.1f} ms per "
                         f"{ref.prompt_tokens} tokens, decode step "
@@ -179,10 +358,13 @@ def run(ctx: StudyContext) -> StudyResult:
         result.plots.append(plot_grouped_bars(
             ttft, ctx.out / f"{NAME}-ttft.png", ylabel="ms", xlabel="prefill + send queue",
             title="Fairness: TTFT by policy").name)
-        idx = {r["config"]: {k: r[k] for k in ("jain_slowdown", "jain_contended", "gold_share")
-                             if r.get(k) is not None} for r in rows}
+        idx = {r["config"]: {f"gold: {RESOURCE_WORDS[res]}": r[f"gold_{res}_share"]
+                             for res in RESOURCES if r.get(f"gold_{res}_share") is not None}
+               for r in rows}
         result.plots.append(plot_grouped_bars(
             idx, ctx.out / f"{NAME}-jain.png", ylabel="index / share",
-            xlabel="prefill + send queue", title="Fairness: Jain's indices and gold share").name)
+            xlabel="configuration", title="Fairness: gold's share of contended service by "
+            f"resource (its weight's share {weights['gold'] / sum(weights.values()):.2f})"
+        ).name)
     result.elapsed_s = time.monotonic() - t0
     return result

@@ -67,14 +67,17 @@ def _table(data: dict[str, Any]) -> str:
 
 def _phase_table(data: dict[str, Any]) -> str:
     """The TTFT's phases (p50 / p99 ms) of each configuration and tenant, from the metrics
-    the configurations recorded (bench.metrics BenchmarkMetrics.ttft_phases)."""
-    rows = []
+    the configurations recorded (bench.metrics BenchmarkMetrics.ttft_phases), then the
+    TTFT p50 split into them (ttft_p50_split: parts that add up to it)."""
+    rows, splits = [], []
     for name, detail in (data.get("configs") or {}).items():
         runs = [(name, detail)] if "metrics" in detail else [
             (f"{name} {k}", d) for k, d in detail.items() if isinstance(d, dict) and "metrics" in d]
         for label, d in runs:
             for tenant, phases in (d["metrics"].get("ttft_phases_ms") or {}).items():
                 rows.append((label, tenant, phases))
+            for tenant, split in (d["metrics"].get("ttft_p50_phases_ms") or {}).items():
+                splits.append((label, tenant, split))
     if not rows:
         return ""
     names = list(rows[0][2])
@@ -84,8 +87,18 @@ def _phase_table(data: dict[str, Any]) -> str:
         f"<tr><td>{html.escape(label)}</td><td>{html.escape(tenant)}</td>" + "".join(
             f"<td>{p[n]['median']:.1f} / {p[n].get('p99', p[n]['median']):.1f}</td>"
             for n in names) + "</tr>" for label, tenant, p in rows)
-    return ("<h3>TTFT by phase, p50 / p99 (ms)</h3><table><thead><tr>" + head
-            + f"</tr></thead><tbody>{body}</tbody></table>")
+    out = ("<h3>TTFT by phase, p50 / p99 (ms)</h3><table><thead><tr>" + head
+           + f"</tr></thead><tbody>{body}</tbody></table>")
+    if splits:
+        body = "".join(
+            f"<tr><td>{html.escape(label)}</td><td>{html.escape(tenant)}</td>" + "".join(
+                f"<td>{sp.get(n, 0.0):.1f}</td>" for n in names)
+            + f"<td>{sum(sp.get(n, 0.0) for n in names):.1f}</td><td>{sp['ttft_p50']:.1f}</td>"
+            "</tr>" for label, tenant, sp in splits)
+        out += ("<h3>TTFT p50 split into its phases (ms; the requests nearest the p50)</h3>"
+                f"<table><thead><tr>{head}<th>sum</th><th>TTFT p50</th></tr></thead>"
+                f"<tbody>{body}</tbody></table>")
+    return out
 
 
 def _plot(out: Path, name: str) -> str:

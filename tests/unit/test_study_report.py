@@ -65,11 +65,11 @@ def test_the_other_studies_findings_read_their_own_rows() -> None:
     assert said == ["eager (against at_end) cut TTFT p99 by 25% and raised the running "
                     "decodes' ITL p99 by 10%.",
                     "eager hid 80% of its transfer time behind prefill (at_end: 0%)."]
-    rows = [{"config": "fcfs+fcfs", "jain_contended": 0.8, "gold_share": 0.5},
-            {"config": "wfq+wfq", "jain_contended": 0.99, "gold_share": 0.65}]
+    rows = [{"config": "fcfs+fcfs", "jain_prefill": 0.8, "gold_prefill_share": 0.5},
+            {"config": "wfq+wfq", "jain_prefill": 0.99, "gold_prefill_share": 0.65}]
     said = fairness.findings(StudyResult("fairness", "F", "d", [], rows))
     assert said[0].startswith("wfq+wfq came closest to the weights 2:1")
-    assert "gold got 0.65 of the contended prefill (its weight's share: 0.67)" in said[2]
+    assert said[2] == "wfq+wfq: gold got 0.65 of the prefill compute (its weight's share: 0.67)."
     rows = [{"config": "disagg", "ratio": 1.1}, {"config": "colocated", "ratio": 1.6}]
     assert interference.findings(StudyResult("interference", "I", "d", [], rows)) == [
         "Long prompts arriving multiplied the chats' ITL p99 by: disagg 1.10x, "
@@ -115,6 +115,11 @@ def test_the_page_has_each_configurations_ttft_phases(tmp_path: Path) -> None:
     assert "TTFT by phase, p50 / p99 (ms)" in page and "<th>prefill_queue</th>" in page
     assert "<td>eager</td><td>all</td><td>1.0 / 2.0</td><td>3.0 / 4.5</td>" in page
     assert "<td>disagg alone</td>" in page
+    assert "TTFT p50 split" not in page  # (recorded before the split was)
+    split = {"all": {"ttft_p50": 4.2, "admission": 1.0, "prefill_queue": 3.0}}
+    res.configs["eager"]["metrics"]["ttft_p50_phases_ms"] = split
+    page = report(fake_ctx(tmp_path), res)
+    assert "<td>eager</td><td>all</td><td>1.0</td><td>3.0</td><td>4.0</td><td>4.2</td>" in page
 
 
 def test_a_missing_plot_is_named_not_fatal(tmp_path: Path) -> None:

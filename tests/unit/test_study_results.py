@@ -193,6 +193,9 @@ def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, 
             for c in (chunk_size.CHUNKS_QUICK if quick else chunk_size.CHUNKS_FULL)}
     cfgs.update({f"pacing-{n}": base.with_values(v) for n, v in pacing.configs(ctx).items()})
     for name in fairness.config_names(quick):
+        if "-bound/" in name:
+            cfgs[f"fairness-{name}"] = fairness.scenario_config(base, name)
+            continue
         policy, queue = name.split("+")
         cfgs[f"fairness-{name}"] = base.with_values({"scheduler.fairness_policy": policy,
                                                      "transfer.send_queue": queue})
@@ -200,7 +203,9 @@ def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, 
     for layout in interference.LAYOUTS.values():
         interference.layout_config(base, layout, spec.long_prompt)
     shared = [n for n, c in cfgs.items() if config_key(c, DISAGG) == config_key(base, DISAGG)]
-    assert shared == ["chunk-256", "pacing-eager", "fairness-fcfs+fcfs"]
+    # (decode-bound/fcfs is the default's service: fcfs everywhere on the default's KV)
+    assert shared == ["chunk-256", "pacing-eager", "fairness-fcfs+fcfs",
+                      *([] if quick else ["fairness-decode-bound/fcfs"])]
     # every send policy runs on the same emulated link, the window as configured
     assert cfgs["pacing-at_end"].transfer.link_gbps == base.transfer.link_gbps
     assert cfgs["pacing-at_end"].transfer.send_policy == "at_end"
@@ -208,7 +213,8 @@ def test_every_study_configuration_is_valid_and_the_default_is_shared(tmp_path, 
         small = next(c for n, c in cfgs.items() if n.startswith("pacing-credit-"))
         assert small.transfer.credit_window_chunks == 0
         assert small.transfer.credit_window_mb < base.transfer.credit_window_mb
-    assert len(fairness.config_names(False)) == 10 and len(cfgs) == len(set(map(str, cfgs)))
+    assert len(fairness.config_names(False)) == 10 + len(fairness.path_names())
+    assert len(cfgs) == len(set(map(str, cfgs)))
 
 
 def test_study_all_and_run_all_reject_bad_selections_before_launching(tmp_path, capsys) -> None:

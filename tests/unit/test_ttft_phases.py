@@ -95,3 +95,23 @@ def test_the_router_and_the_bench_split_by_one_rule() -> None:
         assert float(text.split(key)[1].split()[0]) == pytest.approx(seconds)
     assert record("b", "x", 0.1, adm=0.01, queue=0.0, prefill=0.0, router=0.05).ttft_phases() \
         is None
+
+
+def test_the_p50_split_adds_up_to_the_ttft_p50_where_the_phase_p50s_do_not() -> None:
+    """A third of the requests wait at admission, a third at the prefill queue, a third
+    at neither: each phase's p50 is small, the TTFT's is not; the requests nearest the
+    p50 split it into what it holds."""
+    recs = [record(f"a{i}", "gold", 0.300 + i * 1e-3, adm=0.2 + i * 1e-3, queue=0.01,
+                   prefill=0.05, router=0.29 + i * 1e-3) for i in range(7)]
+    recs += [record(f"q{i}", "gold", 0.300 + i * 1e-3, adm=0.01, queue=0.2 + i * 1e-3,
+                    prefill=0.05, router=0.29 + i * 1e-3) for i in range(7)]
+    recs += [record(f"n{i}", "gold", 0.1, adm=0.01, queue=0.01, prefill=0.05, router=0.09)
+             for i in range(6)]
+    m = compute_metrics(recs, 10.0)
+    assert m.phase_sum_ratio() < 0.7  # the p50s of the parts miss the whole's
+    p50, parts = m.ttft_p50_split["all"]
+    assert p50 == pytest.approx(m.ttft.median)
+    assert sum(parts.values()) == pytest.approx(p50, rel=0.01)
+    assert "TTFT p50 by phase" in m.format()
+    js = m.to_json_dict()["ttft_p50_phases_ms"]["all"]
+    assert js["ttft_p50"] == pytest.approx(p50 * 1e3)
