@@ -91,6 +91,11 @@ def _run_serve(args: argparse.Namespace) -> int:
             auth = " (bearer token required: server.auth_token_file)" \
                 if cfg.server.auth_token_file else ""
             print(f"pdserve: metrics on {url}{auth}", flush=True)
+        planning = None
+        if cfg.pools.planner:
+            planning = asyncio.ensure_future(start_planner(router, cfg, metrics=getattr(
+                router, "metrics", None)).run())
+
         def ready(server) -> None:
             print(f"pdserve: serving pdserve.v1.Generation on {server.address} ({mode} "
                   "backend); Ctrl-C drains and stops", flush=True)
@@ -104,11 +109,30 @@ def _run_serve(args: argparse.Namespace) -> int:
             await router.shutdown(0.0)
             raise StartupError(str(e)) from e
         finally:
-            if refresher is not None:
-                refresher.cancel()
+            for task in (refresher, planning):
+                if task is not None:
+                    task.cancel()
 
     run_loop(main(), cfg.server.event_loop)
     return 0
+
+
+def start_planner(router, cfg, metrics=None):
+    """The live planner of `pools.planner` (cluster/serve/planner.py) over `router`: it
+    sees every arrival from now on."""
+    from cluster.config.serve import slo_pairs
+    from cluster.serve.planner import Planner, PlannerConfig
+
+    p = cfg.pools
+    if p.colocated or cfg.server.api_servers > 1:
+        raise StartupError("pools.planner needs the disaggregated pools and one front door "
+                           "(server.api_servers 1): it moves workers of this router's pools")
+    planner = Planner(router, PlannerConfig(
+        window_s=p.planner_window_s, dwell_s=p.planner_dwell_s, margin=p.planner_margin,
+        min_requests=p.planner_min_requests, slos_ms=slo_pairs(p.planner_slo)),
+        cfg.to_dict(), metrics=metrics)
+    router.on_arrival = planner.observe
+    return planner
 
 
 # ---- generate / stats: client side --------------------------------------------------

@@ -114,29 +114,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_cost_model(args: argparse.Namespace):
-    from engine.costs.analytic import analytic_calibration
-    from engine.costs.calibration import Calibration
-    from engine.costs.loader import load_costs
+    from sim.costs import cost_model
 
     emulate = vars(args).get("model.emulate")
     calibration = args.calibration or (emulate if emulate and emulate.endswith(".json") else None)
-    if calibration:
-        return load_costs(Calibration.load(calibration))
     analytic = args.analytic or emulate
-    if analytic is None:
+    if calibration is None and analytic is None:
         raise SystemExit("pdserve simulate: a cost model is needed: --calibration FILE, "
                          "--analytic PROFILE or --emulate PROFILE|FILE")
-    shape = vars(args).get("model.model_shape") or getattr(args, "model_shape", None) \
-        or "llama-3-8b"
-    if Path(shape).is_dir():
-        from sim.adapters import engine_tools
-
-        mc = engine_tools().load_model_config(shape)
-        shape = {"name": Path(shape).name, **{k: getattr(mc, k) for k in (
-            "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-            "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
-            "tie_word_embeddings")}}
-    return load_costs(analytic_calibration(analytic, shape, args.analytic_dtype))
+    shape = vars(args).get("model.model_shape") or getattr(args, "model_shape", None)
+    return cost_model(calibration, analytic, shape, args.analytic_dtype)
 
 
 def _on_command_line() -> bool:
@@ -355,6 +342,17 @@ def _study_context(args: argparse.Namespace):
 
 
 register_simulator(_study_context)
+
+
+def _register_planner() -> None:
+    """`pdserve serve --planner` asks the simulator (sim/plan.py advise_splits)."""
+    from cluster.serve.planner import register_advisor
+    from sim.plan import advise_splits
+
+    register_advisor(advise_splits)
+
+
+_register_planner()
 
 SUBCOMMANDS = {
     "simulate": ("simulate a cluster on a calibrated cost model (bench's flags and output)",

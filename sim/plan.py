@@ -147,3 +147,32 @@ def plan_yaml(plan: Plan, full: bool = False) -> str:
                   if v != base[sec].get(k) or k in ALWAYS.get(sec, ())}
             for sec, keys in mine.items()}
     return head + yaml.safe_dump({s: d for s, d in data.items() if d}, sort_keys=False)
+
+
+def advise_splits(window: Any, serve_config: dict) -> list:
+    """The live planner's advisor (cluster/serve/planner.py): every split of the window's
+    workers simulated on its arrivals, with the serve config's cost model (its emulated
+    device, or model.emulate's calibration file); a SplitScore per split."""
+    from bench.workload import WorkloadRequest
+    from cluster.serve.planner import SplitScore
+    from sim.costs import cost_model
+
+    cfg = ServeConfig.from_dict(serve_config)
+    m = cfg.model
+    if m.emulate is None:
+        raise ValueError("the planner's simulator needs a cost model: serve with --emulate "
+                         "PROFILE|cal.json (a calibration of the real device)")
+    json_file = m.emulate.endswith(".json")
+    costs = cost_model(m.emulate if json_file else None, None if json_file else m.emulate,
+                       m.model_shape, m.dtype)
+    vocab = int(costs.calibration.get("model")["vocab_size"])
+    requests = [WorkloadRequest(f"plan-{i}", offset,
+                                [(i * 7919 + k * 31 + 1) % vocab for k in range(prompt)],
+                                output, tenant)
+                for i, (offset, prompt, output, tenant) in enumerate(window.arrivals)]
+    # an analytic profile's links are a cluster's (the emulated service's KV link is the
+    # transport's, slowed by transfer.link_gbps where set)
+    opts = SimOptions() if m.emulate.endswith(".json") else SimOptions(interconnect="infiniband")
+    plan = plan_splits(cfg, costs, opts, requests, window.workers, dict(window.slos_ms))
+    return [SplitScore(o.candidate.prefill, o.candidate.decode, o.goodput_rps, o.ttft_p99_ms,
+                       o.itl_p99_ms) for o in plan.outcomes]

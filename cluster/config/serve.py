@@ -272,11 +272,29 @@ class PoolsSection(Section):
                             "each holds both ends of the KV link and keeps its weights and "
                             "KV memory across a switch (cluster/launch/role_worker.py); "
                             "needs one block size and TP 1 on both pools")
+    planner: bool = opt(False, "move workers between the pools as the traffic's mix changes, "
+                        "when the simulator says another split serves the last window "
+                        "clearly better (cluster/serve/planner.py; implies role_switch)")
+    planner_window_s: float = opt(30.0, "planner: the window of arrivals each decision "
+                                  "simulates", gt=0)
+    planner_dwell_s: float = opt(60.0, "planner: least time between two switches", ge=0)
+    planner_margin: float = opt(0.1, "planner: switch only when another split's simulated "
+                                "SLO goodput beats the current one's by more than this share",
+                                ge=0)
+    planner_min_requests: int = opt(20, "planner: windows with fewer arrivals decide nothing "
+                                    "(a cold start's trickle)", ge=1)
+    planner_slo: str = opt("ttft:500,tpot:50", "planner: the SLOs (ms) whose goodput it "
+                           "compares the splits by")
 
     def _check(self) -> None:
         if self.address is not None and not self.address.strip():
             raise self._bad("address", "must be 'auto', 'ray://...' or unset")
-        if self.role_switch and (self.prefill_tp > 1 or self.decode_tp > 1):
+        if self.planner:
+            try:
+                slo_pairs(self.planner_slo)
+            except ValueError as e:
+                raise self._bad("planner_slo", str(e)) from None
+        if (self.role_switch or self.planner) and (self.prefill_tp > 1 or self.decode_tp > 1):
             raise self._bad("role_switch", "needs prefill_tp = decode_tp = 1 (a TP group's "
                             "ranks hold one role's links)")
 
@@ -413,3 +431,19 @@ class ServeConfig:
 
     def replace(self, **sections: Section) -> ServeConfig:
         return replace(self, **sections)
+
+
+def slo_pairs(text: str) -> tuple[tuple[str, float], ...]:
+    """'ttft:500,tpot:50' -> (('ttft', 500.0), ('tpot', 50.0)); ValueError names the bad part."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = part.partition(":")
+        if not sep or name not in ("ttft", "tpot", "itl", "e2el"):
+            raise ValueError(f"expected NAME:MS with NAME one of ttft, tpot, itl, e2el, got {part!r}")
+        ms = float(value)
+        if not ms > 0:
+            raise ValueError(f"an SLO must be > 0 ms, got {part!r}")
+        out.append((name, ms))
+    if not out:
+        raise ValueError("no SLO given")
+    return tuple(out)

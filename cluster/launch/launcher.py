@@ -89,7 +89,7 @@ def build_disaggregated_router(cfg: ServeConfig, opts: LaunchOptions | None = No
         for spec, w in zip(specs, plan.workers, strict=True):
             cls = RemotePrefillWorker if w.role == "prefill" else RemoteDecodeWorker
             args: tuple = (spec,)
-            if p.role_switch:  # (its check: TP 1, so no placement group)
+            if p.role_switch or p.planner:  # (their check: TP 1, so no placement group)
                 cls, args = RemoteRoleWorker, (role_specs(cfg, spec), w.role)
             pg = groups.start(spec, w, opts.max_restarts)  # None for a one-rank worker
             actor = cls.options(**actor_options(w, spec.actor_name, opts.max_restarts,

@@ -63,6 +63,7 @@ class Router(RouterAdmin):
         self._reserving = ReservesInFlight()
         self.pump = EventPump(self, channel_secret)
         self.on_shutdown = None  # set by the launcher: stops the actors it started
+        self.on_arrival = None  # called with each new request's spec (the planner's)
 
     # ---- RouterAPI (the rest: cluster/router/admin.py) -------------------------------
     async def start(self) -> None:
@@ -85,6 +86,8 @@ class Router(RouterAdmin):
         check_fits(self.decode, len(spec.prompt_token_ids))
         flight = Flight(spec, DeltaStream(spec.request_id), time.monotonic())
         self.flights[spec.request_id] = flight
+        if self.on_arrival is not None:
+            self.on_arrival(spec)
         # The deadline posts an error into the stream; no wait_for around queue.get(),
         # whose cancellation can be lost when an item lands at the same moment.
         timer = asyncio.get_running_loop().call_later(
