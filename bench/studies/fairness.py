@@ -294,8 +294,10 @@ def run(ctx: StudyContext) -> StudyResult:
         if "-bound/" in name:
             scenario = name.split("-bound/")[0]
             if scenario not in backlogs:
+                # 96 requests: with 32 the first admissions (uncontended, in arrival
+                # order) and the drain weigh on every share
                 backlogs[scenario] = mixed_workload(
-                    ctx, n=ctx.n_requests(32, 64), rate=float("inf"), tag=f"fb{scenario[0]}",
+                    ctx, n=ctx.n_requests(96, 192), rate=float("inf"), tag=f"fb{scenario[0]}",
                     long_fraction=0.0, tenants=tenants, **SCENARIOS[scenario]["workload"])
             work = backlogs[scenario][0]
             cfg = scenario_config(base, name)
