@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from decode_worker.early_kv import EarlyKV, EarlyKVConfig
+from decode_worker.intake import KVIntake, Landed
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -40,6 +41,9 @@ from runtime.stats import DecodeStats, device_stats
 
 if TYPE_CHECKING:
     from kv_transfer.faults import FaultInjector
+
+
+_HANDED = "handed to the intake"  # _write's: the range is on the intake's thread
 
 
 @dataclass(slots=True)
@@ -90,6 +94,10 @@ class DecodeEngine:
         self.step_seconds = 0.0
         self.overlap = sched_config.overlap  # the host one step ahead (docs/design.md §3)
         self._inflight: _InFlight | None = None  # (overlap) the step on the device
+        # (overlap) the KV's check and copy off the loop thread, joined within each step
+        # call (decode_worker/intake.py); None: inline, as the serial loop does
+        self._intake = KVIntake.for_cache(self.runner.kv) if self.overlap else None
+        self._landed: list[Landed] = []  # joined, not yet taken in
 
     # ---- commands -------------------------------------------------------------------
     def reserve(self, task: DecodeTask) -> bool:
@@ -127,13 +135,21 @@ class DecodeEngine:
     def fail_all(self, message: str) -> list[WorkerEvent]:
         """Fail every leg held here (a step failed): free its blocks, drop its frames."""
         self._inflight = None  # (overlap) the step in flight is lost with its legs
+        self._settle()
+        events = self._take_landed()
         for leg_id in list(self.early.held):
             self.early.close(leg_id, "failed", self.receiver)
         held = list(self.scheduler.pending) + [r.request_id for r in self.scheduler.running]
-        return [e for leg_id in held for e in self._fail(leg_id, message)]
+        return events + [e for leg_id in held for e in self._fail(leg_id, message)]
+
+    def _settle(self) -> None:
+        """Wait for the ranges handed to the intake (before blocks are freed)."""
+        if self._intake is not None and self._intake.busy:
+            self._landed += self._intake.join()
 
     def _end(self, leg_id: str) -> bool:
         """Forget a leg that ended here (any status); its id is free again at once."""
+        self._settle()  # none of its ranges still being written into its blocks
         self.started.pop(leg_id, None)
         self._held.pop(leg_id, None)
         known = self.scheduler.abort(leg_id) is not None
@@ -237,6 +253,27 @@ class DecodeEngine:
         if fly is not None:  # while N + 1 runs
             self._report(sampled, events, now, wall)
             self._account(sampled, len(fly.items), fly.t0, fly.wall0, now)
+        if self._intake is not None:  # the ranges handed over this call: in place now
+            self._settle()
+            events += self._take_landed()
+        return events
+
+    def _take_landed(self) -> list[WorkerEvent]:
+        """Take in the ranges the intake wrote: each one's credit goes back; one in place
+        counts for its leg (if the leg is still the one it was handed for); one that
+        could not be written fails its leg."""
+        events: list[WorkerEvent] = []
+        landed, self._landed = self._landed, []
+        pending = self.scheduler.pending
+        for ld in landed:
+            self.receiver.release(ld.chunk)
+            rid = ld.chunk.request_id
+            ld.pending.in_intake -= 1
+            if ld.problem is not None:
+                if pending.get(rid) is ld.pending:
+                    events += self._fail(rid, ld.problem)
+            elif pending.get(rid) is ld.pending:
+                self._in_place(ld.pending, ld.chunk)
         return events
 
     def _preempted(self, preempted: list[Request]) -> list[WorkerEvent]:
@@ -311,13 +348,18 @@ class DecodeEngine:
                                               self.worker_id, message=problem))
                 if held:
                     continue
+            handed = False
             try:
                 problem = self._write(chunk)
+                handed = problem is _HANDED
             except Exception as e:  # noqa: BLE001 - e.g. a payload of the wrong shape
                 problem = (f"KV chunk [{chunk.token_start}, {chunk.token_end}) could not be "
                            f"written: {type(e).__name__}: {e}")
             finally:
-                self.receiver.release(chunk)
+                if not handed:  # (a range handed to the intake: released once written)
+                    self.receiver.release(chunk)
+            if handed:
+                continue
             if problem is not None:
                 events += self._fail(chunk.request_id, problem)
         for rid, reason in ev.failed:
@@ -329,7 +371,7 @@ class DecodeEngine:
             else:
                 self.early.mark_complete(rid)
         for rid, p in list(self.scheduler.pending.items()):
-            if p.complete and p.first_token is not None:
+            if p.complete and p.first_token is not None and not p.in_intake:
                 if p.received_tokens < p.request.num_prompt_tokens:
                     events += self._fail(rid, (
                         f"KV incomplete: {p.received_tokens} of "
@@ -357,20 +399,28 @@ class DecodeEngine:
         first, vocab = chunk.first_token, self.config.model.vocab_size
         if chunk.is_final and (first is None or not 0 <= first < vocab):
             return f"final KV chunk carries first token {first!r}, not a token id < {vocab}"
+        if chunk.is_final:
+            p.first_token = chunk.first_token
         if chunk.num_tokens:
             r = self.scheduler.allocate_range(chunk.request_id, chunk.token_end)
+            if self._intake is not None:  # checked and copied off the loop thread
+                self._intake.put(chunk, r.block_ids, p)
+                p.in_intake += 1
+                return _HANDED
             self.runner.kv.import_tokens(r.block_ids, chunk.token_start, chunk.payload,
                                          layer_start=chunk.layer_start,
                                          head_start=chunk.head_start)  # (0: every head)
-            key = (chunk.token_start, chunk.token_end)
-            # (an emulated device may be sent only its first layers: engine/emulate/)
-            if chunk.layer_end == getattr(self.runner, "layers_sent", layers) \
-                    and key not in p.ranges:
-                p.ranges.add(key)
-                p.received_tokens += chunk.num_tokens
-        if chunk.is_final:
-            p.first_token = chunk.first_token
+            self._in_place(p, chunk)
         return None
+
+    def _in_place(self, p, chunk: KVChunk) -> None:
+        """A range written into its leg's blocks counts toward the leg's prompt."""
+        key = (chunk.token_start, chunk.token_end)
+        # (an emulated device may be sent only its first layers: engine/emulate/)
+        if chunk.layer_end == getattr(self.runner, "layers_sent", self.config.model.num_layers) \
+                and key not in p.ranges:
+            p.ranges.add(key)
+            p.received_tokens += chunk.num_tokens
 
     def _expire(self) -> list[WorkerEvent]:
         out, now = [], self.scheduler.clock()  # (the KV waits count on the scheduler's)

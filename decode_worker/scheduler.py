@@ -56,6 +56,7 @@ class Pending:
     ranges: set[tuple[int, int]] | None = None
     first_token: int | None = None
     complete: bool = False
+    in_intake: int = 0  # ranges still being written off the loop (decode_worker/intake.py)
 
 
 class DecodeScheduler:

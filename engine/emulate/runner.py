@@ -169,11 +169,23 @@ class EmulatedKV(KVCache):
 
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                       layer_start: int = 0, head_start: int | None = None) -> None:
-        self.runner.pattern.check(data, start, layer_start)  # PatternError fails the leg
-        self.checked_ranges += 1
+        self.copy_in(block_ids, start, data, layer_start=layer_start, head_start=head_start)
+        self.charge_import(data.shape[2])
+
+    def copy_in(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
+                layer_start: int = 0, head_start: int | None = None) -> None:
+        """The host's part of an import: the range checked (PatternError fails the leg)
+        and copied into the cache; any thread (decode_worker/intake.py runs it off the
+        loop, into blocks no step reads yet)."""
+        self.runner.pattern.check(data, start, layer_start)
         super().import_tokens(block_ids, start, data, layer_start, head_start)
+        self.checked_ranges += 1
+
+    def charge_import(self, num_tokens: int) -> None:
+        """The device's part: the import's copy on the device's queue (the steps'
+        thread: the device's timeline has one writer)."""
         r = self.runner
-        r.accel.submit(r.costs.kv_import_s(max(1, data.shape[2])))
+        r.accel.submit(r.costs.kv_import_s(max(1, num_tokens)))
 
 
 class EmulatedRunner:
