@@ -343,11 +343,15 @@ class SenderLink:
                 keep.append(h)
         self.inbox = keep
 
-    def resolve(self) -> None:
+    def resolve(self, block: bool = True) -> None:
         """Link thread, outside the lock: wait for the exports still in flight; for a
-        chunk sent by layers, only for its next group (its frames go out meanwhile)."""
+        chunk sent by layers, only for its next group (its frames go out meanwhile).
+        ``block=False`` (the link just wrote a batch): wait for nothing, so frames already
+        queued leave before the next export or layer group is waited for."""
         with self.sender._lock:
             todo = [h for h in self.inbox if not h.resolved]
+        if todo and not block:
+            return
         for h in todo:
             if not h.dropped:
                 try:
@@ -442,14 +446,16 @@ class SenderLink:
             self.stats.connects += 1
         hb = s.cfg.failure_timeout_s / 3
         last_io = s._clock()
+        wrote = False  # the last pass wrote a batch: the next waits for no export first
         while True:
-            self.resolve()
+            self.resolve(block=not wrote)
             with s._lock:
                 batch = self._next_locked(last_io, hb)
                 if batch is None:
                     return
                 for f in batch:
                     self.inflight[f.item.tx] = f
+            wrote = bool(batch) and batch is not _EXPORT_PENDING
             if batch is _EXPORT_PENDING:
                 continue
             t0 = s._clock()
@@ -474,10 +480,8 @@ class SenderLink:
             if self.failed is not None or s._closed:
                 return None
             if self.admit_locked():
-                head = self.inbox[0] if self.inbox else None
-                if head is None or not head.admitted:
-                    return _EXPORT_PENDING
-                # a chunk sent by layers: its ready groups leave before its next is waited for
+                # what is queued (earlier chunks, a layer-wise chunk's ready groups) leaves
+                # before the next export or layer group is waited for
                 batch, _ = self.sched.next_batch(s._clock())
                 return batch or _EXPORT_PENDING
             now = s._clock()
