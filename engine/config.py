@@ -227,12 +227,19 @@ class EmulateConfig:
     # the share of each chunk's KV layers a prefill worker sends (where this host cannot
     # move bytes as fast as the emulated link: the link is charged the full size)
     kv_fraction: float = 1.0
+    # every device time (steps, copies) this many times the cost model's: a study on a
+    # host too slow for the device (its KV copies would set the pace) runs the device and,
+    # by its own setting, the link that much slower; shares and ratios then hold for a
+    # host that much faster than this one (tools/layerwise_bench.py --time-scale)
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         from engine.costs.analytic import PROFILES, SHAPES  # (numpy: loaded only when asked)
 
         if not 0 < self.kv_fraction <= 1:
             raise ValueError(f"emulate: kv_fraction must be in (0, 1], got {self.kv_fraction}")
+        if not (math.isfinite(self.time_scale) and self.time_scale >= 1):
+            raise ValueError(f"emulate: time_scale must be >= 1, got {self.time_scale}")
 
         if self.costs not in PROFILES and not self.costs.endswith(".json"):
             raise ValueError(f"emulate: {self.costs!r} is neither an analytic profile "
@@ -246,6 +253,8 @@ class EmulateConfig:
         """What every output says about figures of this device."""
         sent = "" if self.kv_fraction == 1 else \
             f" (KV sent: {self.kv_fraction:g} of each chunk's bytes, the link charged in full)"
+        if self.time_scale != 1:
+            sent += f" (time x{self.time_scale:g}: every device time {self.time_scale:g} times)"
         if self.costs.endswith(".json"):
             return (f"emulated {self.costs.rsplit('/', 1)[-1]}, {self.shape}: calibration "
                     f"file{sent}")

@@ -94,6 +94,106 @@ def run_variant(args, layerwise: bool, connector: str) -> dict:
     return row
 
 
+def run_in_process(args, layerwise: bool, connector: str) -> dict:
+    """The prefill engine alone, in this process: its emulated device, a real sender and
+    receiver of ``connector`` over the emulated link, the receiver drained (polled and
+    released) by a thread of its own; no decode worker, router or Ray. Per request: TTFT
+    (its first token's event), KV complete (the receiver's completion), the hidden share."""
+    import dataclasses
+    import threading
+    import time
+
+    from bench.studies.pacing import final_chunk_overlap
+    from engine.config import CacheConfig, EmulateConfig, EngineConfig, SchedulerConfig
+    from engine.emulate.model_dir import emulated_model_dir
+    from engine.loader import load_model_config
+    from engine.request import SamplingParams
+    from engine.tracing import TraceRecorder
+    from kv_transfer import TransferConfig, make_receiver, make_sender
+    from prefill_worker.engine import PrefillEngine
+    from prefill_worker.scheduler import PrefillSchedulerConfig
+    from runtime.messages import EventKind, PrefillTask
+
+    lo, hi = (int(x) for x in args.prompt_len.split(":"))
+    f = args.emulate_kv_fraction
+    d = emulated_model_dir(args.model_shape)
+    model = load_model_config(d)
+    cfg = EngineConfig(str(d), model, CacheConfig(16, None, int(args.kv_cache_memory_gb * (1 << 30)),
+                                                  False),
+                       SchedulerConfig(max_model_len=hi + 64), dtype="bfloat16",
+                       emulate=EmulateConfig(args.emulate, args.model_shape, f, args.time_scale))
+    # as cluster/launch/worker_specs.py: the link charged the full size
+    from engine.config import torch_dtype
+    from engine.kv_cache import KVCache
+
+    window = int(max(64 << 20, 2 * args.chunk * KVCache.bytes_per_token(
+        model, torch_dtype("bfloat16"))) * f)
+    rate = args.link_gbps * 1e9 / 8 * f / args.time_scale  # the link as slow as the device
+    tc = TransferConfig(connector=connector, link_rate_bytes_per_s=rate,
+                        credit_window_bytes=window,
+                        max_frame_bytes=max(64 << 10, min(64 << 20, window)),
+                        secret=b"layerwise-bench-secret-0123456789")
+    rx, tx = make_receiver(tc), make_sender(tc)
+    tracer = TraceRecorder(enabled=True)
+    eng = PrefillEngine("prefill-0", cfg, PrefillSchedulerConfig(
+        max_num_batched_tokens=args.chunk, max_prefill_chunk=args.chunk), tx,
+        (hi + 64) // 16 + 8, tracer, layerwise_groups=args.groups if layerwise else 0)
+    completed: dict[str, float] = {}
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            if rx.wait(0.01):
+                ev = rx.poll()
+                for c in ev.chunks:
+                    rx.release(c)
+                now = time.monotonic()
+                for rid in ev.completed:
+                    completed[rid] = now
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    rng = random.Random(args.seed)
+    sp = dataclasses.replace(SamplingParams(temperature=0.0, max_tokens=args.output_len),
+                             ignore_eos=True)
+    ttft, kv_done = [], []
+    try:
+        for i in range(args.num_prompts + 1):  # the first warms the link
+            rid = f"lw-{i}"
+            prompt = tuple(rng.randrange(1, model.vocab_size) for _ in range(rng.randint(lo, hi)))
+            t0 = time.monotonic()
+            eng.add(PrefillTask(rid, prompt, sp, rx.endpoint, ()))
+            first = None
+            while eng.has_work or rid not in completed:
+                assert time.monotonic() - t0 < 60, f"{rid} did not finish"
+                for e in eng.step():
+                    if e.kind == EventKind.FIRST_TOKEN:
+                        first = time.monotonic()
+                if not eng.last_step_ran:
+                    time.sleep(0.001)
+            if i:
+                ttft.append((first - t0) * 1e3)
+                kv_done.append((completed[rid] - t0) * 1e3)
+            time.sleep(args.gap_s / 4)  # the link and device idle between requests
+    finally:
+        stop.set()
+        drainer.join(2)
+        tx.close()
+        rx.close()
+    ov = {k: v for k, v in final_chunk_overlap(tracer.drain()).items() if k != "lw-0"}
+    vals = list(ov.values())
+    return {"connector": connector, "layerwise": layerwise, "ok": len(ttft),
+            "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+            "kv_complete_p50_ms": _pct(kv_done, 50), "kv_complete_p99_ms": _pct(kv_done, 99),
+            "hidden_mean": statistics.mean(v["busy"] for v in vals),
+            "hidden_min": min(v["busy"] for v in vals),
+            "hidden_span_mean": statistics.mean(v["span"] for v in vals),
+            "tail_p50_ms": _pct([v["tail_s"] * 1e3 for v in vals], 50),
+            "final_transfer_p50_ms": _pct([v["transfer_s"] * 1e3 for v in vals], 50),
+            "final_step_p50_ms": _pct([v["step_s"] * 1e3 for v in vals], 50),
+            "requests_traced": len(vals)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,16 +212,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-s", type=float, default=1.0, help="seconds between arrivals")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--variants", default="off,on", help="layer-wise off,on (or one of them)")
+    p.add_argument("--in-process", action="store_true",
+                   help="the prefill engine alone in this process, its receiver drained "
+                   "(no decode worker, router or Ray): where this host's service path "
+                   "cannot keep up with the emulated device and link")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --in-process: every device time and the link's this many "
+                   "times slower (EmulateConfig.time_scale): shares as on a host this many "
+                   "times faster than this one; times printed as measured (divide by it)")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
     print(f"emulated {args.emulate}, {args.model_shape}: analytic, not measured; link "
           f"{args.link_gbps:g} Gbit/s emulated; KV sent: {args.emulate_kv_fraction:g} of each "
           f"chunk's bytes (the link charged in full); prompts {args.prompt_len}, chunk "
-          f"{args.chunk}, {args.groups} layer groups", flush=True)
+          f"{args.chunk}, {args.groups} layer groups"
+          f"{'; in process: prefill engine alone' if args.in_process else '; 1P1D service'}"
+          f"{f'; time x{args.time_scale:g}' if args.time_scale != 1 else ''}",
+          flush=True)
     rows = []
     for connector in args.connector.split(","):
         for v in args.variants.split(","):
-            row = run_variant(args, v == "on", connector)
+            row = (run_in_process if args.in_process else run_variant)(args, v == "on",
+                                                                        connector)
             rows.append(row)
             print(json.dumps({k: round(x, 3) if isinstance(x, float) else x
                               for k, x in row.items()}), flush=True)

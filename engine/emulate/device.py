@@ -43,8 +43,10 @@ class DeviceEvent:
 
 
 class EmulatedDevice:
-    def __init__(self, clock=time.monotonic, sleep=time.sleep):
+    def __init__(self, clock=time.monotonic, sleep=time.sleep, time_scale: float = 1.0):
+        """``time_scale``: every cost given is taken that many times (EmulateConfig's)."""
         self.clock, self.sleep = clock, sleep
+        self.time_scale = time_scale
         self.created = clock()
         self.free_at = self.created
         self.busy_s = 0.0
@@ -58,6 +60,7 @@ class EmulatedDevice:
     def copy(self, cost_s: float, after: float) -> float:
         """Queue ``cost_s`` of copy-engine work that may start at ``after`` (its data's
         compute end on the step queue); returns when it ends. Not counted as busy."""
+        cost_s *= self.time_scale
         self.copy_free_at = max(after, self.copy_free_at, self.clock()) + cost_s
         self.copy_s += cost_s
         return self.copy_free_at
@@ -65,6 +68,7 @@ class EmulatedDevice:
     def submit(self, cost_s: float, continues: bool = False) -> float:
         """Queue ``cost_s`` of work now; returns when it ends. ``continues``: a step that
         follows its predecessor's results (its submission lag is the host's)."""
+        cost_s *= self.time_scale
         now = self.clock()
         if continues:
             lag = max(0.0, now - self.free_at)
