@@ -31,6 +31,7 @@ import random
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig, torch_dtype
@@ -39,7 +40,7 @@ from engine.costs.calibration import Calibration
 from engine.costs.loader import load_costs
 from engine.costs.model import CostModel
 from engine.emulate.device import DeviceEvent, EmulatedDevice
-from engine.emulate.kv_pattern import ROOT, KVPattern, chain, mix, step
+from engine.emulate.kv_pattern import ROOT, KVPattern, chain, mix, mix_np, step_np
 from engine.execute import Sampled, StepLaunch
 from engine.kv_cache import KVCache, LayerwiseExport, PendingExport, layer_bounds, slots_for
 from engine.logprobs import TokenLogprobs
@@ -187,11 +188,23 @@ class EmulatedKV(KVCache):
 
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                       layer_start: int = 0, head_start: int | None = None) -> None:
-        self.runner.pattern.check(data, start, layer_start)  # PatternError fails the leg
-        self.checked_ranges += 1
+        self.copy_in(block_ids, start, data, layer_start=layer_start, head_start=head_start)
+        self.charge_import(data.shape[2])
+
+    def copy_in(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
+                layer_start: int = 0, head_start: int | None = None) -> None:
+        """The host's part of an import: the range checked (PatternError fails the leg)
+        and copied into the cache; any thread (decode_worker/intake.py runs it off the
+        loop, into blocks no step reads yet)."""
+        self.runner.pattern.check(data, start, layer_start)
         super().import_tokens(block_ids, start, data, layer_start, head_start)
+        self.checked_ranges += 1
+
+    def charge_import(self, num_tokens: int) -> None:
+        """The device's part: the import's copy on the device's queue (the steps'
+        thread: the device's timeline has one writer)."""
         r = self.runner
-        r.accel.submit(r.costs.kv_import_s(max(1, data.shape[2])))
+        r.accel.submit(r.costs.kv_import_s(max(1, num_tokens)))
 
 
 class EmulatedRunner:
@@ -291,36 +304,39 @@ class EmulatedRunner:
                             (cost - (self.costs.sample_s(rows) if rows else 0.0)) * k)
         self._last = ids
         bs, kv, pattern = self.block_size, self.kv, self.pattern
-        # the state before each chunk: the root, or off the KV at its previous position
-        reads = [(it, ch) for it, ch in zip(items, chunks, strict=True) if ch.start > 0]
+        dec = [i for i, it in enumerate(items) if not it.is_prefill]
+        decoded = self._decode_rows([items[i] for i in dec], [chunks[i] for i in dec]) \
+            if dec else None
+        pre = [(i, it, ch) for i, (it, ch) in enumerate(zip(items, chunks, strict=True))
+               if it.is_prefill]
+        # a prefill chunk's state before it: the root, or off the KV at its previous position
+        reads = [ch for _, _, ch in pre if ch.start > 0]
         prev = pattern.state_at(kv.words, [slots_for(ch.block_ids, ch.start - 1, ch.start,
-                                                     bs)[0] for _, ch in reads],
-                                [ch.start - 1 for _, ch in reads])
-        before = dict(zip((ch.request_id for _, ch in reads), prev, strict=True))
-        states, positions, slots, out = [], [], [], []
-        dstates, dpositions, dslots = [], [], []  # decode tokens: written sparse
-        for it, ch in zip(items, chunks, strict=True):
+                                                     bs)[0] for ch in reads],
+                                [ch.start - 1 for ch in reads])
+        before = dict(zip((ch.request_id for ch in reads), prev, strict=True))
+        states, positions, slots, drawn = [], [], [], []
+        for i, it, ch in pre:
             h0 = before.get(ch.request_id, ROOT)
-            hs = [step(h0, ch.token_ids[0])] if len(ch.token_ids) == 1 else \
-                chain(h0, ch.token_ids)
-            if it.is_prefill:
-                states += hs
-                positions.extend(range(ch.start, ch.end))
-                slots += slots_for(ch.block_ids, ch.start, ch.end, bs)
-            else:
-                dstates += hs
-                dpositions.append(ch.start)
-                dslots += slots_for(ch.block_ids, ch.start, ch.end, bs)
+            hs = chain(h0, ch.token_ids)
+            states += hs
+            positions.extend(range(ch.start, ch.end))
+            slots += slots_for(ch.block_ids, ch.start, ch.end, bs)
             r = it.request
-            if r.wants_prompt_logprobs and it.is_prefill:
+            if r.wants_prompt_logprobs:
                 self._prompt_logprobs(it, h0, hs)
             if ch.sample:
                 tok, lps = self._draw(r, hs[-1])
-                out.append(Sampled(r, tok, lps))
+                drawn.append((i, Sampled(r, tok, lps)))
+        out = [s for _, s in drawn]  # in row order
+        if decoded is not None:
+            out = decoded[0] if not drawn else [s for _, s in sorted(
+                drawn + list(zip(dec, decoded[0], strict=True)), key=lambda x: x[0])]
         kv.finish_exports(None if any(not it.is_prefill for it in items) else frozenset(
             b for ch in chunks for b in written_blocks(ch.block_ids, ch.start, ch.end, bs)))
         self.prompt_pattern.write(kv.words[:self.layers_sent], slots, states, positions)
-        pattern.write(kv.words, dslots, dstates, dpositions, sparse=True)
+        if decoded is not None:
+            pattern.write_sparse(kv.words, *decoded[1])
         if len(self._keys) > 4096:  # keys of requests that ended: forget them now and then
             self._keys = {k: v for k, v in self._keys.items() if k in ids}
         accel = self.accel
@@ -329,6 +345,37 @@ class EmulatedRunner:
             accel.wait(done)
             return out
         return StepLaunch(collect)
+
+    def _decode_rows(self, items, chunks) -> tuple[list[Sampled], tuple]:
+        """A decode batch's rows at once: each row's state read off the KV at its previous
+        position (one gather of a word per row), the state after its token (``step`` over
+        the batch), its draw (``_token`` over the batch); returns the Sampled rows and the
+        sparse write's (slots, states, positions), done by ``launch`` after the exports."""
+        bs = self.block_size
+        rslots, wslots, pos, toks, keys = [], [], [], [], []
+        for it, ch in zip(items, chunks, strict=True):
+            p, bt = ch.start, ch.block_ids
+            rslots.append(bt[(p - 1) // bs] * bs + (p - 1) % bs)
+            wslots.append(bt[p // bs] * bs + p % bs)
+            pos.append(p)
+            toks.append(ch.token_ids[0])
+            keys.append(self._key(it.request))
+        positions = np.array(pos, dtype=np.int64)
+        h0 = self.pattern.states_at(self.kv.words, np.array(rslots, dtype=np.int64),
+                                    positions - 1)
+        h = step_np(h0, np.array(toks, dtype=np.uint64))
+        key = np.array(keys, dtype=np.uint64)
+        tokens = (mix_np(h ^ key) % np.uint64(self.vocab)).tolist()  # _token, row-wise
+        out, hs = [], None
+        for j, (it, tok) in enumerate(zip(items, tokens, strict=True)):
+            r = it.request
+            n = r.sampling_params.logprobs
+            if n is None:
+                out.append(Sampled(r, tok))
+                continue
+            hs = hs if hs is not None else h.tolist()
+            out.append(Sampled(r, tok, self._logprobs(tok, hs[j], keys[j], n)))
+        return out, (np.array(wslots, dtype=np.int64), h, positions)
 
     def _key(self, r) -> int:
         p = r.sampling_params
