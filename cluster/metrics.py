@@ -23,7 +23,7 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -57,6 +57,9 @@ class ServiceMetrics:
             "admission (router clock), prefill_queue and prefill_compute (the prefill "
             "worker's), control (the router's TTFT less those: the trips between them)",
             labelnames=("phase", "tenant"), buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.planner = Counter("pdserve:planner_decisions", "The live planner's decisions "
+                               "(cluster/serve/planner.py), by action", labelnames=("action",),
+                               registry=self.registry)
         self._tenants: set[str] = set()
         self._last_token: dict[str, float] = {}
         self._stats: list[Any] = []
@@ -86,6 +89,9 @@ class ServiceMetrics:
             self._tenants.add(tenant)
             for phase, seconds in phases.items():  # (clocks of two processes: >= 0)
                 self.ttft_phase.labels(phase, tenant).observe(max(seconds, 0.0))
+
+    def planner_decision(self, action: str) -> None:
+        self.planner.labels(action).inc()
 
     def forget(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)
@@ -142,7 +148,12 @@ class _PoolCollector:
                 busy.add_metric(lv, w.extra.get("device_busy_ratio", 0.0))
                 lag.add_metric([*lv, "0.5"], w.extra.get("host_lag_p50_s", 0.0))
                 lag.add_metric([*lv, "0.99"], w.extra.get("host_lag_p99_s", 0.0))
-        yield from (running, waiting, usage, inflight, sent, xfer, queued, alive, busy, lag)
+        pools = GaugeMetricFamily("pdserve:pool_workers", "Workers in each pool (the "
+                                  "planner moves them)", labels=["role"])
+        for role in ("prefill", "decode"):
+            pools.add_metric([role], sum(w.role == role for w in self.metrics._stats))
+        yield from (running, waiting, usage, inflight, sent, xfer, queued, alive, busy, lag,
+                    pools)
         if self.metrics.emulated:  # every figure of this service is the emulated device's
             info = GaugeMetricFamily("pdserve:emulated_device_info", "The service runs on "
                                      "an emulated accelerator: its label", labels=["device"])

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import generate_latest
 
 from cluster.config.serve import ServeConfig, slo_pairs
+from cluster.metrics import ServiceMetrics
 from cluster.serve.planner import Planner, PlannerConfig, PlannerCore, SplitScore, Window
 from tests.scripted_workers import make_router
 from tests.unit.test_router_races import assert_router_clean
@@ -72,7 +74,8 @@ def test_planner_step_moves_one_worker_through_the_router():
                 [SplitScore(2, 1, 3.0, 1, 1), SplitScore(1, 2, 1.0, 1, 1)]
 
         planner = Planner(router, PlannerConfig(window_s=60, dwell_s=0, confirm=2,
-                                                min_requests=5), {}, advise=advise)
+                                                min_requests=5), {}, advise=advise,
+                          metrics=ServiceMetrics())
         for _ in range(8):
             planner.observe(type("S", (), {"prompt_token_ids": (1,) * 64, "tenant": "t",
                                            "sampling": type("P", (), {"max_tokens": 9})})())
@@ -89,6 +92,9 @@ def test_planner_step_moves_one_worker_through_the_router():
     moved = next(w for w in (d0, d1) if w in router.prefill)
     assert moved.actor.calls_of("switch_role") == ["prefill"]
     assert [took is not None for _, d, took in planner.decisions] == [False, True, False]
+    text = generate_latest(planner.metrics.registry).decode()
+    assert 'pdserve:planner_decisions_total{action="hold"} 2.0' in text
+    assert 'pdserve:planner_decisions_total{action="to_prefill"} 1.0' in text
     assert_router_clean(router, prefill, [w for w in (d0, d1) if w is not moved])
 
 
