@@ -19,6 +19,10 @@ counted as queued or held there, as if the caller had queued it itself.
 
     caller:       send -> inbox.append(Handover) -> notify         (O(1), ThreadedSender)
     link thread:  resolve (wait exports) -> admit (split, enqueue) -> next_batch -> transmit
+
+What is queued leaves before the link waits again: after a write, ``resolve`` waits for no
+export, and a batch is taken even while the inbox's head still waits, so a chunk's frames
+(or a layer-wise chunk's ready groups) never sit behind the wait for the next one.
 """
 
 from __future__ import annotations
