@@ -49,7 +49,7 @@ from engine.memory import num_kv_blocks
 _M64 = (1 << 64) - 1
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # as kv_transfer/buffers.py
 POOLED_BYTES = 1 << 20  # export buffers at least this big are reused (EmulatedKV._payload)
-POOLED_BUFFERS = 16
+POOLED_BUFFERS = 4  # about the exports a link holds at once (its credit window)
 
 
 def emulated_costs(config: EngineConfig) -> CostModel:
