@@ -134,10 +134,8 @@ def findings(result: StudyResult) -> list[str]:
     """Each send policy against sending at the end of prefill."""
     by = {r["config"]: r for r in result.rows}
     base = by.get("at_end")
-    if base is None:
-        return []
     out = []
-    for name, r in by.items():
+    for name, r in by.items() if base is not None else ():
         if name == "at_end":
             continue
         out.append(ratio_line(f"{name} (against at_end)", [
