@@ -123,13 +123,8 @@ class KVPattern:
         w = self.words(torch.tensor(states, dtype=torch.int64),
                        torch.tensor(positions, dtype=torch.long))  # [L, 2, T]
         tiles = w[:, :, :, None, None]  # [L, 2, T, 1, 1], broadcast over [KVH, Q]
-        i = 0
-        while i < len(slots):
-            j = i + 1
-            while j < len(slots) and slots[j] == slots[j - 1] + 1:
-                j += 1
+        for i, j in slot_runs(slots):
             slots64[:, :, slots[i]:slots[j - 1] + 1] = tiles[:, :, i:j]
-            i = j
 
     def write_sparse(self, slots64: torch.Tensor, slots: np.ndarray, states: np.ndarray,
                      positions: np.ndarray) -> None:
@@ -177,6 +172,19 @@ class KVPattern:
                 f"emulated KV check failed at position {start + t}, layer {layer_start + ls} "
                 f"{'KV'[kv]}: the bytes received are not the KV the prefill wrote for that "
                 f"position (corrupted or misplaced in transfer)")
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``[i, j)`` index ranges of ``slots`` whose slots are consecutive (a block's tokens):
+    each one slice of the cache, one copy."""
+    runs, i = [], 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
