@@ -7,11 +7,25 @@
 #
 #     tools/overlap_bench.sh [OUTDIR]       # STREAMS="64 256" PORT=50393 by default
 #     KVF=0.25 tools/overlap_bench.sh DIR   # + --emulate-kv-fraction 0.25 (serve, bench)
+#
+# Each bench also prints the CPU per output token of every process of the service's tree
+# by group (tools/service_tree.py: front door + router, decode, prefill, Ray daemons) and
+# of the bench client itself: "CPU per output token (us): ...".
 set -euo pipefail
 OUT=${1:-/tmp/overlap_bench}
 STREAMS=${STREAMS:-"64 256"}
 PORT=${PORT:-50393}
 PD=${PD:-.venv/bin/pdserve}
+PY=${PY:-.venv/bin/python}
+snap() { "$PY" -c "import json, sys; from tools.service_tree import tree_cpu
+json.dump(tree_cpu(int(sys.argv[1])), open(sys.argv[2], 'w'))" "$1" "$2"; }
+per_token() {  # before.json after.json bench.json client-cpu-seconds
+    "$PY" -c "import json, sys; from tools.service_tree import cpu_delta
+b, a = ({int(k): tuple(v) for k, v in json.load(open(f)).items()} for f in sys.argv[1:3])
+n = json.load(open(sys.argv[3]))['metrics']['total_output_tokens']
+g = cpu_delta(b, a); g['bench client'] = float(sys.argv[4])
+print('CPU per output token (us): ' + ' | '.join(f'{k} {v / n * 1e6:.0f}' for k, v in g.items())
+      + f' | all {sum(g.values()) / n * 1e6:.0f} ({n} tokens)')" "$@"; }
 EMU=(--emulate h200 --model-shape llama-3-8b)
 KV=()
 if [ -n "${KVF:-}" ]; then KV=(--emulate-kv-fraction "$KVF"); fi
@@ -28,9 +42,15 @@ for mode in no-overlap overlap; do
     done
     for c in $STREAMS; do
         echo "== --$mode, $c streams"
-        "$PD" bench --addr "127.0.0.1:$PORT" --num-prompts $((2 * c)) --max-concurrency "$c" \
+        snap "$srv" "$OUT/cpu-$mode-$c.before.json"
+        /usr/bin/time -f "%U %S" -o "$OUT/client-$mode-$c.time" \
+            "$PD" bench --addr "127.0.0.1:$PORT" --num-prompts $((2 * c)) --max-concurrency "$c" \
             "${WL[@]}" "${EMU[@]}" "${KV[@]}" --no-progress --json "$OUT/$mode-$c.json" \
             | tee "$OUT/bench-$mode-$c.txt"
+        snap "$srv" "$OUT/cpu-$mode-$c.after.json"
+        per_token "$OUT/cpu-$mode-$c.before.json" "$OUT/cpu-$mode-$c.after.json" \
+            "$OUT/$mode-$c.json" "$(awk '{print $1 + $2}' "$OUT/client-$mode-$c.time")" \
+            | tee -a "$OUT/bench-$mode-$c.txt"
     done
     kill "$srv"; wait "$srv" || true
 done
