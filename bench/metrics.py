@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.records import PHASES, TTFT_PHASES, RequestRecord
+from cluster.config.serve import slo_pairs
 from engine.quantiles import median
 from engine.quantiles import percentiles as percentiles_of
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
-SLO_KEYS: tuple[str, ...] = ("ttft", "tpot", "e2el")
 
 
 @dataclass(frozen=True)
@@ -46,16 +46,8 @@ class Dist:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """``"ttft:500,tpot:50"`` (or space separated, as vLLM's ``--goodput``) -> ms per key."""
-    slos: dict[str, float] = {}
-    for item in text.replace(",", " ").split():
-        key, sep, value = item.partition(":")
-        if not sep or key not in SLO_KEYS:
-            raise ValueError(f"slo item {item!r}: expected one of {SLO_KEYS} as key:ms")
-        if not float(value) > 0:
-            raise ValueError(f"slo {key} must be > 0 ms, got {value}")
-        slos[key] = float(value)
-    return slos
+    """``"ttft:500,tpot:50"`` -> ms per key (the rule: cluster/config/serve.py slo_pairs)."""
+    return dict(slo_pairs(text))
 
 
 def meets_slos(r: RequestRecord, slos: Mapping[str, float]) -> bool:

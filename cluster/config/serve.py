@@ -291,7 +291,8 @@ class PoolsSection(Section):
             raise self._bad("address", "must be 'auto', 'ray://...' or unset")
         if self.planner:
             try:
-                slo_pairs(self.planner_slo)
+                if not slo_pairs(self.planner_slo):
+                    raise ValueError("names no SLO")
             except ValueError as e:
                 raise self._bad("planner_slo", str(e)) from None
         if (self.role_switch or self.planner) and (self.prefill_tp > 1 or self.decode_tp > 1):
@@ -433,17 +434,23 @@ class ServeConfig:
         return replace(self, **sections)
 
 
+SLO_KEYS: tuple[str, ...] = ("ttft", "tpot", "e2el")
+
+
 def slo_pairs(text: str) -> tuple[tuple[str, float], ...]:
-    """'ttft:500,tpot:50' -> (('ttft', 500.0), ('tpot', 50.0)); ValueError names the bad part."""
-    out = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        name, sep, value = part.partition(":")
-        if not sep or name not in ("ttft", "tpot", "itl", "e2el"):
-            raise ValueError(f"expected NAME:MS with NAME one of ttft, tpot, itl, e2el, got {part!r}")
-        ms = float(value)
+    """``"ttft:500,tpot:50"`` (or space separated, as vLLM's ``--goodput``) -> ((key, ms),
+    ...); the one rule of every SLO flag (bench's --slo, the planner's). ValueError names
+    the bad item."""
+    slos: dict[str, float] = {}
+    for item in text.replace(",", " ").split():
+        key, sep, value = item.partition(":")
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"slo item {item!r}: expected one of {SLO_KEYS} as key:ms")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"slo item {item!r}: {value!r} is not a number of ms") from None
         if not ms > 0:
-            raise ValueError(f"an SLO must be > 0 ms, got {part!r}")
-        out.append((name, ms))
-    if not out:
-        raise ValueError("no SLO given")
-    return tuple(out)
+            raise ValueError(f"slo {key} must be > 0 ms, got {value}")
+        slos[key] = ms
+    return tuple(slos.items())
