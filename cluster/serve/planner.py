@@ -1,7 +1,8 @@
 """The live planner (`pdserve serve --planner`): the P:D split that fits the traffic now.
 
 Every `pools.planner_window_s` the planner takes the window's arrivals (prompt and output
-lengths, times: what the router saw), asks the simulator how each split of the same
+lengths, times: what the router saw; requests from before it still waiting for their first
+token count as arriving at its start), asks the simulator how each split of the same
 workers would have served them (an advisor that sim/ registers, since cluster/ never
 imports it: sim/plan.py `advise_splits`, run in a process of its own so the router's loop
 and CPU are not its), and moves one worker between the pools (`Router.switch_role`) when
@@ -183,9 +184,15 @@ class Planner:
         start = now - self.cfg.window_s
         while self._arrivals and self._arrivals[0].t < start:
             self._arrivals.popleft()
-        arr = tuple((a.t - start, a.prompt_len, a.max_tokens, a.tenant)
-                    for a in self._arrivals)
         r = self.router
+        # what arrived before the window and still waits for its first token is the
+        # window's backlog: it arrives at the window's start (a split that fell behind
+        # is simulated behind)
+        backlog = tuple((0.0, len(f.spec.prompt_token_ids), f.spec.sampling.max_tokens,
+                         f.spec.tenant) for f in list(getattr(r, "flights", {}).values())
+                        if f.arrival < start and f.first_token_at is None and not f.done)
+        arr = backlog + tuple((a.t - start, a.prompt_len, a.max_tokens, a.tenant)
+                              for a in self._arrivals)
         return Window(arr, self.cfg.window_s, len(r.prefill), len(r.decode), self.cfg.slos_ms)
 
     async def step(self, pool: ProcessPoolExecutor | None = None) -> Decision:

@@ -64,6 +64,26 @@ def test_bad_settings_and_slos_are_refused():
         ServeConfig.from_dict({"pools": {"planner": True, "decode_tp": 2}})
 
 
+def test_the_window_counts_the_backlog_from_before_it_at_its_start():
+    import time
+
+    from cluster.router.flight import Flight
+    from cluster.router.types import GenerateSpec
+    from engine import SamplingParams
+
+    router, _, _ = make_router(n_decode=2)
+    planner = Planner(router, CFG, {}, advise=lambda w, c: [])
+    now = time.monotonic()
+    sp = SamplingParams(max_tokens=7)
+    old = Flight(GenerateSpec("old", (1,) * 30, sp), None, now - 60)  # waiting since
+    served = Flight(GenerateSpec("served", (1,) * 40, sp), None, now - 60)
+    served.first_token_at = now - 50
+    router.flights.update(old=old, served=served)
+    w = planner.window(now)
+    assert w.arrivals == ((0.0, 30, 7, "default"),)
+    assert (w.prefill, w.decode) == (1, 2)
+
+
 def test_planner_step_moves_one_worker_through_the_router():
     async def go():
         router, prefill, [d0, d1] = make_router(n_decode=2)
