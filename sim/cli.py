@@ -40,6 +40,10 @@ def _calibration_source(p: argparse.ArgumentParser) -> None:
                      "(h200, h100, a100): roofline, not measured")
     g.add_argument("--analytic-dtype", default="bfloat16", help="with --analytic (default "
                    "bfloat16)")
+    g.add_argument("--client-ms", type=float, default=None, help="with an analytic profile: "
+                   "the client <-> front door trip one way, ms (default 0: an in-process "
+                   "client, as the studies'; a gRPC client across processes pays its "
+                   "transport's, e.g. a bare grpc.aio echo's half round trip)")
 
 
 def _add_simulator_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -123,7 +127,13 @@ def load_cost_model(args: argparse.Namespace):
         raise SystemExit("pdserve simulate: a cost model is needed: --calibration FILE, "
                          "--analytic PROFILE or --emulate PROFILE|FILE")
     shape = vars(args).get("model.model_shape") or getattr(args, "model_shape", None)
-    return cost_model(calibration, analytic, shape, args.analytic_dtype)
+    client_ms = getattr(args, "client_ms", None)
+    if client_ms is not None and (client_ms < 0 or calibration):
+        raise SystemExit("pdserve simulate: --client-ms is an analytic profile's assumption "
+                         "(>= 0 ms); a calibration measured its own (pdserve calibrate "
+                         "--client-ms)")
+    return cost_model(calibration, analytic, shape, args.analytic_dtype,
+                      None if client_ms is None else {"client_s": client_ms / 1000})
 
 
 def _on_command_line() -> bool:

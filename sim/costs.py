@@ -8,9 +8,9 @@ from pathlib import Path
 
 
 def cost_model(calibration: str | None, analytic: str | None, shape: str | None,
-               dtype: str):
+               dtype: str, assumptions: dict | None = None):
     """``calibration`` wins; else ``analytic`` (h200, h100, a100) for ``shape`` (default
-    llama-3-8b) in ``dtype``."""
+    llama-3-8b) in ``dtype``, with ``assumptions`` over engine/costs/analytic.py's."""
     from engine.costs.analytic import analytic_calibration
     from engine.costs.calibration import Calibration
     from engine.costs.loader import load_costs
@@ -28,4 +28,4 @@ def cost_model(calibration: str | None, analytic: str | None, shape: str | None,
             "architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
             "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
             "tie_word_embeddings")}}
-    return load_costs(analytic_calibration(analytic, shape, dtype))
+    return load_costs(analytic_calibration(analytic, shape, dtype, assumptions))

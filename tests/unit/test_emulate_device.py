@@ -273,3 +273,17 @@ def test_serve_and_simulate_take_the_same_emulate_flags():
     add_simulate_args(p)
     costs = load_cost_model(p.parse_args(["--emulate", "h100", "--model-shape", "qwen2.5-7b"]))
     assert "H100" in costs.label and "qwen2.5-7b" in costs.label
+
+
+def test_simulate_client_ms_is_the_analytic_profiles_client_trip():
+    import argparse
+
+    from sim.cli import add_simulate_args, load_cost_model
+
+    p = argparse.ArgumentParser()
+    add_simulate_args(p)
+    base = ["--emulate", "h200", "--model-shape", "llama-3-8b"]
+    assert load_cost_model(p.parse_args(base)).client_s == 0.0  # an in-process client
+    assert load_cost_model(p.parse_args([*base, "--client-ms", "0.5"])).client_s == 0.0005
+    with pytest.raises(SystemExit, match="client-ms"):
+        load_cost_model(p.parse_args([*base, "--client-ms", "-1"]))
