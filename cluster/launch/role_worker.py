@@ -3,10 +3,10 @@
 It holds both ends of the KV link (a sender for the prefill role, a receiver for the
 decode role, whose endpoint it always serves) and one runner: the weights and the KV
 memory. `switch_role` runs on its loop between two steps, once the engine holds no leg
-(the router drained it: cluster/router/admin.py `switch_role`): the other role's engine
-is built over the same runner (prefill_worker/worker.py and decode_worker/worker.py
-`build_engine`), the channel takes that role's commands, and the answer is the worker's
-new WorkerInfo. Nothing is reloaded; the prefix cache of a prefill engine is dropped with
+and no KV send (the router drained it: cluster/router/admin.py `switch_role`): the other
+role's engine is built over the same runner (prefill_worker/worker.py and
+decode_worker/worker.py `build_engine`), the channel takes that role's commands, and the
+answer is the worker's new WorkerInfo. Nothing is reloaded; the prefix cache of a prefill engine is dropped with
 it (its blocks are the new engine's free memory).
 
 Both roles share one EngineConfig (the launcher checks the block sizes agree): the runner
@@ -81,7 +81,7 @@ class RoleWorker(WorkerBase):
             old = self.engine
             if role == self.role:
                 return 0.0
-            if old.has_work or getattr(old, "jobs", None) or getattr(old, "_shipping", None):
+            if old.has_work or getattr(old, "kv_in_flight", 0):  # (a prefill's sends too)
                 raise RuntimeError(f"{self.spec.worker_id} still holds legs as a {self.role} "
                                    "worker: drain it before switching")
             t0 = time.monotonic()
