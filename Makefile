@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/pdserve demo
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
