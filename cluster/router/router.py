@@ -150,7 +150,9 @@ class Router(RouterAdmin):
         flight.decode = decode
         decode.legs.add(leg_id)
         try:  # (with `reserve`, _decode_at_once saw a live prefill worker, and no await since)
-            prefill = self._pick_prefill(prompt)
+            # a colocated engine runs the whole leg: it prefills what it decodes (placed
+            # apart, its tokens would come from a worker that does not hold the decode leg)
+            prefill = decode if decode.role == "colocated" else self._pick_prefill(prompt)
         except RouterError:  # the prefill pool died while we reserved: a new leg waits
             if reserve is not None:  # (never sent: nothing to undo on the decode worker)
                 self._reserving.answered(id(decode), reserve[1])

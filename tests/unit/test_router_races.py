@@ -226,3 +226,39 @@ def test_a_late_reservation_on_another_worker_cannot_fail_the_leg():
     assert decode[1].actor.calls_of("reserve") == [leg]  # never re-dispatched
     assert ("abort", leg) in decode[0].actor.calls  # the stray reservation was undone
     assert_router_clean(router, prefill, decode)
+
+
+def test_a_colocated_engine_prefills_the_leg_it_decodes():
+    """Colocated pools (the interference baseline): admission picks the engine by KV
+    usage, prompt placement by outstanding tokens; when they would differ the leg still
+    goes to one engine, whose tokens are the leg's (placed apart, the stream hung)."""
+    from cluster.router.pool import WorkerHandle
+    from cluster.router.router import Router, RouterConfig
+    from runtime.stats import EngineStats
+    from tests.scripted_workers import FakeActor
+
+    async def go():
+        c0, c1 = (WorkerHandle(f"colocated-{i}", "colocated", FakeActor(f"colocated-{i}"))
+                  for i in range(2))
+        c1.stats = EngineStats(role="colocated", kv_blocks_used=90, kv_blocks_free=10)
+        c1.num_blocks = c0.num_blocks = 100
+        c0.outstanding_tokens = 1000  # placement alone would put the prompt on c1
+        router = Router([c0, c1], [c0, c1], RouterConfig(), tokenizer=None,
+                        vocab_size=100, max_model_len=1000)
+
+        def engine(w):
+            async def add(task):  # the whole leg, as a ColocatedEngine reports it
+                w.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
+                w.actor.emit(EventKind.PREFILL_DONE, task.leg_id)
+                w.actor.emit(EventKind.TOKENS, task.leg_id, (8,), finish_reason="length")
+            return add
+
+        for w in (c0, c1):
+            w.actor.on_add = engine(w)
+        toks = await asyncio.wait_for(collect(router.generate(SPEC)), 10)
+        await router.shutdown(0)
+        return toks, c0, c1
+
+    toks, c0, c1 = asyncio.run(go())
+    assert toks == [7, 8]
+    assert [c for c in c0.actor.calls if c[0] == "add"] and not c1.actor.calls_of("add")
