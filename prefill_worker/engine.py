@@ -169,10 +169,10 @@ class PrefillEngine:
             for item in items:
                 rid = item.request.request_id
                 events += self._ship(item, firsts.get(rid), early.get(rid))
+                self.chunk_sizes[item.num_tokens] = self.chunk_sizes.get(item.num_tokens, 0) + 1
         finally:  # a step that failed fails the chunks it sent by layers (bound ones stay)
             for lw in early.values():
                 lw.fail(RuntimeError("the prefill step failed"))
-            self.chunk_sizes[item.num_tokens] = self.chunk_sizes.get(item.num_tokens, 0) + 1
         dt = time.monotonic() - t0
         self.num_steps += 1
         self.step_seconds += dt

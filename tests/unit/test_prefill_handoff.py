@@ -99,3 +99,16 @@ def test_a_hand_off_that_fails_fails_every_leg_and_frees_them(tiny_model):
     for rid in ("a", "b"):
         pair.decode.abort(rid)
     pair.receiver.close()
+
+
+def test_every_chunk_of_a_batched_step_is_counted(tiny_model):
+    """`chunk_sizes` (the `pdserve:prefill_chunk_tokens` histogram) counts each chunk of a
+    step that batches several prompts, not its last alone."""
+    pair = PDPair(tiny_model, chunk=16, budget=64)
+    prompts = [list(range(1, 1 + n)) for n in (5, 9, 16, 23)]
+    for i, p in enumerate(prompts):
+        assert pair.submit(f"r{i}", p, greedy(2))
+    pair.run()
+    sizes = pair.prefill.stats().chunk_sizes
+    assert sum(int(size) * n for size, n in sizes.items()) == sum(map(len, prompts))
+    assert sum(sizes.values()) == 5  # 23 tokens in chunks of 16: two; the rest one each
