@@ -354,10 +354,18 @@ def _study_context(args: argparse.Namespace):
 register_simulator(_study_context)
 
 
+def advise_splits(window, serve_config: dict) -> list:
+    """The live planner's advisor: sim/plan.py advise_splits, imported when first asked
+    (the simulator's imports stay out of `pdserve`'s start-up; picklable by name for the
+    planner's own process)."""
+    from sim.plan import advise_splits as advise
+
+    return advise(window, serve_config)
+
+
 def _register_planner() -> None:
-    """`pdserve serve --planner` asks the simulator (sim/plan.py advise_splits)."""
+    """`pdserve serve --planner` asks the simulator."""
     from cluster.serve.planner import register_advisor
-    from sim.plan import advise_splits
 
     register_advisor(advise_splits)
 
