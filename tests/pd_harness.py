@@ -6,6 +6,8 @@ import itertools
 import os
 from dataclasses import replace
 
+import torch
+
 from decode_worker.engine import DecodeEngine
 from decode_worker.scheduler import DecodeSchedulerConfig
 from engine.config import CacheConfig, EmulateConfig, EngineConfig, SchedulerConfig
@@ -102,6 +104,40 @@ class PDPair:
     def close(self) -> None:
         self.sender.close()
         self.receiver.close()
+
+
+# prompts of mixed lengths across chunk and block boundaries (the streams tests')
+STREAM_PROMPTS = [list(range(1, 41)), [9] * 5, [100 + i for i in range(23)], [5, 6, 7]]
+
+
+def streams(pair: PDPair, prompts, sp: SamplingParams) -> tuple[list, list]:
+    """Run ``prompts`` through ``pair`` to the end: each one's tokens and its log-probs'
+    token ids; then the leak check, and the pair is closed."""
+    for i, p in enumerate(prompts):
+        assert pair.submit(f"r{i}", p, sp)
+    pair.run()
+    outs = [pair.outputs[f"r{i}"] for i in range(len(prompts))]
+    lps = [[lp.token_id for e in pair.events if e.leg_id == f"r{i}" and e.logprobs
+            for lp in e.logprobs] for i in range(len(prompts))]
+    pair.leak_check()
+    pair.close()
+    return outs, lps
+
+
+def corrupt_once(pair: PDPair, request_id: str, seq_no: int = 1) -> list[int]:
+    """Flip one bit of that chunk's payload after its export, before framing (the wire's
+    own checksum is of these bytes), once; the list gets its seq_no when it happened."""
+    send, hit = pair.sender.send, []
+
+    def corrupting_send(chunk, dest):
+        if chunk.request_id == request_id and chunk.seq_no == seq_no and not hit:
+            chunk = chunk.resolved()  # the export's bytes, gathered
+            chunk.payload.view(torch.uint8).view(-1)[777] ^= 0x04
+            hit.append(chunk.seq_no)
+        return send(chunk, dest=dest)
+
+    pair.sender.send = corrupting_send
+    return hit
 
 
 def greedy(max_tokens: int = 10) -> SamplingParams:

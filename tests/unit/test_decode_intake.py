@@ -18,7 +18,6 @@ import time
 from dataclasses import replace
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
@@ -26,8 +25,9 @@ from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
 from decode_worker.intake import KVIntake
 from engine.config import EmulateConfig
 from runtime.messages import EventKind
-from tests.pd_harness import PDPair, greedy
-from tests.unit.test_decode_overlap import PROMPTS, OverlapMachine, _streams
+from tests.pd_harness import STREAM_PROMPTS as PROMPTS
+from tests.pd_harness import PDPair, corrupt_once, greedy, streams
+from tests.unit.test_decode_overlap import OverlapMachine
 
 written: list[str] = []  # what the intake machine's writes saw (checked below)
 
@@ -94,11 +94,11 @@ def _emu_dir():
 def test_the_emulated_device_overlapped_takes_its_kv_in_off_the_loop_with_the_same_streams():
     d = _emu_dir()
     sp = replace(greedy(12), logprobs=2)
-    off = _streams(PDPair(d, d_block=8, budget=32, emulate=TINY, overlap=False), PROMPTS, sp)
+    off = streams(PDPair(d, d_block=8, budget=32, emulate=TINY, overlap=False), PROMPTS, sp)
     pair = PDPair(d, d_block=8, budget=32, emulate=TINY, overlap=True)
     intake = pair.decode._intake
     assert intake is not None
-    on = _streams(pair, PROMPTS, sp)
+    on = streams(pair, PROMPTS, sp)
     assert on == off
     # every range through the intake, each one checked
     assert intake.ranges >= len(PROMPTS)
@@ -108,17 +108,7 @@ def test_the_emulated_device_overlapped_takes_its_kv_in_off_the_loop_with_the_sa
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 def test_a_corrupted_range_fails_its_leg_alone_on_the_intake_thread_too(overlap):
     pair = PDPair(_emu_dir(), chunk=16, budget=32, emulate=TINY, overlap=overlap)
-    send = pair.sender.send
-    hit = []
-
-    def corrupting_send(chunk, dest):
-        if chunk.request_id == "bad" and chunk.seq_no == 1 and not hit:
-            chunk = chunk.resolved()
-            chunk.payload.view(torch.uint8).view(-1)[777] ^= 0x04
-            hit.append(chunk.seq_no)
-        return send(chunk, dest=dest)
-
-    pair.sender.send = corrupting_send
+    hit = corrupt_once(pair, "bad")
     try:
         assert pair.submit("good", PROMPTS[0], greedy(5))
         assert pair.submit("bad", [100 + i for i in range(70)], greedy(5))

@@ -39,7 +39,7 @@ from engine.execute import Sampled, StepLaunch
 from engine.request import RequestStatus, SamplingParams
 from kv_transfer.base import KVChunk, KVReceiver, ReceiveEvents
 from runtime.messages import DecodeTask, EventKind
-from tests.pd_harness import PDPair, engine_cfg, greedy
+from tests.pd_harness import STREAM_PROMPTS, PDPair, engine_cfg, greedy, streams
 
 STOP = 3  # the fake model's stop token
 seen: Counter[str] = Counter()  # states the machines reached (checked below)
@@ -316,29 +316,17 @@ def test_random_lifecycles_with_the_host_one_step_ahead(tiny_model, overlap):
 
 
 # ---- a real model and the emulated device: the same tokens either way ----------------
-def _streams(pair: PDPair, prompts, sp) -> tuple[list, list]:
-    for i, p in enumerate(prompts):
-        assert pair.submit(f"r{i}", p, sp)
-    pair.run()
-    outs = [pair.outputs[f"r{i}"] for i in range(len(prompts))]
-    lps = [[lp.token_id for e in pair.events if e.leg_id == f"r{i}" and e.logprobs
-            for lp in e.logprobs] for i in range(len(prompts))]
-    pair.leak_check()
-    pair.close()
-    return outs, lps
-
-
-PROMPTS = [list(range(1, 41)), [9] * 5, [100 + i for i in range(23)], [5, 6, 7]]
+PROMPTS = STREAM_PROMPTS
 
 
 @pytest.mark.parametrize("d_block", [4, 16])
 def test_stop_tokens_max_tokens_and_logprobs_are_the_same_with_overlap(tiny_model, d_block):
-    base, _ = _streams(PDPair(tiny_model, d_block=d_block, chunk=7, overlap=False), PROMPTS,
+    base, _ = streams(PDPair(tiny_model, d_block=d_block, chunk=7, overlap=False), PROMPTS,
                        greedy(9))
     stop = base[0][4]  # ends r0 at its 5th token, others where it occurs (or max_tokens)
     sp = replace(greedy(9), stop_token_ids=(stop,), logprobs=2)
-    off = _streams(PDPair(tiny_model, d_block=d_block, chunk=7, overlap=False), PROMPTS, sp)
-    on = _streams(PDPair(tiny_model, d_block=d_block, chunk=7, overlap=True), PROMPTS, sp)
+    off = streams(PDPair(tiny_model, d_block=d_block, chunk=7, overlap=False), PROMPTS, sp)
+    on = streams(PDPair(tiny_model, d_block=d_block, chunk=7, overlap=True), PROMPTS, sp)
     assert on == off
     assert off[0][0] == base[0][:5]
     assert on[0] == [b[:b.index(stop) + 1] if stop in b else b for b in base]
@@ -350,9 +338,9 @@ def test_the_emulated_device_gives_the_same_streams_with_overlap():
     tiny = EmulateConfig("h200", "tiny")
     d = emulated_model_dir("tiny")
     sp = replace(greedy(12), logprobs=2)
-    off = _streams(PDPair(d, d_block=8, budget=32, emulate=tiny, overlap=False), PROMPTS, sp)
+    off = streams(PDPair(d, d_block=8, budget=32, emulate=tiny, overlap=False), PROMPTS, sp)
     pair = PDPair(d, d_block=8, budget=32, emulate=tiny, overlap=True)
-    on = _streams(pair, PROMPTS, sp)
+    on = streams(pair, PROMPTS, sp)
     assert on == off
     assert pair.decode.runner.kv.checked_ranges >= len(PROMPTS)
     assert pair.decode.stats().num_steps > 0

@@ -19,7 +19,7 @@ from engine.llm import LLM
 from engine.loader import load_model_config
 from engine.request import SamplingParams
 from runtime.messages import EventKind
-from tests.pd_harness import PDPair, greedy
+from tests.pd_harness import PDPair, corrupt_once, greedy
 
 TINY = EmulateConfig("h200", "tiny")
 
@@ -154,18 +154,7 @@ def test_seeded_streams_repeat_and_logprobs_have_their_usual_shape(emu_dir):
 
 def test_a_corrupted_kv_frame_fails_its_request_with_a_clear_error_and_leaks_nothing(emu_dir):
     pair = PDPair(emu_dir, chunk=16, budget=32, emulate=TINY)
-    send = pair.sender.send
-    hit = []
-
-    def corrupting_send(chunk, dest):
-        # after the export, before framing: the wire's own checksum is of these bytes
-        if chunk.request_id == "bad" and chunk.seq_no == 1 and not hit:
-            chunk = chunk.resolved()  # the export's bytes, gathered
-            chunk.payload.view(torch.uint8).view(-1)[777] ^= 0x04
-            hit.append(chunk.seq_no)
-        return send(chunk, dest=dest)
-
-    pair.sender.send = corrupting_send
+    hit = corrupt_once(pair, "bad")
     try:
         assert pair.submit("good", PROMPTS[0], greedy(5))
         assert pair.submit("bad", PROMPTS[3], greedy(5))

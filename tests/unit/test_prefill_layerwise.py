@@ -21,7 +21,7 @@ from kv_transfer import KVChunk, TransferConfig, make_receiver, make_sender
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillSchedulerConfig
 from runtime.messages import EventKind, PrefillTask
-from tests.pd_harness import PDPair, engine_cfg, greedy
+from tests.pd_harness import STREAM_PROMPTS, PDPair, engine_cfg, greedy, streams
 
 _ids = itertools.count()
 PROMPT = list(range(3, 40))  # 37 tokens: chunks of 16, 16 and a final 5
@@ -142,19 +142,7 @@ def test_a_layer_wise_export_times_its_groups_by_the_step_and_copies_beside_it()
     assert ok.wait_layers(2).shape[0] == 2 and ok.first_token == 7
 
 
-def _streams(pair: PDPair, prompts, sp):
-    for i, p in enumerate(prompts):
-        assert pair.submit(f"r{i}", p, sp)
-    pair.run()
-    outs = [pair.outputs[f"r{i}"] for i in range(len(prompts))]
-    lps = [[lp.token_id for e in pair.events if e.leg_id == f"r{i}" and e.logprobs
-            for lp in e.logprobs] for i in range(len(prompts))]
-    pair.leak_check()
-    pair.close()
-    return outs, lps
-
-
-PROMPTS = [list(range(1, 41)), [9] * 5, [100 + i for i in range(23)], [5, 6, 7]]
+PROMPTS = STREAM_PROMPTS
 
 
 @pytest.mark.parametrize("emulated", [False, True], ids=["tiny", "emulated-h200"])
@@ -164,10 +152,10 @@ def test_layer_wise_sends_give_the_same_streams(tiny_model, emulated):
     em = EmulateConfig("h200", "tiny") if emulated else None
     d = emulated_model_dir("tiny") if emulated else tiny_model
     sp = replace(greedy(12), logprobs=2)
-    off = _streams(PDPair(d, d_block=8, chunk=7, budget=32, emulate=em, layerwise=0),
+    off = streams(PDPair(d, d_block=8, chunk=7, budget=32, emulate=em, layerwise=0),
                    PROMPTS, sp)
     pair = PDPair(d, d_block=8, chunk=7, budget=32, emulate=em, layerwise=2)
-    on = _streams(pair, PROMPTS, sp)
+    on = streams(pair, PROMPTS, sp)
     assert on == off and all(len(o) == 12 for o in on[0])
     if emulated:  # every range the decode side took in was checked against the pattern
         assert pair.decode.runner.kv.checked_ranges >= len(PROMPTS)
