@@ -14,13 +14,12 @@ import pytest
 from cluster.config.serve import ServeConfig
 from cluster.grpc.client import PdserveClient
 from cluster.launch.launcher import build_disaggregated_router
-from cluster.router.types import GenerateSpec, RouterError
 from cluster.serve.server import BackgroundServer
 from engine.emulate.offline import emulated_engine_config
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.integration.test_nixl_service import CONFIGS as NIXL_CONFIGS
-from tests.integration.test_pd_router import GREEDY, assert_quiescent, prompts
+from tests.integration.test_nixl_service import assert_greedy_matches
 from tests.integration.test_pd_router import reference as reference  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
@@ -43,16 +42,8 @@ CASES = {f"{c}-{name}-g{g}": (c, name, g) for c in ("tcp", "nixl")
 def test_greedy_tokens_with_layer_wise_final_chunks_match_colocated(start_router, reference,  # noqa: F811
                                                                     case):
     connector, name, groups = CASES[case]
-    runner = start_router(_layerwise(NIXL_CONFIGS[name], connector, groups))
-    ps = prompts(12, seed=len(case))
-    results = runner.generate_many(
-        [GenerateSpec(f"{case}-{i}", tuple(p), GREEDY) for i, p in enumerate(ps)])
-    for (toks, last), ref, p in zip(results, reference(ps), ps, strict=True):
-        assert not isinstance(last, RouterError), last
-        assert toks == ref, f"prompt of {len(p)} tokens"
-        assert last.finished and last.usage.completion_tokens == GREEDY.max_tokens
-    assert_quiescent(runner)
-    runner.close()
+    assert_greedy_matches(start_router(_layerwise(NIXL_CONFIGS[name], connector, groups)),
+                          reference, case)
 
 
 def test_the_emulated_service_with_layer_wise_sends_equals_the_offline_engine(ray_session):

@@ -34,9 +34,9 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_tokens_over_nixl_match_colocated(start_router, reference, name):  # noqa: F811
-    runner = start_router(CONFIGS[name])
+def assert_greedy_matches(runner, reference, name: str) -> None:
+    """12 prompts (seeded by ``name``) served greedily equal ``reference``'s tokens, in
+    full; then the leak check, and the runner is closed."""
     ps = prompts(12, seed=len(name))
     results = runner.generate_many(
         [GenerateSpec(f"{name}-{i}", tuple(p), GREEDY) for i, p in enumerate(ps)])
@@ -46,6 +46,11 @@ def test_greedy_tokens_over_nixl_match_colocated(start_router, reference, name):
         assert last.finished and last.usage.completion_tokens == GREEDY.max_tokens
     assert_quiescent(runner)
     runner.close()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_tokens_over_nixl_match_colocated(start_router, reference, name):  # noqa: F811
+    assert_greedy_matches(start_router(CONFIGS[name]), reference, name)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [

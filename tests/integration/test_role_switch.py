@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from cluster.router.types import GenerateSpec, RouterError
 from engine import LLM, SamplingParams
+from tests.integration.test_pd_reserve_with_add import prompts
 from tests.integration.test_pd_router import _outcome, assert_quiescent
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 2000, (int(k),), generator=g).tolist()
-            for k in torch.randint(5, 40, (n,), generator=g)]
 
 
 def test_a_worker_switches_roles_live_and_every_stream_stays_exact(start_router, tiny_model):
