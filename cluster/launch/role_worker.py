@@ -96,19 +96,8 @@ class RoleWorker(WorkerBase):
         self.loop.call(swap)
         return self.ready()
 
-    def add(self, task) -> None:
-        self.loop.call(lambda: self.engine.add(task))
-
-    def reserve(self, task) -> bool:
-        return self.loop.call(lambda: self.engine.reserve(task))
-
-    def keepalive(self, leg_ids: list[str]) -> int:
-        return self.loop.call(lambda: self.engine.keepalive(leg_ids))
-
-    def set_decode_pressure(self, pressure: float) -> None:
-        self.loop.call(lambda: self.engine.scheduler.chunk_policy.observe_decode_pressure(
-            pressure))
-
+    # (add, reserve, keepalive and set_decode_pressure reach it over its control
+    # channel alone: a P/D worker always has the cluster secret)
     def kv_deliver(self, msg: dict, payload: Any = None) -> list:
         return self.receiver.deliver(msg, payload)
 

@@ -189,7 +189,7 @@ class Planner:
         # window's backlog: it arrives at the window's start (a split that fell behind
         # is simulated behind)
         backlog = tuple((0.0, len(f.spec.prompt_token_ids), f.spec.sampling.max_tokens,
-                         f.spec.tenant) for f in list(getattr(r, "flights", {}).values())
+                         f.spec.tenant) for f in list(r.flights.values())
                         if f.arrival < start and f.first_token_at is None and not f.done)
         arr = backlog + tuple((a.t - start, a.prompt_len, a.max_tokens, a.tenant)
                               for a in self._arrivals)
