@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,6 +71,8 @@ class AdmissionDriver(Protocol):  # what an AdmissionCore asks of the router or 
 
     def notify(self, waiter: Waiter) -> None: ...  # news: a grant, an error, an answer, an end
 
+    def capacity(self) -> int: ...  # the live decode pool's tokens (read by a room-sharing order)
+
 
 class AdmissionCore:
     """The admission's decisions, synchronous: the queue and the asks' bookkeeping."""
@@ -87,9 +90,42 @@ class AdmissionCore:
         self.busy: dict[int, Waiter] = {}  # id(worker) -> the waiter whose call is on it
         self._alive: list | None = None  # the last candidates,
         self._ids: list[int] = []  # and their id()s
+        self.held: dict[str, int] = {}  # tenant -> prompt tokens its legs hold on decode
 
     def __len__(self) -> int:
         return len(self.waiters)
+
+    def hold(self, tenant: str, tokens: int) -> None:
+        """A leg of ``tenant`` was placed on a decode worker (until ``unhold``)."""
+        self.held[tenant] = self.held.get(tenant, 0) + tokens
+
+    def unhold(self, tenant: str, tokens: int) -> None:
+        n = self.held.get(tenant, 0) - tokens
+        if n > 0:
+            self.held[tenant] = n
+        else:  # (tenant names are the clients': none is kept once it holds nothing)
+            self.held.pop(tenant, None)
+
+    def within_share(self, tenant: str, tokens: int, waiting: Iterable[str] = ()) -> bool:
+        """Whether ``tenant`` may take ``tokens`` more of the decode pool's room: always,
+        but under a room-sharing order (wfq) only within its weighted share of the live
+        pool among the tenants that hold room or are ``waiting`` for it."""
+        if not self.order.shares_room:
+            return True
+        others = set(self.held).union(waiting)
+        others.discard(tenant)
+        return not others or self.held.get(tenant, 0) + tokens <= (
+            self.driver.capacity() * self.order.share(tenant, others))
+
+    def _past_share(self, waiters: list[Waiter]) -> set[str]:
+        """The waiting tenants past their share while another waiting one is within its
+        own (only those wait: a pool whose waiters are all past their shares serves them)."""
+        if not self.order.shares_room:
+            return set()
+        tenants = {w.task.tenant for w in waiters if not w.left}
+        past = {t for t in tenants if not self.within_share(t, 1, tenants)} \
+            if len(tenants) > 1 else set()
+        return past if len(past) < len(tenants) else set()
 
     def enqueue(self, flight: Any, arrival: float, task: Any) -> Waiter:
         key = self.order.key(arrival, task.tenant, task.prompt_len)
@@ -171,10 +207,13 @@ class AdmissionCore:
         alive: list = []  # the candidates and the free ones: asked when first needed
         free: set[int] | None = None
         passed: set[int] | None = None  # workers that refused every earlier waiter
-        for wt in (waiters := list(self.waiters)):
+        past = self._past_share(waiters := list(self.waiters))
+        for wt in waiters:
             if (wt.left or wt.granted is not None or wt.error is not None or wt.flight.done
                     or wt.flight.leg_id != wt.task.leg_id):
                 continue  # (an ended request's or leg's waiter is leaving: it asks no more)
+            if past and wt.task.tenant in past and wt.held is None:
+                continue  # its tenant holds its share: those within theirs go first
             if wt.held is not None and not self.driver.is_alive(wt.held):  # died under its
                 self.driver.abort_on(wt.held, wt.task.leg_id)  # tentative grant: undone (if
                 wt.held = None  # it lives); it asks again
@@ -304,6 +343,9 @@ class DecodeAdmission:
         return None if any(w.alive for w in self.router.prefill) else "prefill"
 
     # ---- AdmissionDriver ------------------------------------------------------------
+    def capacity(self) -> int:
+        return sum(w.num_blocks * w.block_size for w in self.router.decode if w.alive)
+
     def candidates(self) -> tuple[list[WorkerHandle], bool]:
         alive = sorted((w for w in self.router.decode if w.alive), key=lambda w: w.kv_usage)
         return alive, bool(alive) and any(w.alive for w in self.router.prefill)

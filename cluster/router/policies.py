@@ -28,7 +28,13 @@ queue asks for decode room first, when decode KV is contended (requests wait):
                      its tenant's earlier waiters end, in tokens / weight, and no earlier
                      than the tag admitted last). Starvation-free: a waiter's tag is fixed
                      and every later waiter of any tenant is tagged past the virtual time,
-                     which rises with each admission
+                     which rises with each admission. And the tenants share the
+                     pool's room by weight: a tenant whose legs hold its weighted share
+                     of the live pool's tokens (among the tenants holding or waiting for
+                     room) takes more only when no tenant within its share waits, and a
+                     request that finds nobody waiting goes at once
+                     (pools.reserve_with_add) only within its tenant's share (so a burst
+                     that reaches an idle pool is not admitted in arrival order)
 
     policy = make_placement("length-buckets", thresholds=(256, 1024, 4096))
     wid = policy.pick([PrefillLoad("prefill-0", 900), PrefillLoad("prefill-1", 0)], prompt)
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import pairwise
 from operator import attrgetter
 from typing import Any, ClassVar, NamedTuple
@@ -244,6 +250,13 @@ class AdmissionOrder:
     def admitted(self, key: tuple[float, ...]) -> None:
         """A waiter with ``key`` was admitted."""
 
+    # whether tenants share the decode pool's room by weight (AdmissionCore.within_share)
+    shares_room: ClassVar[bool] = False
+
+    def share(self, tenant: str, others: Iterable[str]) -> float:
+        """``tenant``'s share of the pool's room beside ``others`` (holding or waiting)."""
+        return 1.0
+
     def idle(self) -> None:
         """The queue is empty: nothing is contended."""
 
@@ -275,6 +288,13 @@ class TenantFairOrder(AdmissionOrder):
         weight = self.weights.get(tenant, self.default_weight)
         self._finish[tenant] = start + max(tokens, 1) / weight
         return (start, arrival)
+
+    shares_room = True
+
+    def share(self, tenant: str, others: Iterable[str]) -> float:
+        weight = self.weights.get(tenant, self.default_weight)
+        return weight / (weight + sum(self.weights.get(t, self.default_weight)
+                                      for t in others))
 
     def admitted(self, key: tuple[float, ...]) -> None:
         if key[0] > self.vtime:

@@ -138,7 +138,7 @@ class Router(RouterAdmin):
                               f"gave up after {flight.failures} attempts (workers failing)")
         leg_id, prompt, sampling = self._new_leg(flight)
         dtask = DecodeTask(leg_id, len(prompt), sampling, self.eos_token_ids, tenant=spec.tenant)
-        decode = None if refused else self._decode_at_once(len(prompt))
+        decode = None if refused else self._decode_at_once(len(prompt), spec.tenant)
         if decode is None:
             decode = await self.admission.admit(flight, dtask, refused)
             if decode is None:
@@ -149,6 +149,7 @@ class Router(RouterAdmin):
                        self._reserving.sent(id(decode), len(prompt), decode.block_size))
         flight.decode = decode
         decode.legs.add(leg_id)
+        self.admission.core.hold(spec.tenant, len(prompt))
         try:  # (with `reserve`, _decode_at_once saw a live prefill worker, and no await since)
             # a colocated engine runs the whole leg: it prefills what it decodes (placed
             # apart, its tokens would come from a worker that does not hold the decode leg)
@@ -188,7 +189,7 @@ class Router(RouterAdmin):
             self.mark_dead(prefill)
             await self.dispatch(flight)
 
-    def _decode_at_once(self, prompt_len: int) -> WorkerHandle | None:
+    def _decode_at_once(self, prompt_len: int, tenant: str) -> WorkerHandle | None:
         """The decode worker to reserve on while the prefill starts, if any: the least
         loaded live one with no reserve in flight (an admission's or one sent this way: a
         burst queues as before) and room for the prompt as its last load message says;
@@ -196,9 +197,11 @@ class Router(RouterAdmin):
         With `pipelined_reserves`, reserves in flight do not stop another: the room left
         is the last load's less the blocks they ask for, so a burst is reserved at once
         (the worker answers them all at its next step boundary, in arrival order), spread
-        over the workers by KV usage counting those blocks."""
+        over the workers by KV usage counting those blocks. A tenant past its share of
+        the pool's room (AdmissionCore.within_share) queues."""
         adm = self.admission
-        if not self.config.reserve_with_add or len(adm) or not any(p.alive for p in self.prefill):
+        if not self.config.reserve_with_add or len(adm) or not any(
+                p.alive for p in self.prefill) or not adm.core.within_share(tenant, prompt_len):
             return None
         busy, reserving = adm.core.busy, self._reserving
         if self.config.pipelined_reserves:
@@ -300,6 +303,8 @@ class Router(RouterAdmin):
         p = flight.prefill
         if p is not None and leg_id in p.legs and not flight.prefill_done:
             p.outstanding_tokens = max(0, p.outstanding_tokens - flight.leg_prompt_len)
+        if flight.decode is not None:
+            self.admission.core.unhold(flight.spec.tenant, flight.leg_prompt_len)
         for w in {id(w): w for w in (p, flight.decode) if w is not None}.values():
             if leg_id in w.legs and w.alive and not any(w is e for e in ended):
                 self.abort_on(w, leg_id)

@@ -44,6 +44,11 @@ class Driver:
     def notify(self, waiter: Waiter) -> None:
         self.notified.append(waiter.task.leg_id)
 
+    def capacity(self) -> int:
+        return self.room
+
+    room = 0  # the pool's tokens, for an order that shares them by weight
+
 
 def enqueue(core: AdmissionCore, name: str, arrival: float) -> Waiter:
     w = core.enqueue(Leg(name), arrival, Task(name))

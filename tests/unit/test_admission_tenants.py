@@ -136,3 +136,65 @@ def test_the_contended_admissions_reach_the_stats_and_the_fairness_study() -> No
     assert shares == pytest.approx({"gold": 2 / 3, "free": 1 / 3})
     alone = RunOutput([], [], admission_tokens={"gold": 5})
     assert admission_shares(SimpleNamespace(output=alone)) is None  # one tenant: no contention
+
+
+def admit_holding(core: AdmissionCore, d: Driver, limit: int) -> list[str]:
+    """admit_all, where each admitted leg holds its tokens from then on (as the router
+    holds a placed leg's until it ends)."""
+    out: list[str] = []
+    answered = 0
+    while core.waiters and len(out) < limit and answered < len(d.asks):
+        leg, worker, _ = d.asks[answered]  # every ask is granted, in the order they went
+        answered += 1
+        wt = next((w for w in core.waiters if w.task.leg_id == leg), None)
+        if wt is None or wt.asking != worker:
+            continue  # (a grant given back: an earlier waiter asks that worker again)
+        core.answered(wt, worker, True, core.round)
+        for w in [w for w in core.waiters if w.granted is not None]:
+            assert core.take(w) == worker
+            core.hold(w.task.tenant, w.task.prompt_len)
+            out.append(w.task.leg_id)
+            core.leave(w)
+    return out
+
+
+def test_a_tenant_holding_its_share_of_the_room_waits_while_another_is_within_its_own():
+    """free holds 400 of a 900-token pool (its share beside gold at 2 : 1 is 300): gold's
+    waiters go first, though free's came first, until gold holds its 600; then the queue's
+    order again. Alone, a tenant past any share is served (the pool is work-conserving)."""
+    d = Driver(["w0"])
+    d.room = 900
+    core = AdmissionCore(d, TenantFairOrder({"gold": 2.0, "free": 1.0}))
+    core.hold("free", 400)
+    queue(core, "free", 4, 100)
+    queue(core, "gold", 8, 100, t0=1.0)
+    core.pump()
+    order = admit_holding(core, d, 12)
+    assert order[:6] == [f"gold-{i}" for i in range(6)]  # gold reaches its 600
+    assert core.held == {"free": 800, "gold": 800} and not core.waiters
+    for tenant, n in (("free", 800), ("gold", 800)):
+        core.unhold(tenant, n)
+    assert core.held == {}  # nothing kept of a tenant that holds nothing
+    core.hold("free", 900)
+    queue(core, "free", 2, 100, t0=2.0)
+    core.pump()
+    assert admit_holding(core, d, 2) == ["free-0", "free-1"]  # alone: past its share, served
+
+
+def test_within_share_is_the_tenants_weighted_share_of_the_live_pool():
+    d = Driver(["w0"])
+    d.room = 900
+    core = AdmissionCore(d, TenantFairOrder({"gold": 2.0}))
+    core.hold("free", 250)
+    core.hold("gold", 100)
+    assert core.within_share("free", 50) and not core.within_share("free", 51)  # 300 of 900
+    assert core.within_share("gold", 500) and not core.within_share("gold", 501)  # 600
+    # a third tenant beside both (weights 2 + 1 + 1): a quarter; a waiting one counts too
+    assert core.within_share("new", 225) and not core.within_share("new", 226)
+    assert not core.within_share("free", 1, waiting=("new",))  # now 225 of 900: past it
+    core.unhold("gold", 100)
+    core.unhold("free", 250)
+    assert core.within_share("free", 10**6)  # alone: all of it
+    fcfs = AdmissionCore(d, make_admission_order("fcfs"))
+    fcfs.hold("free", 10**6)
+    assert fcfs.within_share("free", 10**6)  # arrival order shares nothing

@@ -28,7 +28,7 @@ def hold(worker) -> asyncio.Event:
     async def held(task):
         await land.wait()
 
-    worker.actor.on_reserve = held
+    worker.handle.on_reserve = held
     return land
 
 
@@ -71,7 +71,7 @@ def test_a_refused_reserve_aborts_the_prefill_leg_and_the_request_is_served_else
         first_token):
     async def go():
         router, prefill, [d0, d1] = make_router(n_decode=2)
-        d0.actor.slots = 0  # full: refuses every reserve
+        d0.handle.slots = 0  # full: refuses every reserve
         land = hold(d0)
         stream = router.generate(SPEC)
         first = asyncio.ensure_future(first_item(stream))
@@ -102,14 +102,14 @@ def test_a_refused_reserve_aborts_the_prefill_leg_and_the_request_is_served_else
 def test_the_next_leg_recomputes_a_first_token_streamed_before_the_refusal():
     async def go():
         router, prefill, [d0, d1] = make_router(n_decode=2)
-        d0.actor.slots = 0
+        d0.handle.slots = 0
         land = hold(d0)
         tasks = []
 
         async def record(task):
             tasks.append(task)
 
-        prefill.actor.on_add = record
+        prefill.handle.on_add = record
         stream = router.generate(SPEC)
         first = asyncio.ensure_future(first_item(stream))
         await until(lambda: tasks, "the add went out")
@@ -136,7 +136,7 @@ def test_a_reserve_that_can_never_fit_fails_the_request_and_frees_the_prefill():
         async def too_big(task):
             raise ValueError("prompt of 3 tokens cannot fit this decode worker's KV cache")
 
-        decode.actor.on_reserve = too_big
+        decode.handle.on_reserve = too_big
         with pytest.raises(RouterError) as err:
             await asyncio.wait_for(rest(router.generate(SPEC)), 10)
         [leg] = decode.actor.calls_of("reserve")
@@ -155,11 +155,11 @@ def test_a_decode_worker_dying_on_the_reserve_is_marked_dead_and_a_new_leg_serve
         died = []
 
         async def dies_once(task):
-            d0.actor.on_reserve = None  # (Ray restarts it: the fake answers ready at once)
+            d0.handle.on_reserve = None  # (Ray restarts it: the fake answers ready at once)
             died.append(task.leg_id)
             raise RuntimeError("simulated: actor died")
 
-        d0.actor.on_reserve = dies_once
+        d0.handle.on_reserve = dies_once
         run = asyncio.ensure_future(rest(router.generate(SPEC)))
         await until(lambda: len(prefill.actor.calls_of("add")) == 2, "a new leg's add")
         flight = router.flights["r"]
@@ -327,3 +327,38 @@ def test_pipelined_reserves_spread_a_burst_over_the_decode_workers():
     assert asked == [2, 2] and toks == [[7, 8]] * 4
     assert not router._reserving
     assert_router_clean(router, prefill, decode)
+
+
+def test_a_burst_at_an_idle_pool_goes_at_once_only_within_each_tenants_share():
+    """admission_order wfq, gold 2 : free 1, a pool of 400 tokens, prompts of 40: free's
+    first two go at once alone, gold's first beside them (its share: 266 tokens), free's
+    third too (120 of its 133), its fourth queues, and so does everyone after it (someone
+    waits); every leg is served and no tenant holds room at the end."""
+    async def go():
+        router, prefill, [decode] = make_router(
+            block_size=4, pipelined_reserves=True, admission_order="wfq",
+            tenant_weights={"gold": 2.0, "free": 1.0})
+        land = hold(decode)
+        tenants = ["free", "free", "gold", "free", "free", "gold", "gold"]
+        specs = [GenerateSpec(f"{t}{i}", tuple(range(1, 41)), SPEC.sampling, tenant=t)
+                 for i, t in enumerate(tenants)]
+        streams = []
+        for s in specs:  # in this order
+            streams.append(asyncio.ensure_future(rest(router.generate(s))))
+            await until(lambda: s.request_id in router.flights, "it arrived")
+        await until(lambda: router.waiting_admission == 3, "the rest queue")
+        at_once = [leg.split("#")[0] for leg in prefill.actor.calls_of("add")]
+        held = dict(router.admission.core.held)
+        land.set()
+        await until(lambda: len(prefill.actor.calls_of("add")) == 7, "all admitted")
+        for s in specs:
+            serve_leg(prefill, decode, router.flights[s.request_id].leg_id, (7, 8))
+        toks = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        await router.shutdown(0)
+        return at_once, held, toks, router, prefill, decode
+
+    at_once, held, toks, router, prefill, decode = asyncio.run(go())
+    assert at_once == ["free0", "free1", "gold2", "free3"]
+    assert held == {"free": 120, "gold": 40}
+    assert toks == [[7, 8]] * 7
+    assert_router_clean(router, prefill, [decode])
