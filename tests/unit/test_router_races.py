@@ -19,6 +19,7 @@ SPEC = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2
 
 def assert_router_clean(router, prefill, decode) -> None:
     assert not router.flights and not router.legs and router.waiting_admission == 0
+    assert not router.admission.core.held  # no tenant holds decode room any more
     for w in [prefill, *decode]:
         assert not w.legs, (w.worker_id, w.legs)
         assert not w.actor.held, (w.worker_id, w.actor.held)  # nothing left on any worker
