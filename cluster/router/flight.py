@@ -103,6 +103,7 @@ class Flight:
     dispatched_at: float | None = None  # its latest leg's add sent, until the first token
     last_token_at: float | None = None
     timing: LegTiming = field(default_factory=LegTiming)  # summed over its legs
+    first_timed: bool = False  # `timing` holds a first token's queue and prefill times
     done: bool = False
     admitted: bool = False
     prefill_done: bool = False  # the current leg's prefill finished (outstanding released)
@@ -140,10 +141,14 @@ class Flight:
 
     def add_timing(self, kind: EventKind, t: LegTiming) -> None:
         """A worker's phase times: the first token sets queue, prefill and cache figures
-        (of the leg that streamed it); transfer and decode times add up over legs."""
+        (of the first leg that reported one: a later leg's prefill recomputes, its
+        queue and compute are not the request's TTFT); transfer and decode times add up
+        over legs."""
         if kind == EventKind.FIRST_TOKEN:
-            self.timing = replace(self.timing, queue_s=t.queue_s, prefill_s=t.prefill_s,
-                                  cached_tokens=t.cached_tokens)
+            if not self.first_timed:
+                self.first_timed = True
+                self.timing = replace(self.timing, queue_s=t.queue_s, prefill_s=t.prefill_s,
+                                      cached_tokens=t.cached_tokens)
         else:
             self.timing = replace(self.timing, transfer_s=self.timing.transfer_s + t.transfer_s,
                                   decode_s=self.timing.decode_s + t.decode_s)

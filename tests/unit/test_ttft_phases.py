@@ -115,3 +115,24 @@ def test_the_p50_split_adds_up_to_the_ttft_p50_where_the_phase_p50s_do_not() -> 
     assert "TTFT p50 by phase" in m.format()
     js = m.to_json_dict()["ttft_p50_phases_ms"]["all"]
     assert js["ttft_p50"] == pytest.approx(p50 * 1e3)
+
+
+def test_a_later_legs_recomputed_prefill_does_not_replace_the_first_tokens_times() -> None:
+    """A leg preempted (or refused) after its first token streamed is recomputed by a new
+    leg, whose prefill also reports a first token: the request's TTFT is the first leg's,
+    so its queue and prefill times stay the first leg's (the second's, waited for after
+    the first token, made the control phase negative, down to -623 ms saturated)."""
+    from cluster.router.delta_stream import DeltaStream
+    from cluster.router.flight import Flight
+    from cluster.router.types import GenerateSpec
+    from engine import SamplingParams
+    from runtime.messages import EventKind, LegTiming
+
+    flight = Flight(GenerateSpec("r", (1, 2), SamplingParams()), DeltaStream("r"), 0.0)
+    flight.add_timing(EventKind.FIRST_TOKEN, LegTiming(queue_s=0.02, prefill_s=0.04))
+    flight.add_timing(EventKind.TOKENS, LegTiming(decode_s=0.5))
+    flight.add_timing(EventKind.FIRST_TOKEN, LegTiming(queue_s=0.9, prefill_s=0.3))  # leg 2
+    flight.add_timing(EventKind.TOKENS, LegTiming(decode_s=0.25))
+    t = flight.timing
+    assert (t.queue_s, t.prefill_s) == (0.02, 0.04)
+    assert t.decode_s == pytest.approx(0.75)  # decode time adds up over the legs
