@@ -6,8 +6,10 @@ waits for an end with ``time.sleep`` (the GIL is free: the worker's other thread
 KV links and channel, run meanwhile). A step submitted late starts late. Beside it runs one copy engine (``copy``), as a GPU's
 side-stream copies overlap its kernels: the copies of a layer-wise export (each layer
 group's KV to the host while the step's later layers compute) queue there, each after
-its group's compute; whole-chunk exports stay on the step queue (``submit``), as the
-simulator accounts them.
+its group's compute; and a decode worker's KV imports, as the CUDA cache's side
+stream runs them (engine/kv_cache.py): each after the steps queued before it, and a
+step that reads their blocks waits for them (``submit(after=)``). Whole-chunk exports
+stay on the step queue (``submit``), as the simulator accounts them.
 
 Accounting, as a worker reports it (GetStats, /metrics, bench):
 
@@ -65,9 +67,10 @@ class EmulatedDevice:
         self.copy_s += cost_s
         return self.copy_free_at
 
-    def submit(self, cost_s: float, continues: bool = False) -> float:
+    def submit(self, cost_s: float, continues: bool = False, after: float = 0.0) -> float:
         """Queue ``cost_s`` of work now; returns when it ends. ``continues``: a step that
-        follows its predecessor's results (its submission lag is the host's)."""
+        follows its predecessor's results (its submission lag is the host's); ``after``:
+        it may not start before then (copy-engine work whose data it reads)."""
         cost_s *= self.time_scale
         now = self.clock()
         if continues:
@@ -75,7 +78,7 @@ class EmulatedDevice:
             self.lags.append(lag)
             self.lag_s += lag
             self.lag_steps += 1
-        self.free_at = max(now, self.free_at) + cost_s
+        self.free_at = max(now, self.free_at, after) + cost_s
         self.busy_s += cost_s
         self.steps += 1
         return self.free_at

@@ -218,10 +218,13 @@ class EmulatedKV(KVCache):
         self.checked_ranges += 1
 
     def charge_import(self, num_tokens: int) -> None:
-        """The device's part: the import's copy on the device's queue (the steps'
-        thread: the device's timeline has one writer)."""
+        """The device's part: the import's copy on the copy engine, after the steps
+        queued before it (its blocks may have been freed by one of them), as the CUDA
+        cache's side stream; the step a leg joins waits for it (EmulatedRunner.launch).
+        On the steps' thread: the device's timeline has one writer."""
         r = self.runner
-        r.accel.submit(r.costs.kv_import_s(max(1, num_tokens)))
+        r.imports_done = r.accel.copy(r.costs.kv_import_s(max(1, num_tokens)),
+                                      after=r.accel.free_at)
 
 
 class EmulatedRunner:
@@ -273,6 +276,9 @@ class EmulatedRunner:
         self.prompt_pattern = self.pattern if self.layers_sent == model.num_layers else \
             KVPattern(self.layers_sent, self.pattern.salt.shape[2])  # the same first layers
         self._last: set[str] = set()  # request ids of the previous step
+        # when the KV imports queued so far end on the copy engine: a step that a decode
+        # leg joins reads its imported blocks, so it starts no earlier (EmulatedKV)
+        self.imports_done = self.accel.created
         # the latest step's (start on the device timeline, seconds of its layers' compute:
         # all but the sampled rows'); a layer-wise export times its groups by it
         self.step_window: tuple[float, float] = (self.accel.created, 0.0)
@@ -314,7 +320,10 @@ class EmulatedRunner:
         chunks = [it.to_chunk() for it in items]
         ids = {ch.request_id for ch in chunks}
         cost = self.step_cost_s(items, chunks)
-        done = self.accel.submit(cost, continues=bool(ids & self._last))
+        joins = any(not it.is_prefill and ch.request_id not in self._last
+                    for it, ch in zip(items, chunks, strict=True))
+        done = self.accel.submit(cost, continues=bool(ids & self._last),
+                                 after=self.imports_done if joins else 0.0)
         rows = sum(1 for ch in chunks if ch.sample)
         k = self.accel.time_scale
         self.step_window = (done - cost * k,

@@ -59,6 +59,42 @@ def test_a_step_submitted_late_starts_late_and_only_a_continuing_step_counts_hos
     assert s["device_busy_ratio"] == pytest.approx(0.019 / (clock.t - 100.0))
 
 
+def test_a_kv_import_runs_on_the_copy_engine_and_only_a_step_a_leg_joins_waits_for_it(
+        emu_dir):
+    """As the CUDA cache's side stream: an import queues on the copy engine after the
+    steps queued before it, not on the steps' queue; a step of legs that ran before goes
+    on beside it, and the step a leg joins (it reads the imported blocks) starts after."""
+    from engine.execute import ScheduledItem
+    from engine.request import Request
+
+    model = load_model_config(emu_dir)
+    cfg = EngineConfig(str(emu_dir), model, CacheConfig(16, None, 1 << 30, True),
+                       SchedulerConfig(64, 16, 16, True, 1024), dtype="bfloat16",
+                       emulate=TINY)
+    runner = EmulatedRunner(cfg, num_blocks=64)
+    clock = FakeClock()
+    runner.accel = dev = EmulatedDevice(clock, clock.sleep)
+    runner.imports_done = clock.t
+    reqs = [Request(f"r{i}", [1 + i, 2, 3], greedy(8)) for i in range(2)]
+    for i, r in enumerate(reqs):
+        r.block_ids = [i]
+    for s in runner.launch([ScheduledItem(r, 0, 3, True) for r in reqs]).result():
+        s.request.append_token(s.token_id)
+    step_queue = dev.free_at
+    runner.kv.charge_import(200_000)  # a long range: its copy outlasts a decode step
+    cost = runner.costs.kv_import_s(200_000)
+    assert runner.imports_done == pytest.approx(step_queue + cost)
+    assert dev.free_at == step_queue and dev.copy_s == pytest.approx(cost)  # not a step
+    alone = runner.launch([ScheduledItem(reqs[0], 3, 1, False)])  # r0 ran in the last step
+    assert dev.free_at < runner.imports_done  # beside the copy
+    for s in alone.result():
+        s.request.append_token(s.token_id)
+    both = runner.launch([ScheduledItem(reqs[0], 4, 1, False),  # r1 joins: it waits
+                          ScheduledItem(reqs[1], 3, 1, False)])
+    assert dev.free_at > runner.imports_done
+    assert len(both.result()) == 2 and runner.kv.checked_ranges == 0
+
+
 def test_the_kv_pattern_checks_out_where_written_and_catches_a_flipped_byte_or_a_shift():
     layers, kvh, d = 3, 2, 16
     pat = KVPattern(layers, 64)
