@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,17 +66,22 @@ class PrefillEngine:
         tracer: TraceRecorder | None = None,
         layerwise_groups: int = 0,
         runner: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ):
         """``layerwise_groups``: send each prompt's final chunk in this many groups of
-        layers while its step runs (0: whole, after the step)."""
+        layers while its step runs (0: whole, after the step). ``clock`` and
+        ``wall_clock``: what the engine reads for time.monotonic and time.time (the
+        simulator's virtual clock, sim/prefill.py)."""
         self.worker_id = worker_id
+        self.clock, self.wall_clock = clock, wall_clock
         self.layerwise_groups = layerwise_groups
         self.config = config
         # rank 0's, under TP; ``runner``: one that another engine ran (a role switch)
         self.runner = make_runner(config, num_blocks) if runner is None else runner
         self.bm = BlockManager(num_blocks, config.cache.block_size,
                                config.cache.enable_prefix_caching)
-        self.scheduler = PrefillScheduler(sched_config, self.bm)
+        self.scheduler = PrefillScheduler(sched_config, self.bm, clock=clock)
         self.sender = sender  # poll, abort, stats; and sends to a one-rank decode worker
         # sends to a decode worker of several ranks (its endpoint lists theirs, joined with
         # SEP) go through this one (runtime.tp_links.HeadSender: chunks cut by KV heads);
@@ -109,7 +115,7 @@ class PrefillEngine:
                       eos_token_ids=task.eos_token_ids, tenant=task.tenant)
         # ValueError if it can never fit
         self.scheduler.add(req, task.ttft_deadline_s, task.priority)
-        self.jobs[task.leg_id] = _Job(task, req, time.monotonic())
+        self.jobs[task.leg_id] = _Job(task, req, self.clock())
 
     def abort(self, leg_id: str) -> bool:
         """End the job here; an abort for an id not held here is either late (it ended
@@ -148,11 +154,12 @@ class PrefillEngine:
     def step(self) -> list[WorkerEvent]:
         self._hand_off()
         events = self._poll_sender() if self._shipping else []
-        items = self.scheduler.schedule()
+        # (an idle scheduler decides nothing: most calls only hand KV off or poll acks)
+        items = self.scheduler.schedule() if self.scheduler.has_work else []
         self.last_step_ran = bool(items)
         if not items:
             return events
-        t0, wall0 = time.monotonic(), time.time()
+        t0, wall0 = self.clock(), self.wall_clock()
         for item in items:
             job = self.jobs[item.request.request_id]
             if job.first_scheduled is None:
@@ -165,7 +172,7 @@ class PrefillEngine:
             # only a prompt's last chunk samples: its first token
             firsts = {s.request.request_id: s for s in launch.result()}
             self.scheduler.advance(items)
-            compute_s = time.monotonic() - t0  # the trace span: compute only, not KV export
+            compute_s = self.clock() - t0  # the trace span: compute only, not KV export
             for item in items:
                 rid = item.request.request_id
                 events += self._ship(item, firsts.get(rid), early.get(rid))
@@ -173,7 +180,7 @@ class PrefillEngine:
         finally:  # a step that failed fails the chunks it sent by layers (bound ones stay)
             for lw in early.values():
                 lw.fail(RuntimeError("the prefill step failed"))
-        dt = time.monotonic() - t0
+        dt = self.clock() - t0
         self.num_steps += 1
         self.step_seconds += dt
         if self.tracer.enabled:
@@ -181,7 +188,7 @@ class PrefillEngine:
             device = {}
             window = getattr(self.runner, "step_window", None)  # the emulated device's
             if window is not None:  # its step on the device timeline, in wall seconds
-                off = time.time() - time.monotonic()
+                off = self.wall_clock() - self.clock()
                 device = {"device_start": window[0] + off,
                           "device_end": window[0] + window[1] + off}
             for item in items:
@@ -238,10 +245,10 @@ class PrefillEngine:
         if not final:
             self._send(job, item.start, item.start + item.num_tokens, final=False)
             return []
-        now = time.monotonic()
+        now = self.clock()
         job.prefill_end = now
-        timing = LegTiming(queue_s=(job.first_scheduled or now) - job.arrival,
-                           prefill_s=now - (job.first_scheduled or now),
+        began = job.first_scheduled if job.first_scheduled is not None else now
+        timing = LegTiming(queue_s=began - job.arrival, prefill_s=now - began,
                            cached_tokens=r.prefix_hit_tokens)
         first_token = first.token_id
         r.append_token(first_token)
@@ -290,12 +297,14 @@ class PrefillEngine:
     def _poll_sender(self) -> list[WorkerEvent]:
         ev = self.sender.poll()
         out: list[WorkerEvent] = []
+        clock = self.clock
         for leg_id in ev.finished:
             job = self._end(leg_id)
             if job is not None:
-                end = job.prefill_end or time.monotonic()
+                now = clock()
+                end = job.prefill_end if job.prefill_end is not None else now
                 out.append(WorkerEvent(EventKind.PREFILL_DONE, leg_id, self.worker_id,
-                                       timing=LegTiming(transfer_s=time.monotonic() - end)))
+                                       timing=LegTiming(transfer_s=now - end)))
         for leg_id, reason in ev.failed:
             if self._end(leg_id) is not None:
                 self.scheduler.abort(leg_id)
@@ -304,8 +313,8 @@ class PrefillEngine:
         for rec in ev.records if self.tracer.enabled else ():
             self.tracer.record(request_id=rec.request_id, phase="kv_send",
                                worker=f"link:{self.worker_id}->{rec.dest}",
-                               start=time.time() - (time.monotonic() - rec.start_t),
-                               end=time.time() - (time.monotonic() - rec.end_t),
+                               start=self.wall_clock() - (clock() - rec.start_t),
+                               end=self.wall_clock() - (clock() - rec.end_t),
                                bytes=rec.nbytes, chunk_id=rec.seq_no)
         return out
 

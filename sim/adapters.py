@@ -45,26 +45,29 @@ from cluster.router.pool import ReservesInFlight, has_room
 from decode_worker.scheduler import DecodeScheduler, DecodeSchedulerConfig
 from engine.block_manager import BlockManager, block_hashes
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.execute import ScheduledItem
+from engine.execute import Sampled, ScheduledItem, StepLaunch
 from engine.memory import num_kv_blocks
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.tracing import TraceEvent
+from kv_transfer.base import KVChunk, KVSender, SendEvents
 from kv_transfer.config import TransferConfig
 from kv_transfer.link_scheduler import LinkScheduler
 from kv_transfer.send_queue import QueuedFrame
+from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from runtime.loop import WorkerLoop
-from runtime.messages import DecodeTask
+from runtime.messages import DecodeTask, EventKind, PrefillTask, WorkerEvent
 
 __all__ = [
     "ADMISSION_RETRY_S", "AdmissionCore", "BUCKET_NAMES", "DECODE_ORDERS", "IDLE_WAIT_S", "PREFILL_PLACEMENTS",
-    "BlockManager", "block_hashes", "DecodeLoad", "DecodeScheduler", "DecodeTask", "LinkScheduler",
-    "PrefillLoad", "PrefillScheduler", "QueuedFrame", "Request", "RequestStatus", "ReservesInFlight",
-    "RouterConfig", "ScheduledItem", "ServeConfig", "TraceEvent", "Waiter", "WorkerPlan",
-    "add_cli_flags", "config_from_args", "decode_order", "decode_task", "default_placement",
-    "engine_tools", "has_room", "kv_bytes_per_token", "make_placement", "model_config", "piece_layout",
-    "plan_workers", "prefill_request", "resolve_model_dir", "simulated_token", "startable",
-    "take_kv_piece", "weight_bytes",
+    "BlockManager", "block_hashes", "DecodeLoad", "DecodeScheduler", "DecodeTask", "EventKind",
+    "KVChunk", "KVSender", "LinkScheduler", "PrefillEngine", "PrefillLoad", "PrefillScheduler",
+    "PrefillTask", "QueuedFrame", "Request", "RequestStatus", "ReservesInFlight", "RouterConfig",
+    "Sampled", "ScheduledItem", "SendEvents", "ServeConfig", "StepLaunch", "TraceEvent", "Waiter",
+    "WorkerEvent", "WorkerPlan", "add_cli_flags", "config_from_args", "decode_order", "decode_task",
+    "default_placement", "empty_payload", "engine_tools", "has_room", "kv_bytes_per_token",
+    "make_placement", "model_config", "piece_layout", "plan_workers", "prefill_task",
+    "resolve_model_dir", "simulated_token", "startable", "take_kv_piece", "weight_bytes",
 ]
 
 # The worker loop's nap while it waits on I/O (runtime/loop.py WorkerLoop).
@@ -101,6 +104,7 @@ def weight_bytes(shape: Mapping[str, Any], dtype: str) -> int:
 class WorkerPlan:
     """Everything the simulated workers, links and router are built from."""
 
+    prefill_engine: EngineConfig  # the prefill worker's (its model, cache and limits)
     prefill: PrefillSchedulerConfig
     decode: DecodeSchedulerConfig
     prefill_blocks: int
@@ -126,7 +130,7 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
     model = model_config(shape)
     kvb = kv_bytes_per_token(shape, dtype)
 
-    def blocks(role: str) -> tuple[int, int, bool]:
+    def blocks(role: str) -> tuple[EngineConfig, int, int, bool]:
         ecfg = engine_config(cfg, "<simulated>", role, 1.0, model)
         if not gpu_memory_bytes or c.num_blocks is not None:
             n = num_kv_blocks(ecfg)
@@ -134,13 +138,13 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
             total = int(gpu_memory_bytes)
             n = num_kv_blocks(ecfg, memory=(total, total, 0),
                               pending_bytes=weight_bytes(shape, dtype))
-        return n, ecfg.cache.block_size, ecfg.cache.enable_prefix_caching
+        return ecfg, n, ecfg.cache.block_size, ecfg.cache.enable_prefix_caching
 
-    (pn, pbs, prefix), (dn, dbs, _) = blocks("prefill"), blocks("decode")
+    (pcfg, pn, pbs, prefix), (_, dn, dbs, _) = blocks("prefill"), blocks("decode")
     max_len = engine_config(cfg, "<simulated>", "decode", 1.0, model).scheduler.max_model_len
     router = router_config(cfg, pbs)  # the service's router settings
     return WorkerPlan(
-        prefill=prefill_config(cfg), decode=decode_config(cfg, max_len),
+        prefill_engine=pcfg, prefill=prefill_config(cfg), decode=decode_config(cfg, max_len),
         prefill_blocks=pn, decode_blocks=dn, prefill_block_size=pbs, decode_block_size=dbs,
         prefix_caching=prefix, transfer=transfer_config(cfg, model, b"s" * 32),
         router=router, max_model_len=max_len, num_layers=shape["num_layers"],
@@ -153,9 +157,20 @@ def _sampling(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def prefill_request(leg_id: str, tokens: list[int], max_tokens: int, tenant: str) -> Request:
-    """The Request PrefillEngine.add builds for a PrefillTask (outputs run to max_tokens)."""
-    return Request(leg_id, tokens, _sampling(max_tokens), tenant=tenant)
+def prefill_task(leg_id: str, tokens: list[int], max_tokens: int, tenant: str, dest: str,
+                 deadline_s: float | None) -> PrefillTask:
+    """The PrefillTask the router's dispatch sends for a leg (outputs run to max_tokens;
+    the prompt is the router's list, shared: PrefillEngine.add copies it)."""
+    return PrefillTask(leg_id, tokens, _sampling(max_tokens), dest,  # type: ignore[arg-type]
+                       tenant=tenant, ttft_deadline_s=deadline_s)
+
+
+@lru_cache(maxsize=8192)
+def empty_payload(num_tokens: int) -> Any:
+    """A KVChunk payload of ``num_tokens`` tokens and no bytes (the simulator moves sizes)."""
+    import torch
+
+    return torch.empty((0, 2, num_tokens, 0, 0), dtype=torch.uint8)
 
 
 def decode_task(leg_id: str, prompt_len: int, max_tokens: int, tenant: str) -> DecodeTask:

@@ -59,6 +59,7 @@ class Simulation:
         self.prefill = [SimPrefill(self, f"prefill-{i}") for i in range(cfg.pools.prefill_workers)]
         self.decode = [SimDecode(self, f"decode-{i}") for i in range(cfg.pools.decode_workers)]
         self.prefill_by_id = {w.worker_id: w for w in self.prefill}
+        self.decode_by_id = {w.worker_id: w for w in self.decode}  # (a KV sender's dest)
         self.links: list[SimLink] = []
         self.router = SimRouter(self)
         self.arrivals_left = 0
@@ -132,9 +133,10 @@ class Simulation:
         """After a run: nothing held anywhere (the leak check of every lifecycle test)."""
         problems = []
         for w in self.prefill:
-            if w.sched.has_work or w.jobs or w.bm.num_used_blocks:
-                problems.append(f"{w.worker_id}: {len(w.jobs)} jobs, "
-                                f"{w.bm.num_used_blocks} blocks in use")
+            e = w.engine
+            if e.has_work or e.kv_in_flight or w.bm.num_used_blocks:
+                problems.append(f"{w.worker_id}: {len(e.jobs)} jobs, {e.kv_in_flight} legs' "
+                                f"KV in flight, {w.bm.num_used_blocks} blocks in use")
         for d in self.decode:
             if d.has_work or d.bm.num_used_blocks or d.sched.promises or d.early or d.inbox:
                 problems.append(f"{d.worker_id}: {len(d.sched.pending)} pending, "

@@ -51,6 +51,8 @@ class SimDecode(KVIntake):
                                enable_prefix_caching=False)
         self.sched = DecodeScheduler(plan.decode, self.bm, clock=sim.loop)
         self.max_len = min(plan.max_model_len, self.sched.max_len)
+        self.num_steps = 0
+        self.busy_s = 0.0
         self.num_layers = plan.num_layers
         self.kvb = plan.kv_bytes_per_token
         self.fast = sim.options.decode_stepping == "fast"

@@ -18,8 +18,14 @@ from sim.adapters import TraceEvent
 class SimTracer:
     """Collects spans cheaply (tuples) and builds TraceEvents at the end."""
 
+    enabled = True  # engine/tracing.py TraceRecorder's face, for the real engines' records
+
     def __init__(self) -> None:
         self._spans: list[tuple] = []
+
+    def record(self, request_id: str, phase: str, start: float, end: float, *, worker: str,
+               **fields: Any) -> None:
+        self._spans.append((request_id, phase, worker, start, end, fields))
 
     def span(self, request_id: str, phase: str, worker: str, start: float, end: float,
              **fields: Any) -> None:

@@ -39,8 +39,6 @@ class SimWorker:
         self._tick_at: float | None = None
         self._end_version = 0
         self._ran = False
-        self.num_steps = 0
-        self.busy_s = 0.0
 
     # ---- to implement -------------------------------------------------------------
     @property

@@ -26,8 +26,8 @@ def queued_run(timeout_s: float, stepping: str = "fast"):
         "pools.prefill_workers": 1, "pools.decode_workers": 1, "model.max_model_len": 4096,
         "limits.kv_wait_timeout_s": timeout_s})
     spec = WorkloadSpec(num_requests=40, request_rate=4000, mix="long-doc", seed=5,
-                        vocab_range=(1, 1000), long_prompt_len=LengthDist.uniform(2800, 3200),
-                        long_output_len=LengthDist.uniform(16, 32))
+                        vocab_range=(1, 1000), prompt_len=LengthDist.uniform(2800, 3200),
+                        output_len=LengthDist.uniform(16, 32))
     sim = Simulation(cfg, load_costs(analytic_calibration("h200", "llama-3-8b")),
                      SimOptions(interconnect="infiniband", decode_stepping=stepping))
     result = sim.run(build_workload(spec))

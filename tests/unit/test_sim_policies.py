@@ -58,9 +58,9 @@ def test_smaller_chunks_leave_budget_to_short_prompts_under_fcfs() -> None:
     small, sim_small = run({"scheduler.max_prefill_chunk": 128})
     assert short_ttft(small) < short_ttft(big) / 3
     # the real chunk policy cut the long prompt: 15 chunks of 128 and the 80-token tail
-    sizes = sim_small.prefill[0].chunk_sizes
+    sizes = sim_small.prefill[0].engine.chunk_sizes
     assert sizes[128] == 15 and sizes[80] == 1
-    assert sim_big.prefill[0].chunk_sizes[512] == 3
+    assert sim_big.prefill[0].engine.chunk_sizes[512] == 3
 
 
 def test_length_buckets_keep_short_prompts_off_the_long_prompts_workers() -> None:
@@ -68,7 +68,7 @@ def test_length_buckets_keep_short_prompts_off_the_long_prompts_workers() -> Non
     least, _ = run(two, SimOptions(placement="least-outstanding"), longs=2)
     buckets, sim = run(two, SimOptions(placement="length-buckets", length_buckets=(100,)),
                        longs=2)
-    per_worker = {w.worker_id: sum(n * k for n, k in w.chunk_sizes.items())
+    per_worker = {w.worker_id: sum(n * k for n, k in w.engine.chunk_sizes.items())
                   for w in sim.prefill}
     assert per_worker == {"prefill-0": 500, "prefill-1": 2 * LONG}
     # least-outstanding spread the two long prompts, so every short waits behind one
