@@ -142,14 +142,15 @@ class DecodeEngine:
         held = list(self.scheduler.pending) + [r.request_id for r in self.scheduler.running]
         return events + [e for leg_id in held for e in self._fail(leg_id, message)]
 
-    def _settle(self) -> None:
-        """Wait for the ranges handed to the intake (before blocks are freed)."""
+    def _settle(self, leg_id: str | None = None) -> None:
+        """Wait for the ranges handed to the intake (``leg_id``: up to that leg's), before
+        their blocks are freed."""
         if self._intake is not None and self._intake.busy:
-            self._landed += self._intake.join()
+            self._landed += self._intake.join(leg_id)
 
     def _end(self, leg_id: str) -> bool:
         """Forget a leg that ended here (any status); its id is free again at once."""
-        self._settle()  # none of its ranges still being written into its blocks
+        self._settle(leg_id)  # none of its ranges still being written into its blocks
         self.started.pop(leg_id, None)
         self._held.pop(leg_id, None)
         known = self.scheduler.abort(leg_id) is not None
@@ -214,7 +215,10 @@ class DecodeEngine:
         the host; a request N ended (a stop token) or that ended while N ran (an abort, a
         failure, a preemption) is dropped from N + 1 and its token from N, if any, is
         never reported; N + 1 is launched, and N's events are built while it runs."""
-        events = self._take_kv()
+        if self._intake is not None and self._intake.busy:  # written since the last call
+            self._landed += self._intake.harvest()
+        events = self._take_landed() if self._landed else []
+        events += self._take_kv()
         events += self._expire()
         fly, self._inflight = self._inflight, None
         skip: set[str] = set()
@@ -253,8 +257,10 @@ class DecodeEngine:
         if fly is not None:  # while N + 1 runs
             self._report(sampled, events, now, wall)
             self._account(sampled, len(fly.items), fly.t0, fly.wall0, now)
-        if self._intake is not None:  # the ranges handed over this call: in place now
-            self._settle()
+        if self._intake is not None:  # the ranges written by now; with nothing on the
+            # device, waited for (the loop would only nap until they are)
+            self._landed += self._intake.harvest() if self.last_step_ran else \
+                self._intake.join()
             events += self._take_landed()
         return events
 
