@@ -1,4 +1,5 @@
-"""The decode pool's Ray actor: a thin shell around DecodeEngine."""
+"""The decode pool's Ray actor: a thin shell around DecodeEngine (its hot commands come
+over its control channel, runtime/channel.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from decode_worker.scheduler import DecodeSchedulerConfig
 from kv_transfer.base import KVReceiver
 from kv_transfer.heads import rank_heads
 from kv_transfer.registry import make_receiver
-from runtime.messages import DecodeTask, WorkerLoad
+from runtime.messages import WorkerLoad
 from runtime.spec import WorkerSpec
 from runtime.tp_links import GroupReceiver, join_endpoints
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase, advertised
@@ -51,7 +52,7 @@ class DecodeWorker(WorkerBase):
         self.receiver.set_arrival_hook(self.loop.wake)
 
     def channel_commands(self) -> dict:
-        return {**super().channel_commands(), **channel_commands(self.engine, self._on_loop)}
+        return {**super().channel_commands(), **channel_commands(self.engine, self.loop.command)}
 
     def load(self) -> WorkerLoad:
         return load(self.engine)
@@ -61,12 +62,6 @@ class DecodeWorker(WorkerBase):
         every rank's, joined in rank order."""
         own = advertised(self.receiver.endpoint)
         return join_endpoints([own, *ray.get([a.endpoint.remote() for a in self.ranks])])
-
-    def reserve(self, task: DecodeTask) -> bool:
-        return self.loop.call(lambda: self.engine.reserve(task))
-
-    def keepalive(self, leg_ids: list[str]) -> int:
-        return self.loop.call(lambda: self.engine.keepalive(leg_ids))
 
     def kv_deliver(self, msg: dict, payload: Any = None) -> list:
         """Entry point of the Ray connector: frames arrive as actor calls; returns acks."""

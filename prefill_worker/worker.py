@@ -1,4 +1,5 @@
-"""The prefill pool's Ray actor: a thin shell around PrefillEngine."""
+"""The prefill pool's Ray actor: a thin shell around PrefillEngine (its hot commands come
+over its control channel, runtime/channel.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from kv_transfer.base import KVSender
 from kv_transfer.registry import make_sender
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.scheduler import PrefillSchedulerConfig
-from runtime.messages import PrefillTask, WorkerLoad
+from runtime.messages import WorkerLoad
 from runtime.spec import WorkerSpec
 from runtime.tp_links import GroupSender, HeadSender
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase
@@ -52,16 +53,10 @@ class PrefillWorker(WorkerBase):
                                         self.tracer, bool(self.ranks)))
 
     def channel_commands(self) -> dict:
-        return {**super().channel_commands(), **channel_commands(self.engine, self._on_loop)}
+        return {**super().channel_commands(), **channel_commands(self.engine, self.loop.command)}
 
     def load(self) -> WorkerLoad:
         return load(self.engine)
-
-    def add(self, task: PrefillTask) -> None:
-        self.loop.call(lambda: self.engine.add(task))
-
-    def set_decode_pressure(self, pressure: float) -> None:
-        self.loop.call(lambda: self.engine.scheduler.chunk_policy.observe_decode_pressure(pressure))
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -20,10 +20,19 @@ worker's load, and links without events get it at most every LOAD_PERIOD_S while
 worker steps, and at once when it does not (idle, or its legs wait for KV: a reserve
 there changes the load with no step to carry it), so every front door places requests
 on fresh per-worker load.
+
+A worker without a cluster secret (a front door in its own process: tests' scripted
+workers) serves the same frames over in-process links instead (`connect_inproc`, address
+``inproc://NAME``), as kv_transfer/inproc.py is the KV links' in-process transport.
+
+A link that ends takes its legs with it: they are aborted (`forget`), since their front
+door is gone or, having lost the link, re-dispatched them; a leg's events with no link
+are dropped.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import queue
@@ -31,6 +40,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -45,6 +55,10 @@ KIND_CALL, KIND_REPLY, KIND_EVENTS = ord("C"), ord("R"), ord("E")
 MAX_FRAME_BYTES = 64 << 20
 LOAD_PERIOD_S = 0.02
 DIRECT_MAX_EVENTS = 32
+INPROC = "inproc://"
+_hub: weakref.WeakValueDictionary[str, ChannelServer] = weakref.WeakValueDictionary()
+_hub_lock = threading.Lock()
+_ids = itertools.count()
 # kinds after which a role holds the leg no more (besides a finishing event)
 LEG_ENDS = {
     "decode": frozenset({EventKind.PREEMPTED, EventKind.FAILED}),
@@ -143,23 +157,25 @@ class _Link:
 
         fut_or_value.add_done_callback(done)
 
+    def _command(self, kind: int, body: bytes) -> None:
+        if kind != KIND_CALL:
+            raise ConnectionError(f"unexpected channel frame kind {kind}")
+        call_id, name, args = pickle.loads(body)
+        self.subscribed = True
+        try:
+            result = self.server.run_command(self, name, args)
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            self.send(frame(KIND_REPLY, _dump_reply(call_id, False, e)))
+            return
+        self._reply(call_id, result)
+
     def _read(self) -> None:
         try:
             while self.alive:
                 got = read_frame(self.sock)
                 if got is None:
                     break
-                kind, body = got
-                if kind != KIND_CALL:
-                    raise ConnectionError(f"unexpected channel frame kind {kind}")
-                call_id, name, args = pickle.loads(body)
-                self.subscribed = True
-                try:
-                    result = self.server.run_command(self, name, args)
-                except Exception as e:  # noqa: BLE001 - the caller gets it
-                    self.send(frame(KIND_REPLY, _dump_reply(call_id, False, e)))
-                    continue
-                self._reply(call_id, result)
+                self._command(*got)
         except (OSError, ConnectionError, pickle.UnpicklingError, ValueError) as e:
             if self.alive:
                 log.info("channel link %s broke: %s", self.peer, e)
@@ -194,6 +210,57 @@ class _Link:
         self.server.forget(self)
 
 
+class _InprocLink(_Link):
+    """A front door in this process: the same frames, handed over by call. `deliver`
+    (thread-safe) takes the worker's frames to the front door, `lost` says the link
+    ended; `receive` runs the front door's frames on its own thread."""
+
+    def __init__(self, server: ChannelServer, peer: str, deliver: Callable[[bytes], None],
+                 lost: Callable[[], None]):
+        super().__init__(server, None, peer)  # type: ignore[arg-type] - no socket
+        self._deliver, self._lost = deliver, lost
+
+    def start(self) -> None:
+        pass
+
+    def send(self, item: bytes | tuple, direct: bool = True) -> None:
+        if not self.alive:
+            return
+        try:
+            self._deliver(bytes(self._encode(item)))
+        except RuntimeError:  # the front door's event loop is closed
+            self.close()
+
+    def receive(self, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):
+            n, kind = HEADER.unpack_from(data, pos)
+            self._command(kind, data[pos + HEADER.size:pos + 4 + n])
+            pos += 4 + n
+
+    def close(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.server.forget(self)
+        try:
+            self._lost()
+        except RuntimeError:  # (its event loop is closed: nobody to tell)
+            pass
+
+
+def connect_inproc(address: str, peer: str, deliver: Callable[[bytes], None],
+                   lost: Callable[[], None]) -> _InprocLink:
+    """A link to the in-process ChannelServer at `address` (``inproc://NAME``)."""
+    with _hub_lock:
+        server = _hub.get(address.removeprefix(INPROC)) if address.startswith(INPROC) else None
+    if server is None:
+        raise ConnectionRefusedError(f"no in-process channel at {address!r}")
+    link = _InprocLink(server, peer, deliver, lost)
+    server.add_link(link)
+    return link
+
+
 def _dump_reply(call_id: int, ok: bool, value: Any) -> bytes:
     try:
         return pickle.dumps((call_id, ok, value))
@@ -203,23 +270,32 @@ def _dump_reply(call_id: int, ok: bool, value: Any) -> bytes:
 
 class ChannelServer:
     """The worker side: listens on `host`, authenticates each front door with `secret`,
-    runs its commands (`commands[name](*args)`) and sends it its legs' events."""
+    runs its commands (`commands[name](*args)`) and sends it its legs' events. Without a
+    secret it serves in-process links only, at `inproc` (``inproc://NAME``)."""
 
     def __init__(self, worker_id: str, role: str, secret: bytes,
                  commands: Mapping[str, Command], *, host: str = "127.0.0.1",
                  load: Callable[[], WorkerLoad] | None = None,
-                 idle: Callable[[], bool] | None = None,
-                 unrouted: Callable[[list[WorkerEvent]], None] | None = None):
+                 idle: Callable[[], bool] | None = None):
         self.worker_id, self.role = worker_id, role
         self.commands = dict(commands)
-        self._load, self._idle, self._unrouted = load, idle, unrouted
+        self._load = load
+        self.idle = idle  # did the worker's last step run no model? (None: it steps)
         self._ends = LEG_ENDS[role]
         self._links: list[_Link] = []
         self._origin: dict[str, _Link] = {}  # leg id -> the link that created the leg
         self._lock = threading.Lock()
-        self.ever_linked = False
-        self._listener = Listener(worker_id, secret, host, self._linked)
-        self.host, self.port = self._listener.host, self._listener.port
+        self._listener: Listener | None = None
+        self.inproc = ""
+        self.host, self.port = "", 0
+        if secret:
+            self._listener = Listener(worker_id, secret, host, self._linked)
+            self.host, self.port = self._listener.host, self._listener.port
+        else:
+            name = f"{worker_id}-{next(_ids)}"
+            self.inproc = INPROC + name
+            with _hub_lock:
+                _hub[name] = self
 
     def set_role(self, role: str, commands: Mapping[str, Command]) -> None:
         """The worker changed role (cluster/launch/role_worker.py): its commands and the
@@ -233,18 +309,29 @@ class ChannelServer:
         return len(self._origin)
 
     def _linked(self, sock: socket.socket, peer: str) -> None:
-        link = _Link(self, sock, peer)
+        self.add_link(_Link(self, sock, peer))
+
+    def add_link(self, link: _Link) -> None:
         with self._lock:
-            self.ever_linked = True
             self._links.append(link)
         link.start()  # registered first: the step messages and close() reach it at once
 
     def forget(self, link: _Link) -> None:
+        """`link` ended: the legs it created are aborted (their front door is gone, or
+        re-dispatched them when it lost the link: nobody reads or ends them any more)."""
         with self._lock:
             if link in self._links:
                 self._links.remove(link)
-            for leg_id in [k for k, v in self._origin.items() if v is link]:
+            orphans = [k for k, v in self._origin.items() if v is link]
+            for leg_id in orphans:
                 del self._origin[leg_id]
+        abort = self.commands.get("abort")
+        for leg_id in orphans if abort is not None else ():
+            try:
+                abort(leg_id)
+            except Exception as e:  # noqa: BLE001 - a stopped worker holds nothing any more
+                log.info("%s: abort of %s after its link ended failed: %s", self.worker_id,
+                         leg_id, e)
 
     def run_command(self, link: _Link, name: str, args: tuple) -> Any:
         fn = self.commands.get(name)
@@ -279,22 +366,18 @@ class ChannelServer:
     def publish(self, events: list[WorkerEvent]) -> None:
         """One step's events (called on the loop thread, possibly with none)."""
         by_link: dict[int, list[WorkerEvent]] = {}
-        unrouted = []
         origin, ends = self._origin, self._ends
         for ev in events:
             link = origin.get(ev.leg_id)
-            if link is None:
-                unrouted.append(ev)
+            if link is None:  # its front door's link ended (that router re-dispatched it)
                 continue
             by_link.setdefault(id(link), []).append(ev)
             if ev.finish_reason is not None or ev.kind in ends:
                 origin.pop(ev.leg_id, None)
-        if unrouted and self._unrouted is not None and not self.ever_linked:
-            self._unrouted(unrouted)  # a router without a channel polls for them
         if not self._links:
             return
         load = self._load() if self._load is not None else None
-        idle = self._idle() if self._idle is not None else False
+        idle = self.idle() if self.idle is not None else False
         now = time.monotonic()
         for link in list(self._links):
             mine = by_link.get(id(link))
@@ -303,6 +386,10 @@ class ChannelServer:
                 link.send_events(mine or [], load)
 
     def close(self) -> None:
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
+        with _hub_lock:
+            if _hub.get(self.inproc.removeprefix(INPROC)) is self:
+                del _hub[self.inproc.removeprefix(INPROC)]
         for link in list(self._links):
             link.close()

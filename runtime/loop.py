@@ -3,7 +3,8 @@
 Every engine (PrefillEngine, DecodeEngine, the colocated engine) is single-threaded by
 design: commands from other threads (add, abort, reserve, stats) are queued and run on
 the loop thread between steps. A step's events go to `on_events` (called on the loop
-thread) or, without it, to an outbox that `poll` long-polls. With `every_step`,
+thread: a worker's control channel, runtime/channel.py, or the server process's own
+streams, cluster/launch/local_backend.py). With `every_step`,
 `on_events` is called after every step that ran or emitted (even with no events), once
 when the engine goes idle, and after the step that follows commands (a reserve on a
 worker that waits for KV changes its load with no step running), so a channel can
@@ -17,6 +18,7 @@ row the engine is declared dead: the loop stops and `fatal` says why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -45,8 +47,8 @@ class SteppableEngine(Protocol):
 
 class WorkerLoop:
     def __init__(self, engine: SteppableEngine | None = None, idle_wait_s: float = 0.002,
-                 thread_init: Callable[[], None] | None = None,
-                 on_events: Callable[[list[WorkerEvent]], None] | None = None,
+                 thread_init: Callable[[], None] | None = None, *,
+                 on_events: Callable[[list[WorkerEvent]], None],
                  max_step_failures: int = MAX_STEP_FAILURES, every_step: bool = False,
                  build: Callable[[], SteppableEngine] | None = None):
         """`thread_init` runs first on the loop thread (e.g. binding its CUDA device; the
@@ -65,7 +67,7 @@ class WorkerLoop:
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread_init = thread_init
-        self._on_events = on_events if on_events is not None else self._to_outbox
+        self._on_events = on_events
         self.idle_wait_s = idle_wait_s
         self.max_step_failures = max_step_failures
         self.every_step = every_step
@@ -73,8 +75,6 @@ class WorkerLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = \
             queue.SimpleQueue()
         self._wake_queued = False  # a wake()'s no-op waits in _commands
-        self._outbox: list[WorkerEvent] = []
-        self._cond = threading.Condition()
         self._stop = threading.Event()
         self.error: str | None = None  # the last failed step
         self.fatal: str | None = None  # set when the loop gave up: the engine is dead
@@ -96,6 +96,10 @@ class WorkerLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
+    def idle(self) -> bool:
+        """Did the last step run no model (nothing to do, or waiting on I/O)?"""
+        return not self.engine.last_step_ran
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Queue `fn` for the loop thread; its Future holds the result or exception."""
         if self._stop.is_set():
@@ -103,6 +107,10 @@ class WorkerLoop:
         fut: Future = Future()
         self._commands.put((fn, fut))
         return fut
+
+    def command(self, fn: Callable[..., T]) -> Callable[..., Future[T]]:
+        """`fn` as a command of this loop: each call queues `fn(*args)` (its Future)."""
+        return lambda *args: self.submit(functools.partial(fn, *args))
 
     def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
         """Run `fn` on the loop thread and return its result (exceptions propagate)."""
@@ -119,23 +127,8 @@ class WorkerLoop:
     def _woken(self) -> None:
         self._wake_queued = False
 
-    def poll(self, timeout_s: float) -> list[WorkerEvent]:
-        """Events since the last poll; waits up to `timeout_s` for the first one."""
-        with self._cond:
-            if not self._outbox:
-                if self.fatal is not None:
-                    raise RuntimeError(f"worker engine is dead: {self.fatal}")
-                self._cond.wait(timeout_s)
-            out, self._outbox = self._outbox, []
-        return out
-
     def _why(self) -> str:
         return f" (engine died: {self.fatal})" if self.fatal else ""
-
-    def _to_outbox(self, events: list[WorkerEvent]) -> None:
-        with self._cond:
-            self._outbox.extend(events)
-            self._cond.notify_all()
 
     def _drain_commands(self, block_s: float) -> bool:
         """Run the queued commands (waiting up to ``block_s`` for one); did any run?"""
@@ -211,8 +204,6 @@ class WorkerLoop:
             self.napping = False
         if self.fatal is not None:
             self._reject_commands()
-            with self._cond:
-                self._cond.notify_all()
 
     def _reject_commands(self) -> None:
         """Commands queued before the engine died get an error, not a hang."""

@@ -1,14 +1,16 @@
 """WorkerBase: the thin Ray actor shell shared by every worker role (the one module of
 runtime/ that imports ray). Its subclasses build an engine and hand it to `start`.
 
-Actors are threaded (`max_concurrency`) so a long-poll `poll()` never blocks `add` or
-`abort`. Every actor declares `num_cpus` (cluster.launch.placement) and uses that many torch
-threads. The calls it answers are the `runtime.actor.WorkerActor` protocol.
+Actors are threaded (`max_concurrency`) so a slow call (stats, a role switch) never
+blocks another. Every actor declares `num_cpus` (cluster.launch.placement) and uses that
+many torch threads. The calls it answers over Ray are the `runtime.actor.WorkerActor`
+protocol.
 
-A worker with a cluster secret (every P/D worker) also serves a control channel
-(runtime/channel.py, its address in `WorkerInfo.channel`): the front doors send the hot
-commands (`CHANNEL_COMMANDS`) over it and receive one message per step with every leg's
-events and the worker's load, with no Ray call per poll or per command.
+Every worker serves a control channel (runtime/channel.py, its address in
+`WorkerInfo.channel`; with the cluster secret a socket, without one in-process only): the
+front doors send the hot commands (`CHANNEL_COMMANDS`) over it and receive one message
+per step with every leg's events and the worker's load, with no Ray call per command or
+per event.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +37,7 @@ from kv_transfer.registry import make_receiver, make_sender
 from runtime.channel import ChannelServer
 from runtime.gc_pauses import process_gc_pauses, settle
 from runtime.loop import SteppableEngine, WorkerLoop
-from runtime.messages import WorkerEvent, WorkerInfo, WorkerLoad
+from runtime.messages import WorkerInfo, WorkerLoad
 from runtime.spec import WorkerSpec, resolve_engine, worker_fault_injector
 from runtime.stats import EngineStats
 from runtime.tp_links import HeadSender, RankLinks
@@ -126,38 +127,29 @@ class WorkerBase:
                 settle()  # the process is this actor's own: its startup off the collector
             return engine
 
-        secret = self.spec.transfer.secret if self.spec.transfer is not None else b""
-        if len(secret) < 16:  # no cluster secret (colocated pool): the router polls
-            self.loop = WorkerLoop(build=built, thread_init=thread_init)
-            return
-        self.loop = WorkerLoop(build=built, thread_init=thread_init, on_events=self._publish,
-                               every_step=True)
-        # the channel once the engine is built (its commands are the engine's); until it
-        # is up the engine holds no leg, so it has no event to publish
-        host = self.spec.transfer.bind_host
+        t = self.spec.transfer
+        # the channel first, its commands once the engine is built (they are the
+        # engine's); no front door reaches it before ready() answers, after this
         self.channel = ChannelServer(
-            self.spec.worker_id, self.spec.role, secret, self.channel_commands(), host=host,
-            load=self.load, idle=lambda: not self.engine.last_step_ran,
-            unrouted=self._unrouted)
-
-    def _publish(self, events: list[WorkerEvent]) -> None:
-        if self.channel is not None:
-            self.channel.publish(events)
+            self.spec.worker_id, self.spec.role, t.secret if t is not None else b"", {},
+            host=t.bind_host if t is not None else "127.0.0.1", load=self.load)
+        try:
+            self.loop = WorkerLoop(build=built, thread_init=thread_init,
+                                   on_events=self.channel.publish, every_step=True)
+        except BaseException:
+            self.channel.close()
+            raise
+        self.channel.idle = self.loop.idle
+        self.channel.set_role(self.spec.role, self.channel_commands())
 
     def channel_commands(self) -> dict[str, Callable[..., Any]]:
         """Commands the channel runs: each queues its call on the loop (a Future)."""
-        return {"abort": self._on_loop(lambda leg_id: self.engine.abort(leg_id)),
+        return {"abort": self.loop.command(self.engine.abort),
                 "hello": lambda: self.spec.worker_id}
-
-    def _on_loop(self, fn: Callable[..., Any]) -> Callable[..., Future]:
-        return lambda *args: self.loop.submit(lambda: fn(*args))
 
     def load(self) -> WorkerLoad:
         """The worker's load (called on the loop thread after each step)."""
         return WorkerLoad()
-
-    def _unrouted(self, events: list[WorkerEvent]) -> None:
-        self.loop._to_outbox(events)  # legs a router added over Ray: it polls for them
 
     def ready(self) -> WorkerInfo:
         if self.loop.fatal is not None:  # a dead engine is not adopted again
@@ -176,21 +168,14 @@ class WorkerBase:
         return ""
 
     def _channel_address(self) -> str:
-        """host:port of the channel as peers on other nodes reach it ("" if none)."""
-        if self.channel is None:
-            return ""
+        """host:port of the channel as peers on other nodes reach it (its inproc://
+        address without a cluster secret)."""
+        if self.channel.inproc:
+            return self.channel.inproc
         host = self.channel.host
         if host in ("0.0.0.0", "::"):  # every interface: advertise this node's IP
             host = ray.util.get_node_ip_address()
         return f"[{host}]:{self.channel.port}" if ":" in host else f"{host}:{self.channel.port}"
-
-    def poll(self, timeout_s: float = 0.05) -> list[WorkerEvent]:
-        return self.loop.poll(timeout_s)
-
-    def abort(self, leg_id: str) -> bool:
-        if self.loop.stopped:  # shut down: nothing runs any more, nothing to abort
-            return False
-        return self.loop.call(lambda: self.engine.abort(leg_id))
 
     def stats(self) -> EngineStats:
         s = self.loop.call(self.engine.stats)

@@ -3,21 +3,27 @@ unit tests (tests/unit/test_router_*.py and others) script races with them, and
 tools/control_plane_micro.py measures the front door alone over them, so they live here,
 where both may import them (bench may not import tests/, which is not a package of pdserve).
 
-A FakeActor answers the calls the router makes (`reserve`, `add`, `abort`, `poll`, ...)
-the way a worker actor does, including the parts that decide router races: a decode
+A FakeActor answers the calls the router makes (`reserve`, `add`, `abort`, ...) the way a
+worker does, over a real in-process control channel (runtime/channel.py `ChannelServer`,
+the router's `WorkerChannel` at its ``inproc://`` address), including the parts that
+decide router races: a decode
 worker has a fixed number of reservation slots, aborts of unknown ids leave a tombstone
 that drops the id's next `reserve`/`add` (as the real engines do), and every call is
-recorded. Tests script the worker side by pushing events and by the `on_reserve` /
-`on_add` hooks (which may await, to hold a call in flight).
+recorded. Tests script the worker side by sending events (`emit`, `send`: one step
+message each) and by the `on_reserve` / `on_add` hooks (which may await, to hold a call
+in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 
+from cluster.router.channel import CHANNEL_COMMANDS
 from cluster.router.pool import WorkerHandle
 from cluster.router.router import Router, RouterConfig
 from engine.request import FinishReason
+from runtime.channel import ChannelServer
 from runtime.messages import EventKind, WorkerEvent, WorkerInfo
 from runtime.stats import EngineStats
 
@@ -30,36 +36,53 @@ class _Method:
         return asyncio.ensure_future(self.fn(*args))  # runs even if nobody awaits, like Ray
 
 
+def _command(fn):
+    """A channel command that runs the coroutine `fn(*args)` as a task at once (even if
+    nobody awaits it), answered through a Future as the worker loop answers."""
+    def run(*args) -> Future:
+        fut: Future = Future()
+
+        async def call() -> None:
+            try:
+                fut.set_result(await fn(*args))
+            except asyncio.CancelledError:
+                fut.set_exception(RuntimeError("the worker's call was cancelled"))
+                raise
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                fut.set_exception(e)
+
+        asyncio.ensure_future(call())
+        return fut
+    return run
+
+
 class FakeActor:
     """Answers like a worker actor; `on_reserve` / `on_add` script the races."""
 
-    def __init__(self, worker_id: str, slots: int | None = None, block_size: int = 0):
+    def __init__(self, worker_id: str, slots: int | None = None, block_size: int = 0, *,
+                 role: str):
         self.worker_id = worker_id
         self.slots = slots  # decode: reservations it can hold (None: unlimited)
         self.budget: int | None = None  # decode: prompt tokens it can hold (None: unlimited)
         self.sizes: dict[str, int] = {}
         self.block_size = block_size
-        self.events: asyncio.Queue = asyncio.Queue()
         self.calls: list[tuple[str, object]] = []
         self.held: set[str] = set()  # decode reservations / prefill jobs
         self.tombstones: set[str] = set()
         self.ended: set[str] = set()  # legs whose end this worker already reported
-        self.polls = 0
         self.on_reserve = self.on_add = None
+        self.channel = ChannelServer(worker_id, role, b"", {
+            "hello": lambda: worker_id,
+            **{name: _command(getattr(self, f"_{name}")) for name in CHANNEL_COMMANDS}})
 
     def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
         return _Method(getattr(self, f"_{name}"))
 
     async def _ready(self):
         return WorkerInfo(self.worker_id, "fake", num_blocks=100, block_size=self.block_size,
-                          endpoint=f"fake://{self.worker_id}")
-
-    async def _poll(self, timeout):
-        self.polls += 1
-        try:
-            return [await asyncio.wait_for(self.events.get(), timeout)]
-        except TimeoutError:
-            return []
+                          endpoint=f"fake://{self.worker_id}", channel=self.channel.inproc)
 
     async def _reserve(self, task):
         self.calls.append(("reserve", task.leg_id))
@@ -90,6 +113,9 @@ class FakeActor:
         if task.leg_id not in self.ended:  # a hook may have served it already
             self.held.add(task.leg_id)
 
+    async def _set_decode_pressure(self, pressure):
+        self.calls.append(("set_decode_pressure", pressure))
+
     async def _keepalive(self, request_ids):
         self.calls.append(("keepalive", tuple(request_ids)))
         return len(request_ids)
@@ -107,8 +133,10 @@ class FakeActor:
         self.calls.append(("switch_role", role))
         if self.held:
             raise RuntimeError(f"{self.worker_id} still holds legs {sorted(self.held)}")
+        self.channel.set_role(role, self.channel.commands)
         return WorkerInfo(self.worker_id, role, num_blocks=100, block_size=self.block_size,
-                          endpoint=f"fake://{self.worker_id}" if role == "decode" else "")
+                          endpoint=f"fake://{self.worker_id}" if role == "decode" else "",
+                          channel=self.channel.inproc)
 
     async def _stats(self):
         return EngineStats(role="fake", num_running=len(self.held))
@@ -121,22 +149,35 @@ class FakeActor:
             self.held.discard(leg_id)
             self.ended.add(leg_id)
         reason = FinishReason(finish_reason) if finish_reason is not None else None
-        self.events.put_nowait(WorkerEvent(kind, leg_id, self.worker_id, tokens,
-                                           finish_reason=reason, message=message))
+        self.send(WorkerEvent(kind, leg_id, self.worker_id, tokens, finish_reason=reason,
+                              message=message))
+
+    def send(self, *events: WorkerEvent) -> None:
+        """One step message with `events` (as is: nothing is freed here), published at
+        the next turn of the loop: as a worker's step follows the commands before it, its
+        message follows their replies."""
+        asyncio.get_running_loop().call_soon(self.channel.publish, list(events))
 
     def calls_of(self, name: str) -> list:
         return [arg for call, arg in self.calls if call == name]
 
 
+def fake_worker(worker_id: str, role: str, slots: int | None = None,
+                block_size: int = 0) -> WorkerHandle:
+    """A FakeActor's handle, its channel's address known (as a launcher's is)."""
+    w = WorkerHandle(worker_id, role, FakeActor(worker_id, slots, block_size, role=role))
+    w.channel = w.actor.channel.inproc
+    return w
+
+
 def make_router(decode_slots: int | None = None, n_decode: int = 1, block_size: int = 0,
                 **cfg) -> tuple[Router, WorkerHandle, list[WorkerHandle]]:
-    prefill = WorkerHandle("prefill-0", "prefill", FakeActor("prefill-0"))
-    decode = [WorkerHandle(f"decode-{i}", "decode",
-                           FakeActor(f"decode-{i}", decode_slots, block_size))
+    prefill = fake_worker("prefill-0", "prefill")
+    decode = [fake_worker(f"decode-{i}", "decode", decode_slots, block_size)
               for i in range(n_decode)]
     for w in decode:
         w.refresh(WorkerInfo(w.worker_id, "decode", num_blocks=100, block_size=block_size,
-                             endpoint=f"fake://{w.worker_id}"))
+                             endpoint=f"fake://{w.worker_id}", channel=w.channel))
     router = Router([prefill], decode, RouterConfig(**cfg), tokenizer=None,
                     vocab_size=100, max_model_len=1000)
     return router, prefill, decode

@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from queue import Empty, SimpleQueue
 from typing import Any
 
 import torch
@@ -56,6 +57,19 @@ class _Flight:
         return self.first_token + self.tokens
 
 
+def _taken(q: SimpleQueue, timeout_s: float) -> list:
+    """Everything `q` holds, waiting up to `timeout_s` for the first."""
+    try:
+        out = [q.get(timeout=timeout_s)]
+    except Empty:
+        return []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except Empty:
+            return out
+
+
 def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> dict[str, Any]:
     """1P+1D in this process (see module doc); returns tok/s, TTFT and a leak check."""
     from cluster.config.serve import ServeConfig
@@ -85,11 +99,17 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
     dcfg, dblocks = resolve_engine(engine_config(cfg, model_dir, "decode", share["decode"]))
     # each engine built (loaded, warmed up, its graphs recorded) on the loop thread that
     # steps it, as a worker actor does (runtime.worker.WorkerBase.start)
+    events: SimpleQueue = SimpleQueue()  # both loops' events, in order
+
+    def publish(evs: list) -> None:
+        for ev in evs:
+            events.put(ev)
+
     loops = [WorkerLoop(build=lambda: PrefillEngine("prefill-0", pcfg, prefill_config(cfg),
-                                                    sender, pblocks)),
+                                                    sender, pblocks), on_events=publish),
              WorkerLoop(build=lambda: DecodeEngine(
                  "decode-0", dcfg, decode_config(cfg, dcfg.scheduler.max_model_len),
-                 receiver, dblocks))]
+                 receiver, dblocks), on_events=publish)]
     prefill, decode = loops[0].engine, loops[1].engine
     eos = pcfg.model.eos_token_ids
     flights: dict[str, _Flight] = {}
@@ -107,7 +127,7 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
                 flights[rid] = _Flight(p, time.monotonic())
                 ptask = PrefillTask(rid, tuple(p), wl.params, receiver.endpoint, eos)
                 loops[0].call(lambda t=ptask: prefill.add(t))
-            for ev in loops[0].poll(0.001) + loops[1].poll(0.01):
+            for ev in _taken(events, 0.01):
                 f = flights.get(ev.leg_id)
                 if f is None:
                     continue

@@ -2,7 +2,8 @@
 
 Each actor runs a whole `engine.LLM` (prefill and decode on one worker, chunked prefill
 on or off, as its spec's engine config says) through runtime.colocated.ColocatedEngine,
-behind the same actor interface as the P/D workers, so the same Router spreads requests
+behind the same actor interface and control channel as the P/D workers (the launcher
+gives the pool a cluster secret of its own), so the same Router spreads requests
 over them (least outstanding tokens ~ round-robin for equal loads) and the same client
 measures both layouts.
 """
@@ -15,7 +16,7 @@ import ray
 
 from engine.llm import LLM
 from runtime.colocated import ColocatedEngine
-from runtime.messages import DecodeTask, PrefillTask, WorkerInfo
+from runtime.messages import WorkerInfo
 from runtime.spec import WorkerSpec
 from runtime.worker import ACTOR_CONCURRENCY, WorkerBase
 
@@ -29,14 +30,10 @@ class ColocatedWorker(WorkerBase):
         # built on the loop thread, which steps it (runtime.worker.WorkerBase.start)
         self.start(lambda: ColocatedEngine(spec.worker_id, LLM.from_config(cfg)))
 
-    def reserve(self, task: DecodeTask) -> bool:
-        return True  # the colocated engine admits and preempts on its own
-
-    def add(self, task: PrefillTask) -> None:
-        self.loop.call(lambda: self.engine.add(task))
-
-    def set_decode_pressure(self, pressure: float) -> None:
-        pass
+    def channel_commands(self) -> dict:
+        # the colocated engine admits and preempts on its own: a reserve is always granted
+        return {**super().channel_commands(), "add": self.loop.command(self.engine.add),
+                "reserve": lambda task: True, "set_decode_pressure": lambda pressure: None}
 
     def ready(self) -> WorkerInfo:
         return replace(super().ready(), endpoint="colocated")

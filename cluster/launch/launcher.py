@@ -192,6 +192,7 @@ def build_colocated_pool_router(cfg: ServeConfig, num_engines: int,
     router = Router(handles, handles, RouterConfig(
         max_queue_len=cfg.limits.max_queue_len, request_timeout_s=cfg.limits.request_timeout_s,
         prefix_affinity=False), load_tokenizer(model_dir), model.vocab_size,
-        cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids)
+        cfg.model.max_model_len or model.max_position_embeddings, model.eos_token_ids,
+        channel_secret=specs[0].transfer.secret)
     router.on_shutdown = lambda: _teardown(handles, False)
     return router

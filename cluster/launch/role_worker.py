@@ -63,7 +63,7 @@ class RoleWorker(WorkerBase):
 
     def channel_commands(self) -> dict:
         return {**super().channel_commands(),
-                **self._role_module().channel_commands(self.engine, self._on_loop)}
+                **self._role_module().channel_commands(self.engine, self.loop.command)}
 
     def load(self) -> WorkerLoad:
         return self._role_module().load(self.engine)
@@ -96,8 +96,6 @@ class RoleWorker(WorkerBase):
         self.loop.call(swap)
         return self.ready()
 
-    # (add, reserve, keepalive and set_decode_pressure reach it over its control
-    # channel alone: a P/D worker always has the cluster secret)
     def kv_deliver(self, msg: dict, payload: Any = None) -> list:
         return self.receiver.deliver(msg, payload)
 

@@ -135,8 +135,9 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, tag: str, *,
                  trace: bool = False,
                  fault_injection: Mapping[str, Any] | FaultPlan | None = None,
                  ) -> list[WorkerSpec]:
-    """One spec per planned worker; the P/D workers share one fresh per-cluster secret
-    (never logged: TransferConfig and WorkerSpec keep it out of their reprs)."""
+    """One spec per planned worker; they share one fresh per-cluster secret (never
+    logged: TransferConfig and WorkerSpec keep it out of their reprs), which a colocated
+    worker's control channel uses too."""
     model = load_model_config(model_dir)
     transfer = transfer_config(cfg, model, secrets.token_bytes(32))
     faults = FaultPlan.parse(fault_injection)
@@ -148,7 +149,7 @@ def worker_specs(cfg: ServeConfig, plan: PoolPlan, model_dir: str, tag: str, *,
             cfg, engine.scheduler.max_model_len)}.get(w.role)
         specs.append(WorkerSpec(
             worker_id=w.worker_id, role=w.role, engine=engine, scheduler=scheduler,
-            transfer=transfer if w.role != "colocated" else None,
+            transfer=transfer,
             num_threads=w.torch_threads, actor_name=f"{tag}-{w.worker_id}", trace=trace,
             faults=faults, stream_interval=cfg.server.stream_interval))
     return specs

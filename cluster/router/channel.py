@@ -1,8 +1,9 @@
 """The front door's side of a worker's control channel (runtime/channel.py).
 
 `WorkerChannel.connect` opens the TCP link (HMAC handshake with the cluster secret, in a
-thread), then hands the socket to the event loop as an asyncio Protocol: each step
-message of the worker is decoded once (`on_batch(worker_id, load, entries)`, on the
+thread), then hands the socket to the event loop as an asyncio Protocol (a worker in this
+process, at ``inproc://NAME``: an in-process link carrying the same frames): each step
+message of the worker is decoded once (`on_batch(load, entries)`, on the
 loop, no task or Future per message), and commands are a frame write plus one Future
 for the reply. `ChannelActor` puts the hot commands (CHANNEL_COMMANDS) on the channel
 and forwards every other WorkerActor call (ready, stats, traces, shutdown) to the Ray
@@ -20,11 +21,20 @@ from typing import Any
 
 from kv_transfer.tcp_auth import DeadlineSocket, client_handshake, handshake_reader
 from runtime.batch_codec import decode_batch
-from runtime.channel import HEADER, KIND_CALL, KIND_EVENTS, KIND_REPLY, MAX_FRAME_BYTES, frame
+from runtime.channel import (
+    HEADER,
+    INPROC,
+    KIND_CALL,
+    KIND_EVENTS,
+    KIND_REPLY,
+    MAX_FRAME_BYTES,
+    connect_inproc,
+    frame,
+)
 
 CHANNEL_COMMANDS = ("add", "reserve", "abort", "keepalive", "set_decode_pressure")
 CONNECT_TIMEOUT_S = 10.0
-OnBatch = Callable[[str, Any, list], None]
+OnBatch = Callable[[Any, list], None]  # (load, entries) of one step message
 
 
 def _open(address: str, secret: bytes, name: str) -> socket.socket:
@@ -47,6 +57,19 @@ def _retrieve(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+class _InprocTransport:
+    """What WorkerChannel uses of its transport, over an in-process link."""
+
+    def __init__(self, link):
+        self._link = link
+
+    def write(self, data: bytes) -> None:
+        self._link.receive(data)
+
+    def abort(self) -> None:
+        self._link.close()
+
+
 class WorkerChannel(asyncio.Protocol):
     def __init__(self, worker_id: str, on_batch: OnBatch):
         self.worker_id = worker_id
@@ -61,8 +84,15 @@ class WorkerChannel(asyncio.Protocol):
     async def connect(cls, worker_id: str, address: str, secret: bytes, name: str,
                       on_batch: OnBatch) -> WorkerChannel:
         loop = asyncio.get_running_loop()
-        sock = await loop.run_in_executor(None, _open, address, secret, name)
-        _, proto = await loop.create_connection(lambda: cls(worker_id, on_batch), sock=sock)
+        if address.startswith(INPROC):
+            proto = cls(worker_id, on_batch)
+            link = connect_inproc(address, name,
+                                  lambda data: loop.call_soon_threadsafe(proto.data_received, data),
+                                  lambda: loop.call_soon_threadsafe(proto.connection_lost, None))
+            proto.connection_made(_InprocTransport(link))
+        else:
+            sock = await loop.run_in_executor(None, _open, address, secret, name)
+            _, proto = await loop.create_connection(lambda: cls(worker_id, on_batch), sock=sock)
         await proto.call("hello")  # the first frame subscribes the link to load updates
         return proto
 
@@ -85,8 +115,8 @@ class WorkerChannel(asyncio.Protocol):
                 body = bytes(buf[pos + size:pos + 4 + n])
                 pos += 4 + n
                 if kind == KIND_EVENTS:
-                    worker_id, load, entries = decode_batch(body)
-                    self._on_batch(worker_id, load, entries)
+                    _, load, entries = decode_batch(body)
+                    self._on_batch(load, entries)
                 elif kind == KIND_REPLY:
                     self._resolve(*pickle.loads(body))
                 else:

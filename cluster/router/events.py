@@ -5,8 +5,8 @@ A worker with a control channel (`WorkerHandle.channel`, runtime/channel.py) sen
 message per step with every leg's events and its load; `on_batch` applies it on the
 loop with no task, Future or Ray call per event: a common token (no finish or log-probs,
 stream_interval 1) of a byte-table tokenizer goes to its stream with its text at once,
-the rest to the detokenizer in one batch (`deliver`). A worker without a channel (a
-colocated pool, a test's fake) is long-polled over its actor's `poll()`.
+the rest to the detokenizer in one batch (`deliver`). Every worker has a channel (a
+test's scripted worker an in-process one): it is the only way events come in.
 
 A re-dispatch (which may queue for decode admission) runs as its own task, so one
 preemption cannot delay the other streams of that worker. An event counts only when it
@@ -33,7 +33,6 @@ from runtime.batch_codec import FINISH_OF, entry_event
 from runtime.messages import EventKind, LegTiming, WorkerEvent
 
 log = logging.getLogger(__name__)
-POLL_TIMEOUT_S = 0.05
 
 
 # [(flight, token_ids, finished, finish_reason, usage, logprobs, prompt_logprobs)] of a batch
@@ -56,9 +55,6 @@ class EventPump:
         self.collect_stats = self.upkeep.collect_stats
         self.collect_traces = self.upkeep.collect_traces
 
-    def uses_channel(self, w: WorkerHandle) -> bool:
-        return bool(self.channel_secret and w.channel)
-
     def deliver(self, out: Delivery) -> None:
         """Hand a batch's token deltas (Delivery) to the detokenizer thread; they reach
         their streams, with text, in order."""
@@ -78,19 +74,17 @@ class EventPump:
 
     async def start(self) -> None:
         """Connect every worker's channel (before any request is dispatched: a leg must
-        be created over the link its events come back on), then pump them all."""
+        be created over the link its events come back on), then watch them all."""
         if self.router.tokenizer is not None:
             self._detok = DetokenizerThread(self.router.tokenizer, asyncio.get_running_loop())
-        chans = [w for w in self.router.workers if self.uses_channel(w)]
-        for w, err in zip(chans, await asyncio.gather(
-                *(self.liveness.connect(w) for w in chans), return_exceptions=True),
+        workers = self.router.workers
+        for w, err in zip(workers, await asyncio.gather(
+                *(self.liveness.connect(w) for w in workers), return_exceptions=True),
                 strict=True):
             if isinstance(err, BaseException):
                 log.warning("channel to %s failed: %s", w.worker_id, err)
                 self.mark_dead(w)
-        for w in self.router.workers:
-            pump = self.liveness.watch_channel(w) if self.uses_channel(w) else self._pump(w)
-            self._tasks.append(asyncio.ensure_future(pump))
+        self._tasks += [asyncio.ensure_future(self.liveness.watch_channel(w)) for w in workers]
         self._tasks += self.upkeep.start()
 
     async def stop(self) -> None:
@@ -109,28 +103,6 @@ class EventPump:
 
     def mark_dead(self, w: WorkerHandle) -> None:
         self.liveness.mark_dead(w)
-
-    async def _pump(self, w: WorkerHandle) -> None:
-        while not self.stopping:
-            if not w.alive:
-                await self.liveness.revive(w)
-                continue
-            try:
-                events = await w.actor.poll.remote(POLL_TIMEOUT_S)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("poll of %s failed: %s", w.worker_id, e)
-                self.mark_dead(w)
-                continue
-            out: Delivery = []
-            for ev in events:
-                try:
-                    self._apply(w, ev, out)
-                except Exception:
-                    log.exception("event %s of %s failed", ev.kind, ev.leg_id)
-            if out:
-                self.deliver(out)
 
     # ---- events -----------------------------------------------------------------------
     def on_batch(self, w: WorkerHandle, load, entries: list) -> None:
@@ -223,8 +195,8 @@ class EventPump:
         flight.leg_first_seen = True
         self._emit(w, flight, EventKind.FIRST_TOKEN, ev.token_ids, ev.finish_reason, out,
                    ev.logprobs, ev.prompt_logprobs)
-        # decode tokens that overtook the first token (they come from another worker's
-        # pump) follow it now, in order; the copy of it that one of them carries is dropped
+        # decode tokens that overtook the first token (they come over another worker's
+        # channel) follow it now, in order; the copy of it that one of them carries is dropped
         held, flight.held_tokens = flight.held_tokens, []
         for src, later in held:
             if not flight.done:

@@ -1,11 +1,12 @@
-"""Liveness of the router's workers: a lost control channel or a failed poll marks a
-worker dead (its legs are re-dispatched on a healthy pair); once Ray restarts its actor
-(max_restarts) the worker is adopted again, with a fresh channel.
+"""Liveness of the router's workers: a lost control channel (or one that cannot open)
+marks a worker dead (its legs are re-dispatched on a healthy pair); once Ray restarts its
+actor (max_restarts) the worker is adopted again, with a fresh channel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Protocol
 
@@ -24,8 +25,6 @@ class Pump(Protocol):
     channel_secret: bytes
     stopping: bool
 
-    def uses_channel(self, w: WorkerHandle) -> bool: ...
-
     def on_batch(self, w: WorkerHandle, load, entries: list) -> None: ...
 
     def redispatch(self, flight: Flight, why: str, *, failed: bool) -> None: ...
@@ -41,7 +40,7 @@ class Liveness:
             return
         w.alive = False
         w.outstanding_tokens = 0
-        if w.link is not None:  # its pump revives it with a fresh channel
+        if w.link is not None:  # its watch revives it with a fresh channel
             w.link.close()
         log.warning("worker %s is dead; re-dispatching %d legs", w.worker_id, len(w.legs))
         for leg_id in list(w.legs):
@@ -56,8 +55,7 @@ class Liveness:
             try:
                 info = await asyncio.wait_for(w.actor.ready.remote(), timeout=30)
                 w.refresh(info)
-                if self.pump.uses_channel(w):
-                    await self.connect(w)
+                await self.connect(w)
             except Exception:
                 await asyncio.sleep(REVIVE_INTERVAL_S)
                 continue
@@ -71,9 +69,8 @@ class Liveness:
     async def connect(self, w: WorkerHandle) -> None:
         name = f"router-{getattr(self.router, 'tag', '')}"
         pump = self.pump
-        ch = await WorkerChannel.connect(
-            w.worker_id, w.channel, pump.channel_secret, name,
-            lambda _wid, load, entries: pump.on_batch(w, load, entries))
+        ch = await WorkerChannel.connect(w.worker_id, w.channel, pump.channel_secret, name,
+                                         functools.partial(pump.on_batch, w))
         w.link = ch
         if not hasattr(w.actor, "ray_actor"):  # (a test may have wrapped it since)
             w.actor = ChannelActor(w.actor, w)

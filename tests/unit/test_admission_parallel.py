@@ -27,7 +27,7 @@ def hold_prefills(prefill) -> None:
         prefill.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
         prefill.actor.emit(EventKind.PREFILL_DONE, task.leg_id)
 
-    prefill.actor.on_add = add
+    prefill.handle.on_add = add
 
 
 def gate(worker, rid: str) -> asyncio.Event:
@@ -38,7 +38,7 @@ def gate(worker, rid: str) -> asyncio.Event:
         if task.leg_id.startswith(f"{rid}#"):
             await opened.wait()
 
-    worker.actor.on_reserve = on_reserve
+    worker.handle.on_reserve = on_reserve
     return opened
 
 
@@ -57,7 +57,7 @@ def test_a_waiter_is_admitted_to_a_free_worker_while_the_head_waits_on_a_busy_on
         router, prefill, decode = make_router(reserve_with_add=False, n_decode=2)
         b, a = decode  # equal usage: the head asks b first, then a
         hold_prefills(prefill)
-        b.actor.budget = 5  # b has room for the small one, never for the big one
+        b.handle.budget = 5  # b has room for the small one, never for the big one
         opened = gate(a, "big")
         big = router.generate(spec("big", 8))
         big_first = asyncio.ensure_future(big.__anext__())
@@ -89,7 +89,7 @@ def test_a_later_waiters_tentative_grant_is_given_back_when_the_head_needs_that_
         router, prefill, decode = make_router(reserve_with_add=False, n_decode=2)
         a, b = decode  # the head asks a first (held), the next waiter asks b meanwhile
         hold_prefills(prefill)
-        b.actor.budget = 8  # room for either one, not both
+        b.handle.budget = 8  # room for either one, not both
         opened = gate(a, "head")
         head = router.generate(spec("head", 6))
         head_first = asyncio.ensure_future(head.__anext__())
@@ -98,12 +98,12 @@ def test_a_later_waiters_tentative_grant_is_given_back_when_the_head_needs_that_
         nxt_first = asyncio.ensure_future(nxt.__anext__())
         await until(lambda: b.actor.held, "next holds a tentative grant on b")
         tentative = not router.flights["next"].admitted  # head may still need b
-        a.actor.slots = 0  # a refuses the head: it needs b, so next's grant goes back
+        a.handle.slots = 0  # a refuses the head: it needs b, so next's grant goes back
         opened.set()
         assert (await head_first).token_ids == (7,)
         head_on = router.flights["head"].decode
         toks = [await finish(router, decode, "head", head)]
-        a.actor.slots = None
+        a.handle.slots = None
         await nxt_first
         toks.append(await finish(router, decode, "next", nxt))
         await router.shutdown(0)
@@ -163,7 +163,7 @@ def test_a_waiter_refused_everywhere_blocks_later_ones_from_asking():
         router, prefill, decode = make_router(n_decode=2)
         hold_prefills(prefill)
         for w in decode:
-            w.actor.budget = 10
+            w.handle.budget = 10
         holders = []
         for i in range(len(decode)):  # 6 of 10 used on each worker
             s = router.generate(spec(f"h{i}", 6))

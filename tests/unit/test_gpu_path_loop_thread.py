@@ -35,7 +35,7 @@ class _Engine:
 
 
 def test_a_built_engine_is_built_and_stepped_on_the_loop_thread():
-    loop = WorkerLoop(build=_Engine)
+    loop = WorkerLoop(build=_Engine, on_events=lambda events: None)
     try:
         eng = loop.engine
         assert isinstance(eng, _Engine)  # built before the constructor returned
@@ -54,10 +54,10 @@ def test_a_failed_build_raises_from_the_constructor_and_leaves_no_thread():
 
     before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="no GPU memory left"):
-        WorkerLoop(build=broken)
+        WorkerLoop(build=broken, on_events=lambda events: None)
     assert not [t for t in set(threading.enumerate()) - before if t.is_alive()]
     with pytest.raises(ValueError, match="an engine or a build function"):
-        WorkerLoop()
+        WorkerLoop(on_events=lambda events: None)
 
 
 def test_the_colocated_backend_builds_its_engine_on_its_loop_thread(tiny_model):

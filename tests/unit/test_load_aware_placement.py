@@ -23,7 +23,7 @@ def test_decode_admission_asks_the_worker_with_most_unpromised_blocks_first():
         async def serve(task):
             serve_leg(prefill, decode[1], task.leg_id)
 
-        prefill.actor.on_add = serve
+        prefill.handle.on_add = serve
         spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=2))
         toks = await asyncio.wait_for(collect(router.generate(spec)), 10)
         await router.shutdown(0)

@@ -42,17 +42,17 @@ def test_redispatched_legs_ask_for_prompt_logprobs_only_until_they_arrived(first
                              logprobs=(lp(7 + first),),
                              prompt_logprobs=PROMPT_LPS if task.sampling.prompt_logprobs
                              else None)
-            prefill.actor.events.put_nowait(ev)
+            prefill.actor.send(ev)
             prefill.actor.emit(EventKind.PREFILL_DONE, leg)
             if len(tasks) == 1:  # decode runs out of blocks after the first token
                 decode.actor.emit(EventKind.PREEMPTED, leg)
             else:
-                decode.actor.events.put_nowait(WorkerEvent(
+                decode.actor.send(WorkerEvent(
                     EventKind.TOKENS, leg, "decode-0", (9,), logprobs=(lp(9),),
                     finish_reason=FinishReason.LENGTH))
                 decode.actor.held.discard(leg)
 
-        prefill.actor.on_add = add
+        prefill.handle.on_add = add
         deltas = [d async for d in router.generate(GenerateSpec("r", (1, 2), SP))]
         await router.shutdown(0)
         return deltas, tasks

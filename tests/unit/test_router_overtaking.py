@@ -7,7 +7,7 @@ arrive first. The router holds them and, once the first token comes, releases th
 token and the held ones in order, nothing lost, nothing twice. Released together, they
 reach the reader as one coalesced delta: the client sees a late first token and then
 every held token at once (the idle run's TTFT 11 ms / TPOT 0.06 ms). Here that order is
-created on purpose, over the step path (encode_batch -> decode_batch -> on_batch).
+created on purpose, over the workers' (in-process) control channels.
 
 The fix: decode's first step of a leg carries the leg's first token (from the final KV
 chunk), so the router streams it from whichever message comes first and drops the other
@@ -26,20 +26,20 @@ from cluster.router.types import GenerateSpec
 from engine import SamplingParams
 from engine.logprobs import TokenLogprobs
 from engine.request import FinishReason
-from runtime.batch_codec import decode_batch, encode_batch
 from runtime.messages import EventKind, LegTiming, WorkerEvent
 from tests.scripted_workers import make_router, until
 from tests.unit.test_router_races import assert_router_clean
 
 
-def _step(router, w, events: list[WorkerEvent]) -> None:
-    """One step message of `w`, as its control channel delivers it."""
+async def _step(router, w, events: list[WorkerEvent]) -> None:
+    """One step message of `w` over its control channel; returns once the router
+    applied it (a command's reply after it comes back after it)."""
     for ev in events:
         if ev.finished or ev.kind in (EventKind.PREFILL_DONE, EventKind.PREEMPTED):  # it ends
             w.actor.held.discard(ev.leg_id)
             w.actor.ended.add(ev.leg_id)
-    _, load, entries = decode_batch(encode_batch(w.worker_id, events, None))
-    router.pump.on_batch(w, load, entries)
+    w.actor.send(*events)
+    await w.link.call("hello")
 
 
 def _run(n_overtaking: int, finish_before_first: bool):
@@ -58,20 +58,21 @@ def _run(n_overtaking: int, finish_before_first: bool):
         async def steps(leg: str) -> None:
             await until(lambda: leg in router.legs, "the leg was made")
             for i in range(1, n_overtaking + 1):  # decode's steps overtake the first token
-                _step(router, decode, [tokens(leg, i)])
+                await _step(router, decode, [tokens(leg, i)])
             assert router.legs[leg].generated == []  # held: nothing streams before it
-            _step(router, prefill, [WorkerEvent(EventKind.FIRST_TOKEN, leg, "prefill-0",
-                                                (100,))])
-            _step(router, prefill, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+            await _step(router, prefill, [WorkerEvent(EventKind.FIRST_TOKEN, leg, "prefill-0",
+                                                      (100,))])
+            await _step(router, prefill,
+                        [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
             for i in range(n_overtaking + 1, n_tokens):  # then in order, as usual, each
                 await until(lambda n=i: sum(len(d.token_ids) for d in deltas) >= n,
                             "the reader took what was released")  # step once read
-                _step(router, decode, [tokens(leg, i)])
+                await _step(router, decode, [tokens(leg, i)])
 
         async def serve(task):
             router.spawn(steps(task.leg_id))
 
-        prefill.actor.on_add = serve
+        prefill.handle.on_add = serve
         async for d in router.generate(spec):
             deltas.append(d)
         await until(lambda: not router.flights, "the request ended")
@@ -139,7 +140,7 @@ def _serve(spec: GenerateSpec, script):
             async for d in router.generate(spec):
                 ctx.deltas.append(d)
 
-        prefill.actor.on_add = serve
+        prefill.handle.on_add = serve
         reader = asyncio.ensure_future(read())
         failed = lambda: [t for t in scripts if t.done() and t.exception()]  # noqa: E731
         await until(lambda: reader.done() or failed(), "the stream ended")
@@ -164,15 +165,15 @@ def test_decode_first_step_streams_the_first_token_and_the_late_prefill_copy_is_
     async def script(ctx, leg):
         r, p, d = ctx.router, ctx.prefill, ctx.decode
         await until(lambda: leg in r.legs, "the leg was made")
-        _step(r, d, [_tok(leg, 101, first=100)])
+        await _step(r, d, [_tok(leg, 101, first=100)])
         await until(lambda: _received(ctx.deltas) == [100, 101],
                     "the client got the first token from decode's step alone")
-        _step(r, d, [_tok(leg, 102)])
+        await _step(r, d, [_tok(leg, 102)])
         await until(lambda: _received(ctx.deltas) == [100, 101, 102], "read")
-        _step(r, p, [_first_tok(leg)])  # late: recognised and dropped
-        _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
-        _step(r, d, [_tok(leg, 103)])
-        _step(r, d, [_tok(leg, 104, last=True)])
+        await _step(r, p, [_first_tok(leg)])  # late: recognised and dropped
+        await _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+        await _step(r, d, [_tok(leg, 103)])
+        await _step(r, d, [_tok(leg, 104, last=True)])
 
     ctx = _serve(spec, script)
     assert _received(ctx.deltas) == [100, 101, 102, 103, 104]  # the first token once
@@ -188,11 +189,11 @@ def test_a_request_decode_finished_before_the_prefill_reported_ends_clean():
     async def script(ctx, leg):
         r, p, d = ctx.router, ctx.prefill, ctx.decode
         await until(lambda: leg in r.legs, "the leg was made")
-        _step(r, d, [_tok(leg, 101, first=100)])
-        _step(r, d, [_tok(leg, 102, last=True)])
+        await _step(r, d, [_tok(leg, 101, first=100)])
+        await _step(r, d, [_tok(leg, 102, last=True)])
         await until(lambda: not r.flights, "the request ended")
-        _step(r, p, [_first_tok(leg)])  # the leg is gone: both ignored
-        _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+        await _step(r, p, [_first_tok(leg)])  # the leg is gone: both ignored
+        await _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
 
     ctx = _serve(spec, script)
     assert _received(ctx.deltas) == [100, 101, 102]
@@ -207,11 +208,11 @@ def test_decode_copy_of_a_first_token_that_already_streamed_is_dropped():
     async def script(ctx, leg):
         r, p, d = ctx.router, ctx.prefill, ctx.decode
         await until(lambda: leg in r.legs, "the leg was made")
-        _step(r, p, [_first_tok(leg)])  # today's order: the prefill's comes first
+        await _step(r, p, [_first_tok(leg)])  # today's order: the prefill's comes first
         await until(lambda: _received(ctx.deltas) == [100], "the first token was read")
-        _step(r, d, [_tok(leg, 101, first=100)])
-        _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
-        _step(r, d, [_tok(leg, 102, last=True)])
+        await _step(r, d, [_tok(leg, 101, first=100)])
+        await _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+        await _step(r, d, [_tok(leg, 102, last=True)])
 
     ctx = _serve(spec, script)
     assert _received(ctx.deltas) == [100, 101, 102]
@@ -227,12 +228,12 @@ def test_a_request_that_asked_for_logprobs_waits_for_the_prefill_first_token(ask
     async def script(ctx, leg):
         r, p, d = ctx.router, ctx.prefill, ctx.decode
         await until(lambda: leg in r.legs, "the leg was made")
-        _step(r, d, [_tok(leg, 101, first=100, lps=lps)])
-        assert r.legs[leg].generated == [] and not ctx.deltas  # held (on_batch is sync)
-        _step(r, p, [_first_tok(leg, lps=lps)])
-        _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+        await _step(r, d, [_tok(leg, 101, first=100, lps=lps)])
+        assert r.legs[leg].generated == [] and not ctx.deltas  # held (the step was applied)
+        await _step(r, p, [_first_tok(leg, lps=lps)])
+        await _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
         await until(lambda: len(_received(ctx.deltas)) == 2, "the release was read")
-        _step(r, d, [_tok(leg, 102, last=True, lps=lps)])
+        await _step(r, d, [_tok(leg, 102, last=True, lps=lps)])
 
     ctx = _serve(spec, script)
     tokens = _received(ctx.deltas)
@@ -251,17 +252,17 @@ def test_a_leg_preempted_after_decode_streamed_the_first_token_resumes_without_a
         r, p, d = ctx.router, ctx.prefill, ctx.decode
         await until(lambda: leg in r.legs, "the leg was made")
         if len(ctx.legs) == 1:
-            _step(r, d, [_tok(leg, 101, first=100)])
+            await _step(r, d, [_tok(leg, 101, first=100)])
             await until(lambda: _received(ctx.deltas) == [100, 101], "read")
-            _step(r, d, [WorkerEvent(EventKind.PREEMPTED, leg, "decode-0")])
+            await _step(r, d, [WorkerEvent(EventKind.PREEMPTED, leg, "decode-0")])
             await until(lambda: len(ctx.legs) == 2, "the request was re-dispatched")
-            _step(r, p, [_first_tok(leg)])  # the old leg's: ignored
-            _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+            await _step(r, p, [_first_tok(leg)])  # the old leg's: ignored
+            await _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
             return
-        _step(r, d, [_tok(leg, 103, first=102)])
-        _step(r, p, [_first_tok(leg, 102)])
-        _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
-        _step(r, d, [_tok(leg, 104, last=True)])
+        await _step(r, d, [_tok(leg, 103, first=102)])
+        await _step(r, p, [_first_tok(leg, 102)])
+        await _step(r, p, [WorkerEvent(EventKind.PREFILL_DONE, leg, "prefill-0")])
+        await _step(r, d, [_tok(leg, 104, last=True)])
 
     ctx = _serve(spec, script)
     assert len(ctx.legs) == 2 and ctx.legs[0] != ctx.legs[1]

@@ -41,7 +41,7 @@ def script(router, prefill, actions: list[str]) -> None:
         elif action == "fail":
             decode_of(leg).actor.emit(EventKind.FAILED, leg, message="scripted failure")
 
-    prefill.actor.on_add = add
+    prefill.handle.on_add = add
 
 
 def finish(decode, leg: str) -> None:
@@ -84,7 +84,7 @@ def test_a_request_id_is_free_the_moment_its_request_ends(ending):
         if ending == "deadline":
             router.config = replace(router.config, request_timeout_s=0.01)
         if ending == "never-admitted":
-            decode.actor.slots = 0
+            decode.handle.slots = 0
         first = router.generate(spec("same"))
         outcome = None
         try:
@@ -110,7 +110,7 @@ def test_a_request_id_is_free_the_moment_its_request_ends(ending):
         except RouterError as e:
             outcome = e
         router.config = replace(router.config, request_timeout_s=600)
-        decode.actor.slots = None
+        decode.handle.slots = None
         second = await asyncio.wait_for(collect(router.generate(spec("same"))), 10)
         await first.aclose()
         await router.shutdown(0)
@@ -179,7 +179,7 @@ def test_queued_requests_are_admitted_in_arrival_order_and_no_later_one_asks_fir
 def test_a_small_later_arrival_does_not_overtake_a_large_waiter():
     async def go():
         router, prefill, [decode] = make_router(reserve_with_add=False)
-        decode.actor.budget = 10  # prompt tokens the decode worker can hold
+        decode.handle.budget = 10  # prompt tokens the decode worker can hold
         script(router, prefill, ["hold", "hold", "hold"])
         big_first = router.generate(spec("holder", 6))
         assert (await big_first.__anext__()).token_ids == (7,)
@@ -265,7 +265,7 @@ def test_a_request_preempted_more_often_than_max_legs_is_still_served():
             prefill.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
             prefill.actor.emit(EventKind.PREFILL_DONE, task.leg_id)
 
-        prefill.actor.on_add = add
+        prefill.handle.on_add = add
         stream = router.generate(spec("storm", sp=SamplingParams(max_tokens=20)))
         toks = []
         async for d in stream:
@@ -295,7 +295,7 @@ def test_preemptions_that_make_no_progress_count_as_failures():
         async def add(task):  # decode preempts each leg before its first token
             decode.actor.emit(EventKind.PREEMPTED, task.leg_id, message="out of KV blocks")
 
-        prefill.actor.on_add = add
+        prefill.handle.on_add = add
         with pytest.raises(RouterError) as err:
             await asyncio.wait_for(collect(router.generate(spec("stuck"))), 10)
         await router.shutdown(0)

@@ -44,7 +44,7 @@ def test_prefill_pool_dying_during_the_decode_reserve_waits_for_its_restart():
         async def serve(task):
             serve_leg(prefill, decode, task.leg_id)
 
-        decode.actor.on_reserve, prefill.actor.on_add = prefill_dies, serve
+        decode.actor.on_reserve, prefill.handle.on_add = prefill_dies, serve
         return await _serve_and_stop(router), router, prefill, decode
 
     toks, router, prefill, decode = asyncio.run(go())
@@ -66,7 +66,7 @@ def test_prefill_dying_under_add_is_redispatched_exactly_once():
                 raise RuntimeError("simulated: the actor died under add()")
             serve_leg(prefill, decode, task.leg_id)
 
-        prefill.actor.on_add = add
+        prefill.handle.on_add = add
         return await _serve_and_stop(router), router, prefill, decode
 
     toks, router, prefill, decode = asyncio.run(go())
@@ -88,7 +88,7 @@ def test_decode_hears_keepalives_while_the_prefill_is_queued_and_not_after_it_en
                 serve_leg(prefill, decode, task.leg_id)
             asyncio.ensure_future(later())
 
-        prefill.actor.on_add = add
+        prefill.handle.on_add = add
         run = asyncio.ensure_future(collect(router.generate(SPEC)))
         await until(lambda: len(decode.actor.calls_of("keepalive")) >= 3, "3 keepalives")
         kept = decode.actor.calls_of("keepalive")
@@ -121,7 +121,7 @@ def test_a_request_ended_while_its_reservation_is_in_flight_frees_it_and_never_p
             in_flight.set()
             await land.wait()
 
-        decode.actor.on_reserve = slow_reserve
+        decode.handle.on_reserve = slow_reserve
         run = asyncio.ensure_future(collect(router.generate(SPEC)))
         await in_flight.wait()
         flight = router.flights["r"]
@@ -167,7 +167,7 @@ def test_a_redispatch_waiting_for_admission_does_not_hold_up_other_streams():
         async def add(task):
             prefill.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
 
-        decode.actor.on_reserve, prefill.actor.on_add = reserve, add
+        decode.actor.on_reserve, prefill.handle.on_add = reserve, add
         sp = SamplingParams(temperature=0.0, max_tokens=3)
         a = router.generate(GenerateSpec("A", (1, 2), sp))
         b = router.generate(GenerateSpec("B", (3, 4), sp))
@@ -202,21 +202,20 @@ def test_a_late_reservation_on_another_worker_cannot_fail_the_leg():
             d0.actor.held.add(task.leg_id)  # it landed...
             raise RuntimeError("simulated: the reply was lost")  # ...the call failed
 
-        d0.actor.on_reserve = lost_reply
+        d0.handle.on_reserve = lost_reply
         add_seen = asyncio.Event()
 
         async def add(task):
             add_seen.set()
 
-        prefill.actor.on_add = add
+        prefill.handle.on_add = add
         run = asyncio.ensure_future(collect(router.generate(SPEC)))
         await add_seen.wait()
         leg = router.flights["r"].leg_id
         assert router.flights["r"].decode is d1
         await until(lambda: d0.alive, "decode-0 re-adopted")
-        polls = d0.actor.polls
         d0.actor.emit(EventKind.FAILED, leg, message="timed out waiting for KV")
-        await until(lambda: d0.actor.polls >= polls + 2, "decode-0's event applied")
+        await d0.link.call("hello")  # its reply follows the event: the event was handled
         serve_leg(prefill, d1, leg)
         toks = await asyncio.wait_for(run, 10)
         await router.shutdown(0)
@@ -233,14 +232,12 @@ def test_a_colocated_engine_prefills_the_leg_it_decodes():
     """Colocated pools (the interference baseline): admission picks the engine by KV
     usage, prompt placement by outstanding tokens; when they would differ the leg still
     goes to one engine, whose tokens are the leg's (placed apart, the stream hung)."""
-    from cluster.router.pool import WorkerHandle
     from cluster.router.router import Router, RouterConfig
     from runtime.stats import EngineStats
-    from tests.scripted_workers import FakeActor
+    from tests.scripted_workers import fake_worker
 
     async def go():
-        c0, c1 = (WorkerHandle(f"colocated-{i}", "colocated", FakeActor(f"colocated-{i}"))
-                  for i in range(2))
+        c0, c1 = (fake_worker(f"colocated-{i}", "colocated") for i in range(2))
         c1.stats = EngineStats(role="colocated", kv_blocks_used=90, kv_blocks_free=10)
         c1.num_blocks = c0.num_blocks = 100
         c0.outstanding_tokens = 1000  # placement alone would put the prompt on c1
@@ -255,7 +252,7 @@ def test_a_colocated_engine_prefills_the_leg_it_decodes():
             return add
 
         for w in (c0, c1):
-            w.actor.on_add = engine(w)
+            w.handle.on_add = engine(w)
         toks = await asyncio.wait_for(collect(router.generate(SPEC)), 10)
         await router.shutdown(0)
         return toks, c0, c1

@@ -65,7 +65,7 @@ def test_stream_is_the_live_requests_delta_stream_and_none_once_it_ended():
         async def on_add(task):
             legs.append(task.leg_id)
 
-        prefill.actor.on_add = on_add
+        prefill.handle.on_add = on_add
         spec = GenerateSpec("r", (1, 2, 3), SamplingParams(temperature=0.0, max_tokens=3))
         reader = asyncio.ensure_future(collect(router.generate(spec)))
         await until(lambda: legs, "the prefill add")
@@ -93,7 +93,7 @@ def test_the_servicer_takes_the_stream_over_through_router_api_alone():
         async def on_add(task):
             legs.append(task.leg_id)
 
-        prefill.actor.on_add = on_add
+        prefill.handle.on_add = on_add
         servicer = GenerationServicer(OnlyTheAPI(router), ServingState())
         ctx = WritingContext()
         call = servicer.Generate(build_request([1, 2, 3], request_id="g", max_tokens=4,

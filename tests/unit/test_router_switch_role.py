@@ -28,18 +28,18 @@ def hold_on_decode(prefill) -> None:
     async def add(task):
         prefill.actor.emit(EventKind.FIRST_TOKEN, task.leg_id, (7,))
         prefill.actor.emit(EventKind.PREFILL_DONE, task.leg_id)
-    prefill.actor.on_add = add
+    prefill.handle.on_add = add
 
 
 def test_a_decode_worker_drains_its_legs_then_joins_the_prefill_pool():
     async def go():
         router, prefill, [d0, d1] = make_router(n_decode=2)
         hold_on_decode(prefill)
-        d0.actor.slots = 0  # the first request lands on d1
+        d0.handle.slots = 0  # the first request lands on d1
         first = asyncio.ensure_future(collect(router.generate(spec("a"))))
         await until(lambda: d1.legs and d1.actor.held, "a held on d1")
         leg_a = next(iter(d1.legs))
-        d0.actor.slots = None
+        d0.handle.slots = None
         switch = asyncio.ensure_future(router.switch_role("decode-1", "prefill"))
         await until(lambda: d1 in router.switching, "d1 leaves the decode pool")
         assert d1 not in router.decode and d1 not in router.prefill
@@ -85,7 +85,7 @@ def test_a_worker_that_does_not_drain_in_time_stays_in_its_pool():
     async def go():
         router, prefill, [d0, d1] = make_router(n_decode=2)
         hold_on_decode(prefill)
-        d0.actor.slots = 0
+        d0.handle.slots = 0
         first = asyncio.ensure_future(collect(router.generate(spec("a"))))
         await until(lambda: d1.actor.held, "a held on d1")
         with pytest.raises(RouterError) as e:

@@ -41,7 +41,7 @@ def _run(interval: int, n_tokens: int):
             prefill.actor.emit(EventKind.PREFILL_DONE, task.leg_id)
             router.spawn(steps(task.leg_id))
 
-        prefill.actor.on_add = serve
+        prefill.handle.on_add = serve
         async for d in router.generate(spec):
             deltas.append(d)
         await until(lambda: not router.flights, "the request ended")
@@ -105,7 +105,7 @@ def test_logprobs_cross_the_step_codec_and_stream_with_their_tokens(interval):
         async def serve(task):
             router.spawn(steps(task.leg_id))
 
-        prefill.actor.on_add = serve
+        prefill.handle.on_add = serve
         deltas = [d async for d in router.generate(GenerateSpec("r", (1, 2, 3), sp))]
         await until(lambda: not router.flights, "the request ended")
         await router.shutdown(0)

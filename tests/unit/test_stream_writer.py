@@ -162,7 +162,7 @@ def test_streams_through_grpc_carry_every_token_and_the_whole_text(tokenizer):
     async def on_add(task):
         legs.append(task.leg_id)
 
-    prefill.actor.on_add = on_add
+    prefill.handle.on_add = on_add
     srv = BackgroundServer(router, ServeConfig().with_values({"server.port": 0}))
     srv.start()
     client = PdserveClient(srv.address, timeout=30)

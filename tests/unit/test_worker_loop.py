@@ -4,7 +4,9 @@ after MAX_STEP_FAILURES in a row the engine is declared dead."""
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 
 import pytest
 
@@ -42,24 +44,38 @@ class FlakyEngine:
         return out
 
 
-def _events_until(loop: WorkerLoop, n: int) -> list[WorkerEvent]:
-    got: list[WorkerEvent] = []
-    for _ in range(200):  # bounded only to turn a hang into a failure
-        got += loop.poll(0.05)
-        if len(got) >= n:
-            return got
-    raise AssertionError(f"got {len(got)} events, wanted {n}")
+class Events:
+    """A loop's `on_events`: every step's events, in order, for the test thread."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[WorkerEvent] = queue.SimpleQueue()
+
+    def __call__(self, events: list[WorkerEvent]) -> None:
+        for ev in events:
+            self.q.put(ev)
+
+    def until(self, n: int) -> list[WorkerEvent]:
+        got: list[WorkerEvent] = []
+        for _ in range(200):  # bounded only to turn a hang into a failure
+            try:
+                got.append(self.q.get(timeout=0.05))
+            except queue.Empty:
+                continue
+            if len(got) >= n:
+                return got
+        raise AssertionError(f"got {len(got)} events, wanted {n}")
 
 
 def test_a_failed_step_fails_the_legs_and_frees_them_and_the_loop_goes_on():
     eng = FlakyEngine()
-    loop = WorkerLoop(eng, max_step_failures=1000)
+    got = Events()
+    loop = WorkerLoop(eng, max_step_failures=1000, on_events=got)
     try:
         loop.call(lambda: eng.add("a"))
         loop.call(lambda: eng.add("b"))
         assert eng.thread.startswith("worker-loop")  # commands run on the loop thread
         eng.broken = True
-        events = _events_until(loop, 2)
+        events = got.until(2)
         assert sorted((e.kind, e.leg_id) for e in events) == [
             (EventKind.FAILED, "a"), (EventKind.FAILED, "b")]
         assert all("device lost" in e.message for e in events) and not eng.legs
@@ -73,20 +89,17 @@ def test_a_failed_step_fails_the_legs_and_frees_them_and_the_loop_goes_on():
 def test_failing_steps_in_a_row_declare_the_engine_dead():
     eng = FlakyEngine()
     eng.broken = True
-    loop = WorkerLoop(eng, max_step_failures=2)
+    loop = WorkerLoop(eng, max_step_failures=2, on_events=Events())
     try:
         for _ in range(200):  # bounded only to turn a hang into a failure
             if loop.fatal is not None:
                 break
-            try:
-                loop.poll(0.05)
-            except RuntimeError:
-                break
+            time.sleep(0.05)
         assert loop.fatal == "RuntimeError: device lost" and not loop.alive
         with pytest.raises(RuntimeError, match="device lost"):
             loop.call(lambda: eng.add("c"))
-        with pytest.raises(RuntimeError, match="dead"):
-            loop.poll(0.01)
+        with pytest.raises(RuntimeError, match="engine died"):
+            loop.submit(lambda: None)
     finally:
         loop.stop()
 
@@ -96,7 +109,7 @@ def test_wakes_end_a_nap_at_once_and_a_burst_of_them_queues_one_no_op():
     wake() (a KV arrival) ends the nap. Wakes before the queued no-op ran add nothing;
     after it ran, the next wake queues another."""
     eng = FlakyEngine()
-    loop = WorkerLoop(eng, idle_wait_s=60.0)
+    loop = WorkerLoop(eng, idle_wait_s=60.0, on_events=Events())
     try:
         loop.call(lambda: eng.add("a"))  # work, no step ran: the loop naps a minute
         running, held = threading.Event(), threading.Event()
