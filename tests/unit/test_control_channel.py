@@ -307,3 +307,27 @@ def test_a_front_door_that_stops_reading_never_blocks_the_publisher_and_loses_no
     finally:
         sock.close()
         srv.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "inproc"])
+def test_a_link_that_ends_aborts_the_legs_it_created_and_no_other(transport):
+    """Their front door is gone (or re-dispatched them when it lost the link): nobody
+    reads or ends them any more. Over TCP and over the in-process link alike."""
+    w = Worker()
+    srv = ChannelServer("w0", "prefill", SECRET if transport == "tcp" else b"", w.commands())
+    address = f"127.0.0.1:{srv.port}" if transport == "tcp" else srv.inproc
+
+    async def go():
+        a, b = [await WorkerChannel.connect("w0", address, SECRET, name, lambda *_: None)
+                for name in ("a", "b")]
+        await a.call("add", _task("mine"))
+        await b.call("add", _task("other"))
+        a.close()
+        await _until(lambda: ("abort", "mine") in w.calls, "a's leg aborted")
+        assert ("abort", "other") not in w.calls and srv.legs == 1
+        b.close()
+        await _until(lambda: ("abort", "other") in w.calls, "b's leg aborted")
+
+    asyncio.run(go())
+    srv.close()
+    assert srv.legs == 0
