@@ -1,19 +1,21 @@
 """Which source files a request's hot path runs, from cluster/grpc/servicer.py's Generate to
-its first streamed token, over the real P/D parts in one process (issue 12's measure): the router's thread, the actor
-calls and the prefill worker's loop; the decode loop and the KV link threads run beside
-the path (the first token waits for neither) and are left out.
+its first streamed token, over the real P/D parts in one process (issue 12's measure): the
+router's thread, the workers' control channels (the one path of commands and events, as
+in production) and the prefill worker's loop; the decode loop and the KV link threads run
+beside the path (the first token waits for neither) and are left out.
 
 The router, a PrefillWorker and a DecodeWorker (the actor classes themselves, their
-WorkerLoop threads, the tcp connector) run here; each actor call goes to a thread, as
-Ray's threaded actors do. Every Python call of every thread is recorded from the moment
+WorkerLoop threads and control channels over TCP with the cluster secret, the tcp
+connector) run here; the few actor calls left (ready, stats) go to a thread, as Ray's
+threaded actors do. Every Python call of every thread is recorded from the moment
 Generate is called until its first response is yielded, after one warm-up request (so
 imports and first-use setup are not counted), once that request's leftovers are done;
 a worker loop stops counting once its step that yields the first token has handed its
 events off (its next steps race the router for that token and are not on the path), so
-the count is the same on every run. The decode worker's `reserve` of the measured request
-is held until its first token is out (the router sends it with the prefill's add and the
-first token must not wait for it; were it on the path, the run would stop with an error
-saying so), so it is left out by construction too. Run: `python -m tests.hot_path [--by-package | --why]` (`--why`: the
+the count is the same on every run. The decode worker's `reserve` command of the measured
+request is held until its first token is out (the router sends it with the prefill's add
+and the first token must not wait for it; were it on the path, the run would stop with an
+error saying so), so it is left out by construction too. Run: `python -m tests.hot_path [--by-package | --why]` (`--why`: the
 first call into each file, its thread and caller).
 """
 
@@ -48,24 +50,16 @@ class ThreadActor:
         return _Remote(getattr(self.obj, name))
 
 
-class GatedActor(ThreadActor):
-    """A ThreadActor whose `reserve` calls wait until `gate` is set (at most GATE_S)."""
+def gate_reserve(worker, gate: threading.Event) -> None:
+    """The decode worker's `reserve` command waits until `gate` is set (at most GATE_S)."""
+    reserve = worker.channel.commands["reserve"]
 
-    def __init__(self, obj, gate: threading.Event):
-        super().__init__(obj)
-        self.gate = gate
+    def gated(task):
+        if not gate.wait(GATE_S):
+            raise RuntimeError("the first token waited for the decode worker's reserve")
+        return reserve(task)
 
-    def __getattr__(self, name):
-        fn = getattr(self.obj, name)
-        if name != "reserve":
-            return _Remote(fn)
-
-        def gated(*args):
-            if not self.gate.wait(GATE_S):
-                raise RuntimeError("the first token waited for the decode worker's reserve")
-            return fn(*args)
-
-        return _Remote(gated)
+    worker.channel.commands["reserve"] = gated
 
 
 GATE_S = 60.0  # only turns a reserve on the path into an error instead of a hang
@@ -142,16 +136,16 @@ def _files(model_dir: str) -> dict[str, str]:
     with mock.patch("ray.get_gpu_ids", lambda: []):
         specs = worker_specs(cfg, plan, model_dir, "pdserve-hot")
         workers = [PrefillWorker(specs[0]), DecodeWorker(specs[1])]
+    gate_reserve(workers[1], reserve_gate)
     handles = []
     for w, spec in zip(workers, specs, strict=True):
-        actor = GatedActor(w, reserve_gate) if spec.role == "decode" else ThreadActor(w)
-        h = WorkerHandle(spec.worker_id, spec.role, actor)
+        h = WorkerHandle(spec.worker_id, spec.role, ThreadActor(w))
         h.endpoint, h.num_blocks, h.block_size = w.endpoint(), w.num_blocks, 16
         h.channel = f"{w.channel.host}:{w.channel.port}"  # the per-step control channel
         handles.append(h)
     model = workers[0].cfg.model
     # with the cluster secret, as every deployment: commands and events go over the
-    # workers' per-step channels, not over actor calls and polls
+    # workers' per-step channels
     router = Router([handles[0]], [handles[1]], RouterConfig(), load_tokenizer(model_dir),
                     model.vocab_size, 1024, model.eos_token_ids,
                     channel_secret=specs[0].transfer.secret)

@@ -27,7 +27,7 @@ class WorkerHandle:
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet done
     legs: set[str] = field(default_factory=set)  # leg ids currently on this worker
     stats: EngineStats | None = None  # the last stats it reported (None: none yet)
-    channel: str = ""  # host:port of its control channel ("" : the router polls it)
+    channel: str = ""  # its control channel's address (host:port, or inproc://NAME)
     link: Any = None  # cluster.router.channel.WorkerChannel: that channel, while open
     actor_name: str = ""  # its Ray actor's name (other front doors find it by it)
     info: WorkerInfo | None = None  # what its ready() said last
