@@ -146,31 +146,26 @@ def link_shares(run: ConfigRun) -> dict[str, float] | None:
 
 def e2e_shares(run: ConfigRun) -> dict[str, float] | None:
     """End to end, for two tenants whose backlogs start together (the path
-    configurations): each tenant's share of the work (prompt + output tokens) the whole
-    path completed until the first tenant to finish its backlog completed its last
-    request. Every request completes a path delay after the service that decided its
-    turn (admission, prefill, transfer, decode), so a delay common to both tenants
-    cancels; a fluid measure against the path's mean rate from the start (the first
-    tenant's work over that rate times its end) counted the delay against the first
-    tenant: 0.61 for an exact 2 : 1 split whose delay is a fifth of the run. A tenant
-    whose own requests take longer (a fair send queue spreading its bytes) completes
-    less in the window, as its client sees. None otherwise."""
-    done: list[tuple[float, str, int]] = []
+    configurations): the first tenant to finish its backlog got, until then, its work
+    (prompt + output tokens) over what the whole path served in that time, the path's
+    rate being all the work over the time the last tenant finished (work-conserving);
+    the other tenant got the rest. A fluid measure: it counts service as the resources
+    gave it, not as requests completed (a send queue that shares a tenant's bytes among
+    its requests completes them late, all together). None otherwise."""
+    work: dict[str, int] = {}
+    end: dict[str, float] = {}
+    t0 = min((r.send_time for r in run.records), default=0.0)
     for r in run.records:
         if r.success and r.e2el is not None:
-            done.append((r.send_time + r.e2el, r.tenant, r.prompt_len + r.n_out))
-    last: dict[str, float] = {}
-    for end, tenant, _ in done:
-        last[tenant] = max(last.get(tenant, end), end)
-    if len(last) != 2:
+            work[r.tenant] = work.get(r.tenant, 0) + r.prompt_len + r.n_out
+            end[r.tenant] = max(end.get(r.tenant, 0.0), r.send_time + r.e2el - t0)
+    if len(work) != 2 or not all(v > 0 for v in end.values()):
         return None
-    cut = min(last.values())
-    got = dict.fromkeys(last, 0)
-    for end, tenant, work in done:
-        if end <= cut:
-            got[tenant] += work
-    total = sum(got.values())
-    return {t: v / total for t, v in got.items()} if total > 0 else None
+    first = min(end, key=end.get)
+    other = next(t for t in work if t != first)
+    rate = sum(work.values()) / max(end.values())
+    share = min(1.0, work[first] / (rate * end[first]))
+    return {first: share, other: 1.0 - share}
 
 
 def path_shares(run: ConfigRun, backlogged: bool = False
@@ -344,8 +339,8 @@ def run(ctx: StudyContext) -> StudyResult:
         "tokens while every tenant had a prompt at prefill; KV bytes on the link while "
         "every tenant had KV waiting; prompt tokens admitted to decode while another "
         "tenant waited for decode KV; end to end, on the backlogs, the share of the work "
-        "(prompt + output tokens) the path completed until the first tenant's last "
-        "request completed), and Jain's index over share / weight (1.0: "
+        "(prompt + output tokens) the path served until the first tenant was done, at "
+        "the path's mean rate), and Jain's index over share / weight (1.0: "
         "weighted-fair).",
         COLUMNS, rows, details,
         extra={"workload": workload, "tenant_weights": weights,
