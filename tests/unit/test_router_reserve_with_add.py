@@ -345,7 +345,7 @@ def test_a_burst_at_an_idle_pool_goes_at_once_only_within_each_tenants_share():
         streams = []
         for s in specs:  # in this order
             streams.append(asyncio.ensure_future(rest(router.generate(s))))
-            await until(lambda: s.request_id in router.flights, "it arrived")
+            await until(lambda s=s: s.request_id in router.flights, "it arrived")
         await until(lambda: router.waiting_admission == 3, "the rest queue")
         at_once = [leg.split("#")[0] for leg in prefill.actor.calls_of("add")]
         held = dict(router.admission.core.held)
