@@ -192,10 +192,10 @@ class PrefillEngine:
                 device = {"device_start": window[0] + off,
                           "device_end": window[0] + window[1] + off}
             for item in items:
-                job = self.jobs.get(item.request.request_id)
+                held = self.jobs.get(item.request.request_id)
                 self.tracer.record(
                     item.request.request_id, "prefill_chunk", wall0, wall0 + compute_s,
-                    worker=self.worker_id, chunk_id=(job.seq_no if job else None),
+                    worker=self.worker_id, chunk_id=(held.seq_no if held else None),
                     token_start=item.start, token_end=item.start + item.num_tokens,
                     scheduled_tokens=item.num_tokens, past_kv_tokens=item.start,
                     prefix_hit_tokens=item.request.prefix_hit_tokens,
@@ -239,10 +239,9 @@ class PrefillEngine:
         job = self.jobs[r.request_id]
         if job.seq_no == 0 and item.start > 0:  # prefix-cache hit: its KV must travel too
             self._send(job, 0, item.start, final=False)
-        final = first is not None
-        if layerwise is not None and not final:  # cannot be: only a final chunk samples
+        if layerwise is not None and first is None:  # cannot be: only a final chunk samples
             layerwise.fail(RuntimeError("the chunk sent by layers sampled no token"))
-        if not final:
+        if first is None:
             self._send(job, item.start, item.start + item.num_tokens, final=False)
             return []
         now = self.clock()

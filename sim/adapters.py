@@ -159,10 +159,9 @@ def _sampling(max_tokens: int) -> SamplingParams:
 
 def prefill_task(leg_id: str, tokens: list[int], max_tokens: int, tenant: str, dest: str,
                  deadline_s: float | None) -> PrefillTask:
-    """The PrefillTask the router's dispatch sends for a leg (outputs run to max_tokens;
-    the prompt is the router's list, shared: PrefillEngine.add copies it)."""
-    return PrefillTask(leg_id, tokens, _sampling(max_tokens), dest,  # type: ignore[arg-type]
-                       tenant=tenant, ttft_deadline_s=deadline_s)
+    """The PrefillTask the router's dispatch sends for a leg (outputs run to max_tokens)."""
+    return PrefillTask(leg_id, tuple(tokens), _sampling(max_tokens), dest, tenant=tenant,
+                       ttft_deadline_s=deadline_s)
 
 
 @lru_cache(maxsize=8192)

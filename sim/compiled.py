@@ -35,7 +35,8 @@ COMPILED = (
     "engine/block_manager.py", "engine/request.py", "decode_worker/scheduler.py",
     "prefill_worker/scheduler.py", "prefill_worker/policies.py", "cluster/router/policies.py",
     "kv_transfer/send_queue.py", "kv_transfer/link_scheduler.py", "cluster/router/admission.py",
-    "cluster/router/pool.py", "sim/adapters.py", "sim/cluster.py",
+    "cluster/router/pool.py", "sim/adapters.py", "sim/cluster.py", "sim/executor.py",
+    "prefill_worker/engine.py",
 )
 ENV = "PDSERVE_SIM_COMPILED"  # set in the re-executed process: the build it runs on
 CODES = ("auto", "compiled", "interpreted")
@@ -98,7 +99,9 @@ def reexec(code: str, module_argv: list[str]) -> str | None:
     if why is not None:
         return why if code == "compiled" else None
     env = dict(os.environ, **{ENV: str(BUILD)})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BUILD), env.get("PYTHONPATH")) if p)
+    # the source tree after the build: what the build does not copy (tools/) still imports
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BUILD), str(ROOT), env.get("PYTHONPATH"))
+                                        if p)
     sys.stdout.flush()
     sys.stderr.flush()
     # -P: not the current directory first (it may be the source tree)
