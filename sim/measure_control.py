@@ -50,17 +50,6 @@ def service_config(model_dir: str, max_model_len: int):
         "transfer": {"connector": "tcp"}})
 
 
-def delivery_mechanism() -> tuple[str, float | None]:
-    """The router's: workers push one message per step over their control channel and
-    the router applies and detokenizes what queued as one batch (one path for the whole
-    router), or it long-polls each worker (one path per worker, polls that time out)."""
-    from cluster.router import events as router_events
-
-    if hasattr(router_events.EventPump, "on_batch"):
-        return "router", None
-    return "worker", float(router_events.POLL_TIMEOUT_S)
-
-
 def _requests(n: int, vocab: int) -> list:
     from bench.workload import WorkloadRequest
 
@@ -161,9 +150,11 @@ def samples(out, after_compute: Callable[[Any], float]
 def fit_streams(first: list[float], streams: list, costs) -> tuple[Delivery, float]:
     """The delivery model (engine/costs/delivery.py, the router's mechanism) fitted to measured
     first-token delays and decode token streams; with its fit error."""
-    scope, timeout = delivery_mechanism()
-    return fit_delivery(streams, first_token_s=max(statistics.median(first), 0.0), scope=scope,
-                        poll_timeout_s=timeout, offset_s=costs.step_overhead_s("decode", 1))
+    # (the router's: workers push one message per step over their control channel, the
+    # router applies and detokenizes what queued as one batch; nothing polls)
+    return fit_delivery(streams, first_token_s=max(statistics.median(first), 0.0),
+                        scope="router", poll_timeout_s=None,
+                        offset_s=costs.step_overhead_s("decode", 1))
 
 
 def add_control(cal_path: str | Path, cfg=None, *, requests: int = 12,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine.costs.calibration import Calibration
 from engine.costs.loader import load_costs
 from sim.calibrate import calibrate
-from sim.measure_control import add_control, delivery_mechanism
+from sim.measure_control import add_control
 
 
 def test_control_plane_measured_on_a_real_service_goes_into_the_calibration(
@@ -23,7 +23,7 @@ def test_control_plane_measured_on_a_real_service_goes_into_the_calibration(
     c, svc = cal.get("control"), cal.get("control.service")
     assert svc["requests"] >= 2 and svc["dispatch_s_median"] > 0
     assert c["rpc_s"] == svc["dispatch_s_median"] / 3
-    assert c["delivery"]["scope"] == delivery_mechanism()[0]
+    assert c["delivery"]["scope"] == "router"  # one message per step, one batch applied
     assert cal.source_of("control.delivery").startswith("measured")
     assert cal.source_of("control.rpc_s").startswith("measured")
     assert cal.get("links.tcp") == before.get("links.tcp")  # reported, not replaced
