@@ -38,6 +38,9 @@ class SimAdmission:
     def __len__(self) -> int:
         return len(self.core)
 
+    def capacity(self) -> int:  # AdmissionDriver: the live decode pool's tokens (the router's)
+        return sum(d.bm.num_blocks * d.bm.block_size for d in self.sim.decode)
+
     def enqueue(self, flight: Flight, refused: tuple | None = None) -> None:
         """DecodeAdmission.admit's start; ``refused``: the (worker, round) of a refused
         reserve sent with the add (it counts in its round alone)."""
