@@ -292,9 +292,10 @@ class EmulatedRunner:
         return {**self.accel.stats(), "kv_checked_ranges": float(self.kv.checked_ranges)}
 
     # ---- one step ---------------------------------------------------------------------
-    def step_cost_s(self, items, chunks) -> float:
+    def step_cost_s(self, items, chunks, joins: bool) -> float:
         """The device time of one batch (its ScheduledItems and their SeqChunks): the
-        prefill chunks' compute, the decode rows', and the sampled rows'."""
+        prefill chunks' compute, the decode rows' (``joins``: a decode leg joins the
+        batch), and the sampled rows'."""
         c = self.costs
         pre = [(len(ch.token_ids), ch.start) for it, ch in zip(items, chunks, strict=True)
                if it.is_prefill]
@@ -303,7 +304,7 @@ class EmulatedRunner:
         if dec:
             ends = [ch.end for ch in dec]
             cost += c.decode_s(len(dec), sum(ends), max(ends))
-            if any(ch.request_id not in self._last for ch in dec):
+            if joins:
                 cost += c.leg_join_s()
         rows = sum(1 for ch in chunks if ch.sample)
         return cost + (c.sample_s(rows) if rows else 0.0)
@@ -319,9 +320,9 @@ class EmulatedRunner:
         are the host's at once here, but an engine reads them only from the handle)."""
         chunks = [it.to_chunk() for it in items]
         ids = {ch.request_id for ch in chunks}
-        cost = self.step_cost_s(items, chunks)
         joins = any(not it.is_prefill and ch.request_id not in self._last
                     for it, ch in zip(items, chunks, strict=True))
+        cost = self.step_cost_s(items, chunks, joins)
         done = self.accel.submit(cost, continues=bool(ids & self._last),
                                  after=self.imports_done if joins else 0.0)
         rows = sum(1 for ch in chunks if ch.sample)
