@@ -75,7 +75,7 @@ class RouterAdmin:
         old.remove(w)
         self.switching.append(w)
         try:
-            while w.legs or id(w) in self.admission.core.busy or \
+            while w.legs or self.admission.core.promised_on(w) or \
                     self._reserving.of(id(w))[0]:
                 if time.monotonic() - t0 > drain_timeout_s:
                     raise RouterError(ErrorCode.DEADLINE_EXCEEDED,

@@ -134,6 +134,12 @@ class AdmissionCore:
         self._of.setdefault(id(flight), []).append(w)
         return w
 
+    def promised_on(self, worker: Any) -> bool:
+        """Whether a waiter's reserve is in flight on ``worker`` or holds a grant there
+        that its leg has not taken yet (a worker leaving its pool drains these too)."""
+        return id(worker) in self.busy or any(
+            w.held is worker or w.granted is worker for w in self.waiters)
+
     def idle_head(self, w: Waiter) -> bool:  # it heads the queue, asks none, holds none
         return bool(self.waiters) and self.waiters[0] is w and w.asking is w.held is None
 

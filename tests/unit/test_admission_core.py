@@ -114,3 +114,23 @@ def test_a_refusal_from_an_older_round_does_not_count_and_a_late_grant_is_releas
     assert d.aborts == [("w0", "a")] and a.held is None
     core.leave(a)
     assert len(core) == 0 and not core.busy
+
+
+def test_a_worker_is_promised_while_a_reserve_is_on_it_or_its_grant_is_not_taken() -> None:
+    """What a worker leaving its pool (Router.switch_role) drains besides its legs: a
+    reserve in flight on it, a tentative grant there, and a kept grant that its leg has
+    not taken yet (the leg lands on the worker a loop turn after the answer)."""
+    d = Driver(["w0", "w1"])
+    core = AdmissionCore(d)
+    a, b = enqueue(core, "a", 0.0), enqueue(core, "b", 1.0)
+    assert core.promised_on("w0") and core.promised_on("w1")  # both asked
+    core.answered(b, "w1", True, core.round)
+    assert b.held == "w1" and id("w1") not in core.busy and core.promised_on("w1")
+    core.answered(a, "w0", True, core.round)
+    assert a.granted == "w0" and not core.busy and core.promised_on("w0")
+    assert core.take(a) == "w0"
+    core.leave(a)
+    assert not core.promised_on("w0") and core.promised_on("w1")
+    assert core.take(b) == "w1"
+    core.leave(b)
+    assert not core.promised_on("w0") and not core.promised_on("w1") and len(core) == 0
