@@ -146,26 +146,46 @@ def link_shares(run: ConfigRun) -> dict[str, float] | None:
 
 def e2e_shares(run: ConfigRun) -> dict[str, float] | None:
     """End to end, for two tenants whose backlogs start together (the path
-    configurations): the first tenant to finish its backlog got, until then, its work
-    (prompt + output tokens) over what the whole path served in that time, the path's
-    rate being all the work over the time the last tenant finished (work-conserving);
-    the other tenant got the rest. A fluid measure: it counts service as the resources
-    gave it, not as requests completed (a send queue that shares a tenant's bytes among
-    its requests completes them late, all together). None otherwise."""
-    work: dict[str, int] = {}
-    end: dict[str, float] = {}
-    t0 = min((r.send_time for r in run.records), default=0.0)
-    for r in run.records:
-        if r.success and r.e2el is not None:
-            work[r.tenant] = work.get(r.tenant, 0) + r.prompt_len + r.n_out
-            end[r.tenant] = max(end.get(r.tenant, 0.0), r.send_time + r.e2el - t0)
-    if len(work) != 2 or not all(v > 0 for v in end.values()):
+    configurations): each tenant's share of the work the whole path delivered while both
+    were backlogged, at the grain the path delivers it: a prompt's tokens as its KV left
+    the link for its decode worker (each frame of the trace's ``kv_send`` spans carries
+    its part of the prompt, by bytes), each output token as it reached the client. The
+    window runs from the moment both tenants had KV delivered (before it the path was
+    filling, in arrival order) to the last KV delivered of the first tenant done (from
+    then on it only drains its decodes and the path serves the other alone). Both
+    tenants' work comes the path's delay late, so the delay cancels; counting requests
+    as they complete would instead charge a tenant's work in flight at the window's end
+    against it, and the wfq send queue, which shares a tenant's bytes among its requests,
+    completes the lower-weight tenant's late, all together. None without two tenants or
+    a window."""
+    off = run.output.wall_offset
+    recs = {r.request_id: r for r in run.records if r.success}
+    sends: list[tuple[str, float, int]] = []  # (request id, end on the trace's clock, bytes)
+    sent: dict[str, int] = {}
+    for e in run.events:
+        rid = e.request_id.split("#")[0]
+        if e.phase == "kv_send" and e.bytes and rid in recs:
+            sends.append((rid, e.end, e.bytes))
+            sent[rid] = sent.get(rid, 0) + e.bytes
+    spans: dict[str, list[float]] = {}
+    for rid, t, _ in sends:
+        span = spans.setdefault(recs[rid].tenant, [t, t])
+        span[0], span[1] = min(span[0], t), max(span[1], t)
+    if len(spans) != 2:
         return None
-    first = min(end, key=end.get)
-    other = next(t for t in work if t != first)
-    rate = sum(work.values()) / max(end.values())
-    share = min(1.0, work[first] / (rate * end[first]))
-    return {first: share, other: 1.0 - share}
+    start, end = max(a for a, _ in spans.values()), min(b for _, b in spans.values())
+    if end <= start:
+        return None
+    got = dict.fromkeys(spans, 0.0)
+    for rid, t, nbytes in sends:
+        if start <= t <= end:
+            r = recs[rid]
+            got[r.tenant] += r.prompt_len * nbytes / sent[rid]
+    for r in recs.values():
+        if r.tenant in got:
+            got[r.tenant] += sum(1 for t in r.token_times if start <= t + off <= end)
+    total = sum(got.values())
+    return {k: v / total for k, v in got.items()} if total > 0 else None
 
 
 def path_shares(run: ConfigRun, backlogged: bool = False
@@ -339,8 +359,8 @@ def run(ctx: StudyContext) -> StudyResult:
         "tokens while every tenant had a prompt at prefill; KV bytes on the link while "
         "every tenant had KV waiting; prompt tokens admitted to decode while another "
         "tenant waited for decode KV; end to end, on the backlogs, the share of the work "
-        "(prompt + output tokens) the path served until the first tenant was done, at "
-        "the path's mean rate), and Jain's index over share / weight (1.0: "
+        "the path delivered while both had KV to deliver: a prompt's tokens as its KV "
+        "left the link, by bytes, output tokens as they streamed), and Jain's index over share / weight (1.0: "
         "weighted-fair).",
         COLUMNS, rows, details,
         extra={"workload": workload, "tenant_weights": weights,

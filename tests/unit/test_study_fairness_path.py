@@ -64,18 +64,38 @@ def test_link_bytes_count_while_both_tenants_have_kv_computed_and_unsent() -> No
         {"gold": 400 / 500, "free": 100 / 500})
 
 
-def test_end_to_end_is_the_first_finishers_work_over_what_the_path_served_meanwhile() -> None:
-    # 300 tokens of work (3 x (96 + 4)) each; the path served 600 in 3 s: 200/s. gold was
-    # done at 2 s, when the path had served 400: gold got 300 of them, free the rest
-    recs = [rec(f"g{i}", "gold", 0.0, 0.1, 2.0 - i * 0.5, prompt=96) for i in range(3)]
-    recs += [rec(f"f{i}", "free", 0.0, 0.1, 3.0 - i * 0.5, prompt=96) for i in range(3)]
-    assert fairness.e2e_shares(run_of(recs)) == pytest.approx({"gold": 0.75, "free": 0.25})
-    assert fairness.e2e_shares(run_of(recs[:3])) is None  # one tenant: nothing contended
-    both_late = [rec(r.request_id, r.tenant, 0.0, 0.1, 3.0, prompt=96) for r in recs]
-    assert fairness.e2e_shares(run_of(both_late)) == pytest.approx({"gold": 0.5,
-                                                                    "free": 0.5})
-    shares = fairness.path_shares(run_of(recs, admitted={"gold": 1}))
-    assert shares["e2e"] is None  # not a backlog: not measured
+def backlog(order: str, delay: float, prompt: int = 100):
+    """A path that delivers one prompt's KV every 0.1 s in two frames, `delay` after both
+    backlogs arrived at t=0, in `order` (g: gold, f: free); each request then streams one
+    token 0.01 s after its KV is in. Records and the trace's kv_send spans."""
+    recs, events = [], []
+    for k, who in enumerate(order):
+        t, rid = delay + 0.1 * k, f"{who}{k}"
+        events += [TraceEvent(f"{rid}#1", "kv_send", "link:p->d", t - 0.1, t - 0.05,
+                              bytes=300),
+                   TraceEvent(f"{rid}#1", "kv_send", "link:p->d", t - 0.05, t, bytes=100)]
+        recs.append(RequestRecord(rid, prompt, 0.0, (t + 0.01,), end_time=t + 0.01,
+                                  tenant={"g": "gold", "f": "free"}[who]))
+    return recs, events
+
+
+def test_end_to_end_counts_the_work_delivered_while_both_tenants_had_kv_to_deliver() -> None:
+    # wfq's 2:1 order; the window runs from free's first frame (k=2's, at 1.15 s) to
+    # gold's last (k=7's, 1.7 s): gold's prompts k=3,4,6,7 and the tokens of k=3,4,6
+    # (k=7's streams after the window), free's prompts k=2,5 and their tokens: 2:1
+    order = "ggfggfggffff"
+    want = {"gold": 403 / 605, "free": 202 / 605}
+    assert fairness.e2e_shares(run_of(*backlog(order, 1.0))) == pytest.approx(want)
+    assert fairness.e2e_shares(run_of(*backlog(order, 3.0))) == pytest.approx(want)  # (the
+    # path's delay, however long, is no tenant's: a share of the whole run charged it to
+    # the first tenant done)
+    assert fairness.e2e_shares(run_of(*backlog("gfgfgfgf", 0.5))) == pytest.approx(
+        {"gold": 0.5, "free": 0.5}, abs=0.03)
+    assert fairness.e2e_shares(run_of(*backlog("gggg", 0.5))) is None  # one tenant
+    assert fairness.e2e_shares(run_of(*backlog("ggggff", 0.5))) is None  # never both
+    recs, events = backlog(order, 1.0)
+    assert fairness.path_shares(run_of(recs, events, admitted={"gold": 1}))["e2e"] is None
+    # (not a backlog: not measured)
 
 
 def test_share_columns_give_jain_and_the_worst_gap_to_the_weights() -> None:
@@ -124,3 +144,30 @@ def test_findings_say_whether_every_share_came_within_ten_percent() -> None:
                        "link bytes and end to end every share within 10% of its weight's "
                        "(worst 7%), Jain 0.998-0.999.")
     assert "not within 10%" in said[1]
+
+
+def test_end_to_end_credits_kv_as_it_moves_not_as_requests_complete() -> None:
+    """The wfq send queue shares a tenant's bytes among its requests, so the
+    lower-weight tenant's requests complete late, all together; its KV still moved at
+    its weight's rate all along, and that is what the path gave it."""
+    gold = [f"g{i}" for i in range(8)]
+    free = [f"f{i}" for i in range(6)]
+    # one 100-byte frame every 0.05 s, 2:1 while both have KV; gold's requests one after
+    # another (two frames each), free's six interleaved (each done at its second frame)
+    free_frames = iter(free + free)
+    gold_frames = iter(g for g in gold for _ in range(2))
+    order = [next(free_frames) if k % 3 == 2 else next(gold_frames) for k in range(24)]
+    order += list(free_frames)  # free alone after gold is done
+    events, last = [], {}
+    for k, rid in enumerate(order):
+        events.append(TraceEvent(f"{rid}#1", "kv_send", "link:p->d", 0.05 * k,
+                                 0.05 * k + 0.05, bytes=100))
+        last[rid] = 0.05 * k + 0.05
+    recs = [RequestRecord(rid, 200, 0.0, (t + 0.01,), end_time=t + 0.01,
+                          tenant="gold" if rid[0] == "g" else "free")
+            for rid, t in last.items()]
+    shares = fairness.e2e_shares(run_of(recs, events))
+    assert shares["gold"] == pytest.approx(2 / 3, abs=0.05)
+    done = [r for r in recs if r.token_times[0] <= max(last[g] for g in gold) + 0.01]
+    assert [r.tenant for r in done].count("free") == 1  # by completions: gold's
+    # eight against free's one
