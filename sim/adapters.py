@@ -126,7 +126,10 @@ def plan_workers(cfg: ServeConfig, shape: Mapping[str, Any], dtype: str,
     ``gpu_memory_bytes`` None sizes KV as on a CPU."""
     c = cfg.cache
     device = "cuda" if gpu_memory_bytes else "cpu"
-    cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, device=device))
+    # (no emulated device: the simulator charges every KV byte itself, so an emulated
+    # service's --emulate-kv-fraction must not scale its links and windows)
+    cfg = replace(cfg, model=replace(cfg.model, dtype=dtype, device=device, emulate=None,
+                                     emulate_kv_fraction=1.0))
     model = model_config(shape)
     kvb = kv_bytes_per_token(shape, dtype)
 
