@@ -149,6 +149,27 @@ def compare(real: list[dict], sim: dict) -> dict[str, Any]:
     return row
 
 
+def host_fitted(sim, cfg, work, fit, bare):
+    """The simulated run with the host's share measured on ``fit`` (a real run of the
+    row's workload that is not compared): each role's step as the real traced steps give
+    it (scale, offset, overhead, spread: with the host one step ahead the decode step's
+    host work hides behind the device's, which the cost model's serial step overhead does
+    not) and each leg's KV handoff beyond the simulated one, drawn per leg (the host's
+    export, socket and intake under load: sim_validate's terms, tools/sim_validate_fits.py)."""
+    from bench.studies.config_run import ConfigRun
+    from sim.cluster import simulate_config
+    from tools.sim_scaled import ScaledCosts
+    from tools.sim_validate_fits import handoff_residuals, step_fits
+
+    unit = {"prefill": 1.0, "decode": 1.0}
+    steps = step_fits(fit.output, sim.costs, ScaledCosts(sim.costs, unit, "probe"))
+    handoff = handoff_residuals(fit.output, bare.output)
+    costs = ScaledCosts(sim.costs, unit, "the host's share fitted to a real run",
+                        steps=steps, handoff=handoff)
+    out = simulate_config(cfg, work, costs, sim.options)
+    return ConfigRun(bare.name, cfg, bare.layout, out, slos=dict(sim.opts.slos))
+
+
 def table(rows: dict[str, dict], label: str) -> str:
     head = ("| row | " + " | ".join(f"{d.upper()} p{int(q)} real / sim (ms)" for d, q in METRICS)
             + " | within 10% | real spread (max) | furthest off |")
@@ -173,6 +194,15 @@ def table(rows: dict[str, dict], label: str) -> str:
     return "\n".join(lines)
 
 
+def report(rows: dict[str, dict], label: str, host_fit: bool) -> str:
+    """The table (with the host's share fitted, where it was), then the cost model alone."""
+    text = table(rows, label)
+    if host_fit:
+        alone = table({n: r["device_only"] for n, r in rows.items()}, label)
+        text += "\n\nThe cost model alone (no host terms):\n" + "\n".join(alone.splitlines()[1:])
+    return text
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.sim_validate_emulated",
                                 description=__doc__,
@@ -188,6 +218,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=48, help="requests per run")
     p.add_argument("--repeats", type=int, default=3, help="real runs per row")
     p.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    p.add_argument("--host-fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit the host's share (each role's step, each leg's KV handoff "
+                   "beyond the model's) to one more real run of each row, not compared; "
+                   "--no-host-fit: the cost model alone")
     p.add_argument("--out", default="sim_validate_emulated_out", help="JSON, table, traces")
     p.add_argument("--reprint", metavar="JSON", help="print the table of an earlier run")
     return p.parse_args(argv)
@@ -197,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.reprint:
         data = json.loads(Path(args.reprint).read_text())
-        print(table(data["rows"], data["label"]))
+        print(report(data["rows"], data["label"], data["args"].get("host_fit", False)))
         return 0
     from bench.studies.context import EMULATED_SLOS, StudyContext, StudyOptions
     from sim.study import SimStudy, SimStudyContext
@@ -224,13 +258,17 @@ def main(argv: list[str] | None = None) -> int:
             row = by_name[name]
             cfg = real.base_config().with_values(row.overrides(args.link_gbps))
             work = workload(real, row, args.num_requests)
+            fit = real.run("validate", f"{name}-fit", cfg, work) if args.host_fit else None
             runs = [figures(real.run("validate", name, cfg, work)) for _ in range(args.repeats)]
-            rows[name] = compare(runs, figures(sim.run("validate", name, cfg, work)))
+            bare = sim.run("validate", name, cfg, work)
+            fitted = host_fitted(sim, cfg, work, fit, bare) if fit is not None else None
+            rows[name] = compare(runs, figures(fitted if fitted is not None else bare))
+            rows[name]["device_only"] = compare(runs, figures(bare))
             rows[name]["config"] = row.__dict__
             print(table({name: rows[name]}, label).splitlines()[3], flush=True)
     finally:
         real.close()
-    text = table(rows, label)
+    text = report(rows, label, args.host_fit)
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim_validate_emulated.json").write_text(json.dumps(
