@@ -65,21 +65,23 @@ PLAN: tuple[Step, ...] = (
          "engine.LLM eager: start-up, greedy and sampled tok/s"),
     Step("engine_compiled", _S + "step_engine_compiled", 150, 90, True, True,
          "compile=decode (CUDA graphs): tok/s vs eager, no retrace"),
+    Step("overlap", _S + "step_overlap", 90, 45, True, True,
+         "decode host one step ahead on/off: tok/s, device busy (CUPTI), 64/256 streams"),
+    # ---- extras: on the time the core left
     Step("kv_export", _S + "step_kv_export", 30, 15, False, False,
          "KV export/import, 8B-shaped cache, pinned receive buffer"),
+    Step("decode_sweep", "tools.gpu_decode_step:gpu_check_step", 90, 60, True, True,
+         "CUDA-graph vs eager decode step, batch 1..256, vs HBM"),
     Step("attention_bw", _S + "step_attention_bw", 60, 30, True, False,
          "decode attention bandwidth vs the measured copy rate"),
-    # ---- extras: on the time the core left
     Step("pytest", _S + "step_pytest", 150, 60, True, False,
          "tests/gpu, 60 s a test; killed: output kept"),
     Step("service", _S + "step_service", 90, 45, False, True,
          "1P+1D in process (no Ray) vs colocated, greedy equality"),
     Step("tp_one_gpu", _S + "step_tp_one_gpu", 60, 30, True, False,
          "TP=2 on one GPU over gloo: rank 0's warm-up, exactness"),
-    Step("decode_sweep", "tools.gpu_decode_step:gpu_check_step", 90, 60, True, True,
-         "CUDA-graph vs eager decode step, batch 1..256, vs HBM"),
 )
-CORE = 7  # the first CORE steps of PLAN
+CORE = 6  # the first CORE steps of PLAN
 # what the lease carries beyond the working tree: nothing (the image has every module
 # the steps import: tools/gpu_check_steps.py NEEDED_MODULES); not there and not needed
 CARRIED_WHEELS: tuple[str, ...] = ()

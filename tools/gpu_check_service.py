@@ -70,64 +70,106 @@ def _taken(q: SimpleQueue, timeout_s: float) -> list:
             return out
 
 
-def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> dict[str, Any]:
-    """1P+1D in this process (see module doc); returns tok/s, TTFT and a leak check."""
-    from cluster.config.serve import ServeConfig
-    from cluster.launch.placement import plan_pools
-    from cluster.launch.worker_specs import decode_config, engine_config, prefill_config
-    from decode_worker.engine import DecodeEngine
-    from kv_transfer.config import TransferConfig
-    from kv_transfer.registry import make_receiver, make_sender
-    from prefill_worker.engine import PrefillEngine
-    from runtime.loop import WorkerLoop
-    from runtime.messages import DecodeTask, EventKind, PrefillTask
-    from runtime.spec import resolve_engine
+class InprocPD:
+    """1P+1D in this process (see module doc), built once: ``run(wl)`` serves a workload
+    and returns tok/s, TTFT and a leak check; ``set_overlap`` switches the decode worker's
+    host-ahead loop between runs (the overlap step's on/off pair on one engine: a CUDA
+    graph capture per engine is the expensive part of a lease); ``close`` ends it."""
 
-    cuda = device.startswith("cuda")
-    plan = plan_pools(1, 1, device=device, gpus_per_worker=1.0, cpus_per_worker=1.0,
-                      available={"GPU": 1.0} if cuda else {"CPU": 2.0})
-    tcfg = TransferConfig(connector="tcp", secret=secrets.token_bytes(32),
-                          credit_window_bytes=256 << 20)
-    receiver, sender = make_receiver(tcfg), make_sender(tcfg, name="prefill-0")
-    cfg = ServeConfig.from_dict({
-        "model": {"path": model_dir, "device": device, "dtype": dtype, "max_model_len": 4096},
-        "cache": {"num_blocks": None if cuda else 512},
-        "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 128,
-                      "max_prefill_chunk": 512}})
-    share = {w.role: w.gpu_share for w in plan.workers}
-    pcfg, pblocks = resolve_engine(engine_config(cfg, model_dir, "prefill", share["prefill"]))
-    dcfg, dblocks = resolve_engine(engine_config(cfg, model_dir, "decode", share["decode"]))
-    # each engine built (loaded, warmed up, its graphs recorded) on the loop thread that
-    # steps it, as a worker actor does (runtime.worker.WorkerBase.start)
-    events: SimpleQueue = SimpleQueue()  # both loops' events, in order
+    def __init__(self, model_dir: str, device: str, dtype: str, *, max_num_seqs: int = 128,
+                 overlap: bool = True):
+        from cluster.config.serve import ServeConfig
+        from cluster.launch.placement import plan_pools
+        from cluster.launch.worker_specs import decode_config, engine_config, prefill_config
+        from decode_worker.engine import DecodeEngine
+        from kv_transfer.config import TransferConfig
+        from kv_transfer.registry import make_receiver, make_sender
+        from prefill_worker.engine import PrefillEngine
+        from runtime.loop import WorkerLoop
+        from runtime.spec import resolve_engine
 
-    def publish(evs: list) -> None:
+        cuda = device.startswith("cuda")
+        self.plan = plan_pools(1, 1, device=device, gpus_per_worker=1.0, cpus_per_worker=1.0,
+                               available={"GPU": 1.0} if cuda else {"CPU": 2.0})
+        tcfg = TransferConfig(connector="tcp", secret=secrets.token_bytes(32),
+                              credit_window_bytes=256 << 20)
+        self.receiver, self.sender = make_receiver(tcfg), make_sender(tcfg, name="prefill-0")
+        cfg = ServeConfig.from_dict({
+            "model": {"path": model_dir, "device": device, "dtype": dtype,
+                      "max_model_len": 4096},
+            "cache": {"num_blocks": None if cuda else 512},
+            "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": max_num_seqs,
+                          "max_prefill_chunk": 512, "overlap": overlap}})
+        self.share = {w.role: w.gpu_share for w in self.plan.workers}
+        pcfg, self.pblocks = resolve_engine(engine_config(cfg, model_dir, "prefill",
+                                                          self.share["prefill"]))
+        dcfg, self.dblocks = resolve_engine(engine_config(cfg, model_dir, "decode",
+                                                          self.share["decode"]))
+        # each engine built (loaded, warmed up, its graphs recorded) on the loop thread that
+        # steps it, as a worker actor does (runtime.worker.WorkerBase.start)
+        self.events: SimpleQueue = SimpleQueue()  # both loops' events, in order
+        self.loops: list = []
+        try:
+            self.loops.append(WorkerLoop(build=lambda: PrefillEngine(
+                "prefill-0", pcfg, prefill_config(cfg), self.sender, self.pblocks),
+                on_events=self._publish))
+            self.loops.append(WorkerLoop(build=lambda: DecodeEngine(
+                "decode-0", dcfg, decode_config(cfg, dcfg.scheduler.max_model_len),
+                self.receiver, self.dblocks), on_events=self._publish))
+        except BaseException:
+            self.close()
+            raise
+        self.prefill, self.decode = self.loops[0].engine, self.loops[1].engine
+        self.eos = pcfg.model.eos_token_ids
+        self._runs = 0
+
+    def _publish(self, evs: list) -> None:
         for ev in evs:
-            events.put(ev)
+            self.events.put(ev)
 
-    loops = [WorkerLoop(build=lambda: PrefillEngine("prefill-0", pcfg, prefill_config(cfg),
-                                                    sender, pblocks), on_events=publish),
-             WorkerLoop(build=lambda: DecodeEngine(
-                 "decode-0", dcfg, decode_config(cfg, dcfg.scheduler.max_model_len),
-                 receiver, dblocks), on_events=publish)]
-    prefill, decode = loops[0].engine, loops[1].engine
-    eos = pcfg.model.eos_token_ids
-    flights: dict[str, _Flight] = {}
-    queue = [(f"r{i}", p) for i, p in enumerate(wl.prompts)]
-    failures: list[str] = []
-    t0 = time.monotonic()
-    try:
+    def set_overlap(self, on: bool) -> None:
+        """Between runs only (no leg, no step in flight), and only where the decode
+        worker's KV intake is inline (CUDA): with an intake off the loop (the CPU cache,
+        the emulated device) the serial loop would never take its ranges in."""
+        from decode_worker.intake import KVIntake
+
+        if KVIntake.for_cache(self.decode.runner.kv) is not None:
+            raise RuntimeError("set_overlap needs an inline KV intake (a CUDA cache); build "
+                               "an InprocPD per mode here")
+
+        def flip() -> None:
+            if self.decode.has_work:
+                raise RuntimeError("set_overlap while the decode worker has legs or a step "
+                                   "in flight")
+            self.decode.overlap = on
+        self.loops[1].call(flip)
+
+    def stats(self) -> list:
+        return [loop.call(eng.stats) for loop, eng in zip(self.loops, (self.prefill,
+                                                                        self.decode),
+                                                           strict=True)]
+
+    def run(self, wl: Workload, timeout_s: float = 600.0) -> dict[str, Any]:
+        from runtime.messages import DecodeTask, EventKind, PrefillTask
+
+        self._runs += 1
+        tag = f"run{self._runs}-"
+        loops, prefill, decode, receiver = self.loops, self.prefill, self.decode, self.receiver
+        flights: dict[str, _Flight] = {}
+        queue = [(f"{tag}r{i}", p) for i, p in enumerate(wl.prompts)]
+        failures: list[str] = []
+        t0 = time.monotonic()
         while queue or any(not f.done for f in flights.values()):
             while queue:
                 rid, p = queue[0]
-                task = DecodeTask(rid, len(p), wl.params, eos)
+                task = DecodeTask(rid, len(p), wl.params, self.eos)
                 if not loops[1].call(lambda t=task: decode.reserve(t)):
                     break  # decode is full: admit more as requests finish
                 queue.pop(0)
                 flights[rid] = _Flight(p, time.monotonic())
-                ptask = PrefillTask(rid, tuple(p), wl.params, receiver.endpoint, eos)
+                ptask = PrefillTask(rid, tuple(p), wl.params, receiver.endpoint, self.eos)
                 loops[0].call(lambda t=ptask: prefill.add(t))
-            for ev in _taken(events, 0.01):
+            for ev in _taken(self.events, 0.01):
                 f = flights.get(ev.leg_id)
                 if f is None:
                     continue
@@ -142,28 +184,37 @@ def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> d
                 elif ev.kind in (EventKind.FAILED, EventKind.PREEMPTED):
                     failures.append(f"{ev.leg_id}: {ev.kind} {ev.message}")
                     f.done = True
-            if time.monotonic() - t0 > 600:
-                raise TimeoutError("in-process P/D did not finish in 600 s")
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"in-process P/D did not finish in {timeout_s:.0f} s")
         wall = time.monotonic() - t0
-        stats = [loop.call(eng.stats) for loop, eng in zip(loops, (prefill, decode),
-                                                           strict=True)]
-    finally:
-        for loop in loops:
+        stats = self.stats()
+        ttft = sorted(f.first - f.start for f in flights.values() if f.first is not None)
+        n = sum(len(f.output) for f in flights.values())
+        return {
+            "layout": "in-process 1P+1D (WorkerLoop threads, tcp connector; no Ray)",
+            "gpu_share": self.share["decode"], "plan_note": self.plan.note,
+            "kv_blocks": {"prefill": self.pblocks, "decode": self.dblocks},
+            "output_tokens": n, "wall_s": wall, "output_tok_s": n / wall,
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "failures": failures[:10],
+            "kv_blocks_used_at_end": {"prefill": stats[0].kv_blocks_used,
+                                      "decode": stats[1].kv_blocks_used},
+            "tokens": [flights[f"{tag}r{i}"].output for i in range(len(wl.prompts))],
+        }
+
+    def close(self) -> None:
+        for loop in self.loops:
             loop.stop()
-        sender.close()
-        receiver.close()
-    ttft = sorted(f.first - f.start for f in flights.values() if f.first is not None)
-    return {
-        "layout": "in-process 1P+1D (WorkerLoop threads, tcp connector; no Ray)",
-        "gpu_share": share["decode"], "plan_note": plan.note,
-        "kv_blocks": {"prefill": pblocks, "decode": dblocks},
-        "output_tokens": sum(len(f.output) for f in flights.values()),
-        "wall_s": wall, "output_tok_s": sum(len(f.output) for f in flights.values()) / wall,
-        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "failures": failures[:10],
-        "kv_blocks_used_at_end": {"prefill": stats[0].kv_blocks_used,
-                                  "decode": stats[1].kv_blocks_used},
-        "tokens": [flights[f"r{i}"].output for i in range(len(wl.prompts))],
-    }
+        self.sender.close()
+        self.receiver.close()
+
+
+def run_inprocess_pd(model_dir: str, device: str, dtype: str, wl: Workload) -> dict[str, Any]:
+    """1P+1D in this process, built for one workload (see InprocPD)."""
+    pd = InprocPD(model_dir, device, dtype)
+    try:
+        return pd.run(wl)
+    finally:
+        pd.close()
 
 
 def run_ray_pd(model_dir: str, dtype: str, wl: Workload) -> dict[str, Any]:

@@ -402,6 +402,93 @@ def step_service(ctx: Ctx) -> dict[str, Any]:
     return service_step(ctx.model_dir, ctx.device, ctx.dtype, workload(vocab, n, 16, hi, new))
 
 
+def device_busy(prof: Any) -> dict[str, Any]:
+    """The union of a profiled span's device activity (kernels, copies, memsets, from
+    CUPTI) over the span from its first device event's start to its last one's end."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == DeviceType.CUDA and e.end_ns() > e.start_ns())
+    if not spans:
+        return {"device_events": 0}
+    busy, (cur_s, cur_e) = 0, spans[0]
+    for a, b in spans[1:]:
+        if a > cur_e:
+            busy, cur_s = busy + cur_e - cur_s, a
+        cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    window = spans[-1][1] - spans[0][0]
+    return {"device_events": len(spans), "device_window_s": window / 1e9,
+            "device_busy_s": busy / 1e9, "device_busy": busy / window if window else 0.0}
+
+
+def step_overlap(ctx: Ctx) -> dict[str, Any]:
+    """Issue 39 on a GPU: the decode worker's host one step ahead (scheduler.overlap) on
+    and off, on one in-process 1P+1D (the decode worker's CUDA-graph step), short
+    prompts, 128 output tokens, at 64 and 256 streams: output tok/s (median of the
+    unprofiled runs, on and off alternated), the device's busy share from CUPTI (one
+    profiled run each: prefill's kernels too, both workers share the GPU), the decode
+    worker's steps, on-vs-off greedy equality and a leak check."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.loader import load_model_config
+    from tools.gpu_check_service import InprocPD, workload
+
+    vocab = load_model_config(ctx.model_dir).vocab_size
+    streams = (64,) if ctx.quick else (64, 256)
+    reps = 2
+    pd = InprocPD(ctx.model_dir, ctx.device, ctx.dtype, max_num_seqs=max(streams))
+    out: dict[str, Any] = {"layout": "in-process 1P+1D on one GPU (WorkerLoop threads, tcp "
+                           "connector); the decode worker's compiled step",
+                           "decode_compile": getattr(getattr(pd.decode.runner, "compiled",
+                                                             None), "mode", None)}
+    checks: list[str] = []
+    try:
+        pd.run(workload(vocab, 4, 16, 64, 8))  # warm-up: first steps, allocator, sockets
+        for n in streams:
+            wl = workload(vocab, n, 16, 64, 128, seed=n)
+            row: dict[str, Any] = {}
+            tokens: dict[bool, list] = {}
+            for i in range(2 * reps + 2):
+                on = i % 2 == 0
+                pd.set_overlap(on)
+                steps0 = pd.stats()[1]
+                if i >= 2 * reps:  # the profiled pair
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        r = pd.run(wl)
+                    torch.cuda.synchronize()
+                    row.setdefault("on" if on else "off", {}).update(device_busy(prof))
+                else:
+                    r = pd.run(wl)
+                d = pd.stats()[1]
+                side = row.setdefault("on" if on else "off", {})
+                side.setdefault("output_tok_s_runs", []).append(r["output_tok_s"])
+                steps = d.num_steps - steps0.num_steps
+                side.setdefault("decode_steps_runs", []).append(steps)
+                side.setdefault("ms_per_decode_step_runs", []).append(
+                    1e3 * r["wall_s"] / max(1, steps))
+                side.setdefault("failures", []).extend(r["failures"])
+                tokens.setdefault(on, r["tokens"])
+                if r["failures"]:
+                    checks.append(f"{n} streams, overlap {on}: {len(r['failures'])} legs "
+                                  f"failed, first {r['failures'][0]}")
+                if any(r["kv_blocks_used_at_end"].values()):
+                    checks.append(f"{n} streams, overlap {on}: KV blocks left "
+                                  f"{r['kv_blocks_used_at_end']}")
+            for side in row.values():
+                side["output_tok_s"] = statistics.median(side["output_tok_s_runs"][:reps])
+            row["on_over_off_tok_s"] = row["on"]["output_tok_s"] / row["off"]["output_tok_s"]
+            same = sum(a == b for a, b in zip(tokens[True], tokens[False], strict=True))
+            row["greedy_equal_on_vs_off"] = f"{same}/{n}"
+            out[f"streams_{n}"] = row
+            print(json.dumps({f"overlap streams_{n}": row}), flush=True)  # kept if cut off
+    finally:
+        pd.close()
+    if checks:
+        out["failed_checks"] = checks
+    return out
+
+
 def step_attention_bw(ctx: Ctx) -> dict[str, Any]:
     from tools import attention_bw
 
