@@ -297,9 +297,11 @@ def step_engine(ctx: Ctx) -> dict[str, Any]:
               num_blocks=None if ctx.cuda else 512)
     out: dict[str, Any] = {"startup_s": time.monotonic() - t0, "kv_blocks": llm.runner.num_blocks,
                            "backend": llm.runner.backend.name}
-    compiled = _variants()
+    print(f"engine: started in {out['startup_s']:.1f} s", flush=True)  # (a cut-off run
+    compiled = _variants()  # keeps its log: these lines say how far it got)
     wl = _engine_workload(ctx, llm.config.model.vocab_size)
     llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    print(f"engine: warmed up at {time.monotonic() - t0:.1f} s", flush=True)
     for name, sp in (("greedy", wl.params),
                      ("sampled", SamplingParams(temperature=1.0, top_p=0.9, top_k=50,
                                                 max_tokens=wl.params.max_tokens,
@@ -311,6 +313,7 @@ def step_engine(ctx: Ctx) -> dict[str, Any]:
         out[name] = {"output_tokens": toks, "wall_s": wall, "output_tok_s": toks / wall,
                      "steps": llm.num_steps - steps0,
                      "mean_step_ms": 1e3 * wall / max(1, llm.num_steps - steps0)}
+        print(f"engine: {name} {json.dumps(out[name])}", flush=True)
         if name == "greedy" and ctx.work_dir:  # what the compiled engine is compared with
             (Path(ctx.work_dir) / "engine_greedy.json").write_text(json.dumps(
                 {"tokens": [o.token_ids for o in outs], "output_tok_s": toks / wall}))
@@ -346,6 +349,7 @@ def step_engine_compiled(ctx: Ctx) -> dict[str, Any]:
     rep = llm.runner.compiled.report
     out: dict[str, Any] = {"startup_s": time.monotonic() - t0, "compile": rep.line(),
                            "graphs": list(rep.graphs), "compile_s": rep.compile_s}
+    print(f"engine_compiled: started in {out['startup_s']:.1f} s: {rep.line()}", flush=True)
     graphs0 = counters["stats"]["unique_graphs"]
     wl = _engine_workload(ctx, llm.config.model.vocab_size)
     llm.generate(wl.prompts[:2], SamplingParams(temperature=0, max_tokens=4))

@@ -36,8 +36,7 @@ def _alive(pid: int) -> bool:
 def test_the_plan_fits_the_lease_most_valuable_first():
     names = [s.name for s in PLAN]
     assert len(set(names)) == len(names)
-    assert names[:CORE] == ["env", "model", "kernels_bf16", "engine", "engine_compiled",
-                            "overlap"]
+    assert names[:CORE] == ["env", "model", "kernels_bf16", "engine_compiled", "overlap"]
     assert sum(s.limit_s for s in PLAN[:CORE]) <= BUDGET_S - END_RESERVE_S
     assert BUDGET_S + 30 <= 8 * 60  # the whole run, with room for the parent's start
     assert all(0 < s.min_s <= s.limit_s <= 600 for s in PLAN)
