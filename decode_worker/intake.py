@@ -58,9 +58,9 @@ def _thread() -> ThreadPoolExecutor:
 
 
 class KVIntake:
-    def __init__(self, host: Callable[..., None], device: Callable[[int], None] | None = None):
+    def __init__(self, host: Callable[..., None], device: Callable[..., None] | None = None):
         """``host(block_ids, start, data, layer_start=, head_start=)``: the bytes' work,
-        on the intake thread; ``device(num_tokens)``: the device's part, on the caller's.
+        on the intake thread; ``device(block_ids, start, num_tokens)``: the device's part, on the caller's.
         The thread is the process's one (an engine holds no thread of its own: several
         engines of a process, as in tests, share it; each joins only its own ranges)."""
         self._host, self._device = host, device
@@ -85,7 +85,7 @@ class KVIntake:
     def put(self, chunk: KVChunk, block_ids: Sequence[int], pending: Any) -> None:
         """Hand one range over (the loop thread): its device part is charged now."""
         if self._device is not None:
-            self._device(chunk.num_tokens)
+            self._device(block_ids, chunk.token_start, chunk.num_tokens)
         self.ranges += 1
         fut = _thread().submit(self._host, tuple(block_ids), chunk.token_start, chunk.payload,
                                layer_start=chunk.layer_start, head_start=chunk.head_start)

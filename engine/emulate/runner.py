@@ -124,6 +124,9 @@ class EmulatedKV(KVCache):
         self.checked_ranges = 0
         self._exports: list[ExportEvent] = []  # gathers not done yet
         self._pool: list[torch.Tensor] = []  # export buffers lent (_payload)
+        # per block, when the latest import into it ends on the copy engine (0.0: none);
+        # the step a leg joins waits for its blocks' (imports_end)
+        self.import_ends = np.zeros(self.num_blocks)
 
     def export_async(self, block_ids: Sequence[int], start: int, end: int) -> PendingExport:
         """As on a GPU: the copy is queued (on the device's timeline) and the caller goes
@@ -196,8 +199,8 @@ class EmulatedKV(KVCache):
 
     def import_tokens(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                       layer_start: int = 0, head_start: int | None = None) -> None:
+        self.charge_import(block_ids, start, data.shape[2])
         self.copy_in(block_ids, start, data, layer_start=layer_start, head_start=head_start)
-        self.charge_import(data.shape[2])
 
     def copy_in(self, block_ids: Sequence[int], start: int, data: torch.Tensor,
                 layer_start: int = 0, head_start: int | None = None) -> None:
@@ -217,14 +220,24 @@ class EmulatedKV(KVCache):
                 dst[:, :, slots[i]:slots[j - 1] + 1].copy_(data[:, :, i:j])
         self.checked_ranges += 1
 
-    def charge_import(self, num_tokens: int) -> None:
-        """The device's part: the import's copy on the copy engine, after the steps
+    def charge_import(self, block_ids: Sequence[int], start: int, num_tokens: int) -> None:
+        """The device's part of importing tokens [start, start + num_tokens) of a leg
+        whose blocks are ``block_ids``: the copy on the copy engine, after the steps
         queued before it (its blocks may have been freed by one of them), as the CUDA
-        cache's side stream; the step a leg joins waits for it (EmulatedRunner.launch).
-        On the steps' thread: the device's timeline has one writer."""
-        r = self.runner
-        r.imports_done = r.accel.copy(r.costs.kv_import_s(max(1, num_tokens)),
-                                      after=r.accel.free_at)
+        cache's side stream; the step the leg joins waits for the blocks it writes
+        (``imports_end``). On the steps' thread: the device's timeline has one writer."""
+        r, bs = self.runner, self.block_size
+        end = r.accel.copy(r.costs.kv_import_s(max(1, num_tokens)), after=r.accel.free_at)
+        self.import_ends[list(block_ids[start // bs:(start + max(1, num_tokens) - 1) // bs
+                                        + 1])] = end
+
+    def imports_end(self, tables: Sequence[Sequence[int]]) -> float:
+        """When the imports into the blocks of ``tables`` end (0.0: none), as the CUDA
+        cache's ``wait_imports``: the copy engine's later imports, into other legs'
+        blocks, are not waited for. (A copy never ends before one queued before it, so a
+        block's latest import is the one that counts.)"""
+        blocks = [b for t in tables for b in t]
+        return float(self.import_ends[blocks].max()) if blocks else 0.0
 
 
 class EmulatedRunner:
@@ -276,9 +289,6 @@ class EmulatedRunner:
         self.prompt_pattern = self.pattern if self.layers_sent == model.num_layers else \
             KVPattern(self.layers_sent, self.pattern.salt.shape[2])  # the same first layers
         self._last: set[str] = set()  # request ids of the previous step
-        # when the KV imports queued so far end on the copy engine: a step that a decode
-        # leg joins reads its imported blocks, so it starts no earlier (EmulatedKV)
-        self.imports_done = self.accel.created
         # the latest step's (start on the device timeline, seconds of its layers' compute:
         # all but the sampled rows'); a layer-wise export times its groups by it
         self.step_window: tuple[float, float] = (self.accel.created, 0.0)
@@ -320,11 +330,12 @@ class EmulatedRunner:
         are the host's at once here, but an engine reads them only from the handle)."""
         chunks = [it.to_chunk() for it in items]
         ids = {ch.request_id for ch in chunks}
-        joins = any(not it.is_prefill and ch.request_id not in self._last
-                    for it, ch in zip(items, chunks, strict=True))
-        cost = self.step_cost_s(items, chunks, joins)
+        joining = [ch.block_ids for it, ch in zip(items, chunks, strict=True)
+                   if not it.is_prefill and ch.request_id not in self._last]
+        cost = self.step_cost_s(items, chunks, bool(joining))
+        # a joining leg reads its imported blocks: the step starts once their copies end
         done = self.accel.submit(cost, continues=bool(ids & self._last),
-                                 after=self.imports_done if joins else 0.0)
+                                 after=self.kv.imports_end(joining))
         rows = sum(1 for ch in chunks if ch.sample)
         k = self.accel.time_scale
         self.step_window = (done - cost * k,

@@ -40,7 +40,7 @@ class _IntakeKV:
         self.m = machine
         self.charged = 0
 
-    def charge_import(self, num_tokens: int) -> None:
+    def charge_import(self, block_ids, start: int, num_tokens: int) -> None:
         assert threading.current_thread() is threading.main_thread()
         self.charged += 1
 

@@ -59,11 +59,22 @@ def test_a_step_submitted_late_starts_late_and_only_a_continuing_step_counts_hos
     assert s["device_busy_ratio"] == pytest.approx(0.019 / (clock.t - 100.0))
 
 
-def test_a_kv_import_runs_on_the_copy_engine_and_only_a_step_a_leg_joins_waits_for_it(
+def _pattern_kv(runner, tokens: list[int]) -> torch.Tensor:
+    """A prompt's KV as a prefill worker sends it: the pattern of ``tokens`` from 0."""
+    m, n = runner.config.model, len(tokens)
+    data = torch.zeros((m.num_layers, 2, n, m.num_kv_heads, m.head_dim), dtype=runner.dtype)
+    runner.pattern.write(data.view(torch.int64), list(range(n)), chain(ROOT, tokens),
+                         list(range(n)))
+    return data
+
+
+def test_a_kv_import_runs_on_the_copy_engine_and_a_joining_leg_waits_for_its_own_alone(
         emu_dir):
     """As the CUDA cache's side stream: an import queues on the copy engine after the
-    steps queued before it, not on the steps' queue; a step of legs that ran before goes
-    on beside it, and the step a leg joins (it reads the imported blocks) starts after."""
+    steps queued before it (its blocks may have been freed by one), not on the steps'
+    queue; a step of legs that ran before goes on beside it, and the step a leg joins
+    starts once the imports into that leg's blocks end -- not another leg's, queued
+    later on the copy engine."""
     from engine.execute import ScheduledItem
     from engine.request import Request
 
@@ -74,25 +85,43 @@ def test_a_kv_import_runs_on_the_copy_engine_and_only_a_step_a_leg_joins_waits_f
     runner = EmulatedRunner(cfg, num_blocks=64)
     clock = FakeClock()
     runner.accel = dev = EmulatedDevice(clock, clock.sleep)
-    runner.imports_done = clock.t
-    reqs = [Request(f"r{i}", [1 + i, 2, 3], greedy(8)) for i in range(2)]
-    for i, r in enumerate(reqs):
-        r.block_ids = [i]
-    for s in runner.launch([ScheduledItem(r, 0, 3, True) for r in reqs]).result():
+    kv, costs = runner.kv, runner.costs
+
+    def at(t):  # a time on the device's clock (~100 s: approx's relative 1e-6 is 0.1 ms)
+        return pytest.approx(t, rel=0, abs=1e-9)
+
+    running = Request("running", [1, 2, 3], greedy(8))
+    running.block_ids = [0]
+    for s in runner.launch([ScheduledItem(running, 0, 3, True)]).result():
         s.request.append_token(s.token_id)
-    step_queue = dev.free_at
-    runner.kv.charge_import(200_000)  # a long range: its copy outlasts a decode step
-    cost = runner.costs.kv_import_s(200_000)
-    assert runner.imports_done == pytest.approx(step_queue + cost)
-    assert dev.free_at == step_queue and dev.copy_s == pytest.approx(cost)  # not a step
-    alone = runner.launch([ScheduledItem(reqs[0], 3, 1, False)])  # r0 ran in the last step
-    assert dev.free_at < runner.imports_done  # beside the copy
+    t0 = dev.free_at
+    first = list(range(7, 7 + 512))  # a long prompt's KV, for a leg still pending
+    kv.import_tokens(list(range(10, 42)), 0, _pattern_kv(runner, first))
+    assert kv.import_ends[10] == at(t0 + costs.kv_import_s(512))
+    assert dev.free_at == t0 and dev.copy_s == pytest.approx(costs.kv_import_s(512))
+    alone = runner.launch([ScheduledItem(running, 3, 1, False)])  # it ran in the last step
+    assert runner.step_window[0] == at(t0)  # beside the copy
+    t1 = dev.free_at
+    joiner = Request("joiner", list(range(5, 45)), greedy(8))  # its KV from a prefill worker
+    joiner.block_ids = [1, 2, 3]
+    kv.charge_import(joiner.block_ids, 0, 40)  # at hand-off (the intake's order)
+    kv.copy_in(joiner.block_ids, 0, _pattern_kv(runner, joiner.prompt_token_ids))
+    own = t1 + costs.kv_import_s(40)  # after the step queued before it
+    assert list(kv.import_ends[:5]) == at([0.0, own, own, own, 0.0])
+    later = [100 + i for i in range(100)]  # another pending leg's, queued after the joiner's
+    kv.import_tokens(list(range(42, 49)), 0, _pattern_kv(runner, later))
+    assert kv.import_ends[42] == at(own + costs.kv_import_s(100))
     for s in alone.result():
         s.request.append_token(s.token_id)
-    both = runner.launch([ScheduledItem(reqs[0], 4, 1, False),  # r1 joins: it waits
-                          ScheduledItem(reqs[1], 3, 1, False)])
-    assert dev.free_at > runner.imports_done
-    assert len(both.result()) == 2 and runner.kv.checked_ranges == 0
+    joiner.append_token(runner._draw(joiner, chain(ROOT, joiner.prompt_token_ids)[-1])[0])
+    both = runner.launch([ScheduledItem(running, 4, 1, False),  # the joiner joins
+                          ScheduledItem(joiner, 40, 1, False)])
+    assert clock.t == at(t1) and t1 < own  # the device was free: it waited for
+    assert runner.step_window[0] == at(own)  # its own import, not the later one
+    out = both.result()
+    assert [s.request for s in out] == [running, joiner] and kv.checked_ranges == 3
+    h = chain(ROOT, joiner.prompt_token_ids + joiner.output_token_ids)[-1]
+    assert out[1].token_id == runner._draw(joiner, h)[0]  # read off the imported KV
 
 
 def test_the_kv_pattern_checks_out_where_written_and_catches_a_flipped_byte_or_a_shift():
