@@ -95,3 +95,29 @@ def test_script_flags_map_onto_the_spec() -> None:
     assert script.spec_of(script.parse_args([])) == InterferenceSpec()  # the README's run
     with pytest.raises(SystemExit):
         script.parse_args(["--long", "-1"])
+
+
+def test_on_an_emulated_device_each_engine_holds_the_whole_workload() -> None:
+    """The full workload's chats alone (8 x 640 tokens of an 8B model: 640 MiB) did not
+    fit the studies' 0.25 GiB: chats were preempted and re-dispatched, and the study
+    measured that. Emulated, the pool holds every request to its last token; on this
+    CPU's model the base is kept."""
+    from types import SimpleNamespace
+
+    from bench.studies.interference import kv_values
+    from cluster.config.serve import ServeConfig
+    from engine.emulate.model_dir import emulated_model_dir
+    from engine.loader import load_model_config
+
+    spec = InterferenceSpec(chat=8, chat_prompt=128, chat_output=512, long=4,
+                            long_prompt=1024, long_every=0.75)
+    base = ServeConfig.from_dict({"cache": {"kv_cache_memory_gb": 0.25}})
+    model = load_model_config(emulated_model_dir("llama-3-8b"))
+    ctx = SimpleNamespace(opts=SimpleNamespace(emulate="h200"), model_config=model,
+                          base_config=lambda: base)
+    gb = kv_values(ctx, spec)["cache.kv_cache_memory_gb"]
+    per_token = 32 * 2 * 8 * 128 * 2  # llama-3-8b, bf16
+    assert gb * (1 << 30) >= spec.kv_tokens * per_token > 0.25 * (1 << 30)
+    assert spec.kv_tokens == 8 * (128 + 512) + 4 * (1024 + 8)
+    ctx.opts.emulate = None
+    assert kv_values(ctx, spec) == {}
