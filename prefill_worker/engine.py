@@ -24,7 +24,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.block_manager import BlockManager
@@ -45,14 +44,27 @@ from runtime.tp_links import SEP
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class _Job:
-    task: PrefillTask
-    request: Request
-    arrival: float  # monotonic
-    seq_no: int = 0
-    first_scheduled: float | None = None
-    prefill_end: float | None = None
+    # a plain class: a dataclass's generated __init__ runs interpreted even where this
+    # module is compiled (the simulator's `make sim-fast`), and there is one per leg
+    __slots__ = ("task", "request", "arrival", "seq_no", "first_scheduled", "prefill_end")
+
+    def __init__(self, task: PrefillTask, request: Request, arrival: float):
+        self.task = task
+        self.request = request
+        self.arrival = arrival  # monotonic
+        self.seq_no = 0
+        self.first_scheduled: float | None = None
+        self.prefill_end: float | None = None
+
+
+def _in_vocab(ids: tuple[int, ...], vocab: int) -> bool:
+    """validate_prompt's token test in one pass (min() and max() are two, and stay calls
+    into the interpreter where mypyc compiles this module: `make sim-fast`)."""
+    for t in ids:
+        if not 0 <= t < vocab:
+            return False
+    return True
 
 
 class PrefillEngine:
@@ -103,8 +115,8 @@ class PrefillEngine:
         ids, vocab, max_len = (task.prompt_token_ids, self.config.model.vocab_size,
                                self.config.scheduler.max_model_len)
         # a front door has validated it; a worker still refuses what would break its step
-        # (the C-level test passes for every valid prompt; the message comes from the check)
-        if not (0 < len(ids) < max_len and min(ids) >= 0 and max(ids) < vocab):
+        # (this test passes for every valid prompt; the message comes from the check)
+        if not (0 < len(ids) < max_len and _in_vocab(ids, vocab)):
             validate_prompt(ids, vocab, max_len)
         if task.leg_id in self.jobs:
             raise ValueError(f"leg {task.leg_id!r} is already active")
